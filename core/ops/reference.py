@@ -1,0 +1,141 @@
+"""Pure-PyTorch reference ops.
+
+These are the conformance oracle and the fallback for every platform: they favour being
+obviously correct over being fast. A plugin may override an op by name through the
+`tokenmill_ops` hook with a function of the same signature.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.platforms.interfaces import (
+    AttentionBackend,
+    AttentionKind,
+    AttentionMetadata,
+    AttentionSpec,
+)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = x / sqrt(mean(x^2) + eps) * weight, computed in float32."""
+    orig_dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(orig_dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (rms_norm(x + residual), x + residual). Does not modify its inputs."""
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # int64 [num_tokens]
+    query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    cos_sin_cache: torch.Tensor,  # float32 [max_position, rotary_dim] (cos half | sin half)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style (rotate-half) rotary embedding on the first rotary_dim of each head."""
+    cos_sin = cos_sin_cache.index_select(0, positions)
+    cos, sin = cos_sin.chunk(2, dim=-1)
+    cos = cos.unsqueeze(1)
+    sin = sin.unsqueeze(1)
+    rotary_dim = cos_sin_cache.shape[-1]
+
+    def apply(x: torch.Tensor) -> torch.Tensor:
+        rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+        x1, x2 = rot.float().chunk(2, dim=-1)
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        return torch.cat((out, rest), dim=-1) if rest.numel() else out
+
+    return apply(query), apply(key)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x is [..., 2 * d] holding (gate | up); returns silu(gate) * up."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def write_kv(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Scatter the step's key/value rows into the paged cache at their slots."""
+    num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+    flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
+    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+def gather_kv(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `seq_len` cached key and value rows of one sequence, in order."""
+    block_size = kv_cache.shape[2]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    blocks = block_table[:num_blocks].long()
+    k = kv_cache[0].index_select(0, blocks).flatten(0, 1)[:seq_len]
+    v = kv_cache[1].index_select(0, blocks).flatten(0, 1)[:seq_len]
+    return k, v
+
+
+def paged_attention(
+    spec: AttentionSpec,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+) -> torch.Tensor:
+    """Reference paged attention: one sequence at a time, explicit masks, float32 math.
+
+    Full attention is causal over the whole context; with `spec.sliding_window = w` a query
+    at position p sees positions (p - w, p].
+    """
+    write_kv(key, value, kv_cache, metadata.slot_mapping)
+    scale = spec.scale if spec.scale is not None else spec.head_size**-0.5
+    group = spec.num_heads // spec.num_kv_heads
+    out = torch.empty_like(query)
+    starts = metadata.query_start_loc.tolist()
+    for i in range(metadata.num_seqs):
+        q = query[starts[i] : starts[i + 1]].float()  # [q_len, H, D]
+        q_len = q.shape[0]
+        seq_len = metadata.seq_lens_cpu[i]
+        k, v = gather_kv(kv_cache, metadata.block_tables[i], seq_len)
+        k = k.float().repeat_interleave(group, dim=1)  # [seq_len, H, D]
+        v = v.float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
+        k_pos = torch.arange(seq_len).unsqueeze(0)
+        visible = k_pos <= q_pos
+        if spec.sliding_window is not None:
+            visible &= k_pos > q_pos - spec.sliding_window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = scores.softmax(dim=-1)
+        out[starts[i] : starts[i + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
+    return out
+
+
+class ReferenceAttentionBackend(AttentionBackend):
+    """The core's oracle backend; every platform's attention is compared against it."""
+
+    name = "reference"
+    kind = AttentionKind.FULL
+
+    def supports(self, spec: AttentionSpec) -> bool:
+        return spec.kind in (AttentionKind.FULL, AttentionKind.SLIDING_WINDOW)
+
+    def forward(self, spec, query, key, value, kv_cache, metadata):
+        return paged_attention(spec, query, key, value, kv_cache, metadata)
+
+
+REFERENCE_OPS = {
+    "rms_norm": rms_norm,
+    "fused_add_rms_norm": fused_add_rms_norm,
+    "rotary_embedding": rotary_embedding,
+    "silu_and_mul": silu_and_mul,
+}

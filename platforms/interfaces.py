@@ -1,0 +1,234 @@
+"""The objects a platform plugin hands to the core, and the types they speak.
+
+Everything that crosses the plugin seam is declared here: the `Platform` a plugin
+activates, its frozen `Capabilities`, the attention backend interface, the communicator,
+the allocators and the hardware spec. The core only ever talks to these interfaces; it
+never imports a vendor library.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+PLUGIN_API_VERSION = "1.0"
+
+
+class AttentionKind(str, enum.Enum):
+    """The attention families a backend can implement."""
+
+    FULL = "full"
+    SLIDING_WINDOW = "sliding_window"
+    LINEAR = "linear"  # recurrent / state-space layers (Gated DeltaNet, Mamba, ...)
+    MLA = "mla"
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionSpec:
+    """What one attention layer needs from a backend."""
+
+    kind: AttentionKind
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    block_size: int
+    sliding_window: int | None = None
+    scale: float | None = None  # None means head_size ** -0.5
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """The shape of one engine step, as the attention backends see it.
+
+    Tokens of all scheduled sequences are flattened into one ragged batch, sequence by
+    sequence. A sequence's new tokens are the last `query_len` tokens of its context.
+    Built once per step by the model runner; shared by every layer.
+    """
+
+    num_tokens: int  # total new tokens in the step
+    num_seqs: int
+    query_start_loc: torch.Tensor  # int32 [num_seqs + 1], device: cumulative query lengths
+    seq_lens: torch.Tensor  # int32 [num_seqs], device: context length incl. this step's tokens
+    block_tables: torch.Tensor  # int32 [num_seqs, max_num_blocks], device; padded with 0
+    slot_mapping: torch.Tensor  # int64 [num_tokens], device: block_id * block_size + offset
+    query_lens_cpu: list[int]  # host copy of the per-sequence query lengths
+    seq_lens_cpu: list[int]  # host copy of seq_lens
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    # Backends may stash per-step precomputed state here (keyed by backend name) in
+    # `AttentionBackend.prepare`; the core never reads it.
+    backend_state: dict[str, object] = field(default_factory=dict)
+
+
+class AttentionBackend(ABC):
+    """Paged attention for one attention kind.
+
+    A backend is stateless across steps. `prepare` is called once per step with the step's
+    metadata before any layer runs; `forward` is called once per layer.
+    """
+
+    name: str = "abstract"
+    kind: AttentionKind = AttentionKind.FULL
+
+    @abstractmethod
+    def supports(self, spec: AttentionSpec) -> bool:
+        """Whether this backend can run a layer with this spec (dtype, head size, ...)."""
+
+    def prepare(self, metadata: AttentionMetadata) -> None:  # noqa: B027 - optional hook
+        """Precompute per-step state (gather indices, masks) into `metadata.backend_state`."""
+
+    @abstractmethod
+    def forward(
+        self,
+        spec: AttentionSpec,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Write key/value into `kv_cache` at `metadata.slot_mapping`, then attend.
+
+        Each query token attends causally to its sequence's context (cached tokens plus the
+        step's tokens up to and including itself). Returns [num_tokens, num_heads, head_size].
+        """
+
+
+class Communicator(ABC):
+    """Collectives over one process group. Tensors are reduced in place where noted."""
+
+    @property
+    @abstractmethod
+    def rank(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def world_size(self) -> int: ...
+
+    @abstractmethod
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks; returns the reduced tensor (may be the input, reduced in place)."""
+
+    @abstractmethod
+    def all_gather(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """Concatenate every rank's tensor along `dim`, in rank order."""
+
+    @abstractmethod
+    def reduce_scatter(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """Sum over ranks, then return this rank's slice of `dim` (size divisible by world)."""
+
+    @abstractmethod
+    def all_to_all(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Split dim 0 into world_size chunks; chunk i goes to rank i; concatenate received."""
+
+    @abstractmethod
+    def send(self, tensor: torch.Tensor, dst: int) -> None: ...
+
+    @abstractmethod
+    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """Receive into `tensor` (shape and dtype must match the sender's); returns it."""
+
+    @abstractmethod
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor: ...
+
+    @abstractmethod
+    def barrier(self) -> None: ...
+
+
+class AllocatorPurpose(str, enum.Enum):
+    KV_ARENA = "kv_arena"
+    WEIGHTS = "weights"
+    HOST_STAGING = "host_staging"
+
+
+class OutOfMemoryError(RuntimeError):
+    """An allocator could not satisfy a request. Says how much was asked and what was free."""
+
+
+class Allocator(ABC):
+    """Hands out device memory for one purpose."""
+
+    purpose: AllocatorPurpose
+
+    @abstractmethod
+    def allocate(self, num_bytes: int) -> torch.Tensor:
+        """A uint8 tensor of exactly `num_bytes` bytes on the platform's device.
+
+        Raises `OutOfMemoryError` (never returns a smaller buffer) if it cannot.
+        """
+
+    @abstractmethod
+    def free(self, buffer: torch.Tensor) -> None:
+        """Give back a buffer returned by `allocate`. Freeing twice is an error."""
+
+    @abstractmethod
+    def bytes_in_use(self) -> int: ...
+
+    @abstractmethod
+    def bytes_limit(self) -> int:
+        """The most this allocator will hand out in total."""
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryInfo:
+    total_bytes: int
+    free_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class HardwareSpec:
+    """What the hardware can do at best, for the planner and the roofline report."""
+
+    name: str
+    peak_flops: Mapping[str, float]  # dtype name ("bfloat16", "float32") -> FLOP/s
+    memory_bandwidth: float  # bytes/s
+    memory_bytes: int
+    link_bandwidth: float = 0.0  # bytes/s between devices; 0 for a single device
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a platform declares it supports; the core and the conformance suite branch on it."""
+
+    attention_kinds: frozenset[AttentionKind] = frozenset({AttentionKind.FULL})
+    dtypes: frozenset[torch.dtype] = frozenset({torch.float32})
+    block_sizes: frozenset[int] = frozenset({16})
+    head_sizes: frozenset[int] = frozenset({64, 128})
+    collectives: bool = False
+    graphs: bool = False
+    sleep_mode: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Platform:
+    """An activated platform: the device the engine runs on and what it can do."""
+
+    name: str
+    device_type: str  # torch device type string, e.g. "cpu"
+    capabilities: Capabilities
+    default_dtype: torch.dtype
+    memory_info: Callable[[], MemoryInfo]
+    version: str = "0"
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.device_type)
+
+
+@dataclass(frozen=True, slots=True)
+class DetectionResult:
+    """The answer of a plugin's cheap availability probe."""
+
+    available: bool
+    reason: str = ""
+
+
+# Op names a plugin may override through `tokenmill_ops`; each has a reference in
+# `tokenmill.ops.reference` with the same signature.
+OP_NAMES = frozenset({"rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul"})
