@@ -1,0 +1,39 @@
+"""Engine configuration: every knob `LLM(...)` and `tokenmill serve` accept, validated."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+DType = Literal["auto", "bfloat16", "bf16", "float32", "fp32", "float16", "fp16"]
+
+
+class EngineArgs(BaseModel):
+    """Engine arguments. Unknown names are rejected, naming the argument."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str | None = Field(None, description="HF directory or .gguf file; None: the default")
+    dtype: DType = "auto"
+    platform: str | None = None
+    max_model_len: int | None = Field(None, ge=1)
+    max_num_seqs: int = Field(256, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    block_size: int = Field(16, ge=1)
+    enable_prefix_caching: bool = True
+    kv_cache_memory_bytes: int | None = Field(None, ge=1)
+    num_kv_blocks: int | None = Field(None, ge=1, description="override the KV pool size")
+    seed: int = 0
+    tokenizer: str | None = None
+    chat_template: str | None = None
+
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"block_size={v} must be a power of two")
+        return v
+
+
+DEFAULT_KV_CACHE_BYTES = 2 << 30

@@ -1,0 +1,163 @@
+"""The engine: platform, model, KV arena, scheduler, runner and output processing, wired.
+
+One step is: schedule, run, process outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+
+import torch
+
+from tokenmill.config import DEFAULT_KV_CACHE_BYTES, EngineArgs
+from tokenmill.kv.arena import KVArena
+from tokenmill.kv.manager import KVCacheManager
+from tokenmill.model.loader import LoadedModel, load_model_and_tokenizer
+from tokenmill.output_processor import OutputProcessor
+from tokenmill.outputs import RequestOutput
+from tokenmill.platforms.interfaces import AllocatorPurpose
+from tokenmill.platforms.registry import ActivePlatform, load_platform
+from tokenmill.request import Request
+from tokenmill.runner import ModelRunner
+from tokenmill.sampler import make_generator
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.scheduler import Scheduler, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float32": torch.float32, "fp32": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16,
+}
+
+
+def resolve_dtype(name: str, platform: ActivePlatform) -> torch.dtype:
+    """'auto' takes the platform's proposal; an explicit dtype must be one it supports."""
+    if name == "auto":
+        return platform.platform.default_dtype
+    dtype = _DTYPES[name]
+    if dtype not in platform.platform.capabilities.dtypes:
+        supported = sorted(str(d).removeprefix("torch.") for d in platform.platform.capabilities.dtypes)
+        raise ValueError(f"dtype={name!r} is not supported by platform {platform.name!r}; use one of {supported}")
+    return dtype
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        self.platform = load_platform(args.platform)
+        self.device = self.platform.platform.device
+        self.dtype = resolve_dtype(args.dtype, self.platform)
+        torch.manual_seed(args.seed)
+
+        self.loaded: LoadedModel = load_model_and_tokenizer(
+            args.model,
+            dtype=self.dtype,
+            device=self.device,
+            platform=self.platform,
+            block_size=args.block_size,
+            tokenizer=args.tokenizer,
+        )
+        self.tokenizer = self.loaded.tokenizer
+        self.max_model_len = min(args.max_model_len or self.loaded.max_model_len, self.loaded.max_model_len)
+        model = self.loaded.model
+
+        self.arena = KVArena.create(
+            self.platform.allocator(AllocatorPurpose.KV_ARENA),
+            model.attention_specs,
+            num_blocks=args.num_kv_blocks,
+            num_bytes=args.kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES,
+            device=self.device,
+        )
+        capacity = self.arena.num_blocks * args.block_size
+        if capacity < self.max_model_len:
+            if args.max_model_len is not None:
+                raise ValueError(
+                    f"max_model_len={args.max_model_len} does not fit the KV pool of {capacity} "
+                    "tokens; lower max_model_len or give the KV cache more memory"
+                )
+            self.max_model_len = capacity
+        self.kv = KVCacheManager(self.arena.num_blocks, args.block_size, args.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len),
+            self.kv,
+        )
+        backends = list({id(b): b for b in model.attention_backends}.values())
+        self.runner = ModelRunner(model, self.arena.layer_caches, backends, args.block_size, self.device)
+        self.outputs = OutputProcessor(self.tokenizer, self.scheduler, self.max_model_len)
+        self._ids = itertools.count()
+        logger.info(
+            "engine ready: platform=%s dtype=%s kv_blocks=%d (%d tokens) max_model_len=%d",
+            self.platform.name, self.dtype, self.arena.num_blocks, capacity, self.max_model_len,
+        )
+
+    # ---- requests --------------------------------------------------------------------
+    def next_request_id(self) -> str:
+        return str(next(self._ids))
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Queue a request. Raises ValueError naming the problem if it can never run."""
+        if request_id in self.outputs.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._check_prompt(prompt_token_ids, params)
+        params = dataclasses.replace(
+            params, eos_token_ids=frozenset(self.loaded.eos_token_ids) | params.eos_token_ids
+        )
+        children = []
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            child = Request(
+                request_id=request_id if params.n == 1 else f"{request_id}#{i}",
+                prompt_token_ids=list(prompt_token_ids),
+                sampling_params=params,
+                cache_salt=cache_salt,
+                generator=make_generator(seed, self.device),
+            )
+            children.append(child)
+        self.outputs.add(request_id, prompt, children)
+        for child in children:
+            self.scheduler.add_request(child)
+
+    def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        vocab = self.loaded.hf_config.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens; the model's context is "
+                f"{self.max_model_len} (max_model_len), which leaves no room to generate"
+            )
+        max_tokens = params.max_tokens or 0
+        if len(token_ids) + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(token_ids)} tokens) plus max_tokens ({max_tokens}) is "
+                f"{len(token_ids) + max_tokens}, over the context of {self.max_model_len} tokens"
+            )
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        return self.outputs.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the step --------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        result = self.runner.execute(plan, self.scheduler.requests)
+        self.scheduler.update_computed(plan)
+        return self.outputs.process(result)

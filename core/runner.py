@@ -1,0 +1,151 @@
+"""The model runner: turns a step description into tensors, runs the graph, samples.
+
+The only device-aware part of the engine step. It never branches on a vendor: the device
+comes from the platform, attention from the platform's backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenmill.platforms.interfaces import AttentionMetadata
+from tokenmill.request import Request
+from tokenmill.sampler import Logprobs, Sampler, SamplingRow, prompt_logprobs
+from tokenmill.scheduler import SchedulerOutput
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    """Per sampled request: the new token and, if asked, its logprobs."""
+
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, Logprobs] = field(default_factory=dict)
+    # request id -> logprobs of prompt positions [start, end) computed this step
+    prompt_logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[torch.Tensor],
+        attention_backends: list,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.backends = attention_backends  # distinct backends used by the model's layers
+        self.block_size = block_size
+        self.device = device
+        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def execute(self, step: SchedulerOutput, requests: Mapping[str, Request]) -> RunnerOutput:
+        inputs = self._prepare_inputs(step)
+        for backend in self.backends:
+            backend.prepare(inputs.metadata)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+
+        out = RunnerOutput()
+        if inputs.sample_rows:
+            logits = self.model.compute_logits(hidden[inputs.sample_indices])
+            rows = [
+                SamplingRow(
+                    params=requests[rid].sampling_params,
+                    prompt_token_ids=requests[rid].prompt_token_ids,
+                    output_token_ids=requests[rid].output_token_ids,
+                    generator=requests[rid].generator,
+                )
+                for rid in inputs.sample_rows
+            ]
+            sampled = self.sampler(logits, rows)
+            for rid, token_id, lp in zip(inputs.sample_rows, sampled.token_ids, sampled.logprobs):
+                out.sampled[rid] = token_id
+                if lp is not None:
+                    out.logprobs[rid] = lp
+        for rid, (indices, (lo, hi)) in inputs.prompt_logprob_rows.items():
+            logits = self.model.compute_logits(hidden[indices])
+            request = requests[rid]
+            # the logits at position p predict the token at p + 1
+            next_ids = request.all_token_ids[lo + 1 : hi + 1]
+            k = request.sampling_params.prompt_logprobs
+            out.prompt_logprobs[rid] = prompt_logprobs(logits, next_ids, k)
+        return out
+
+    def _prepare_inputs(self, step: SchedulerOutput) -> _StepInputs:
+        bs = self.block_size
+        token_ids: list[int] = []
+        positions: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        sample_rows: list[str] = []
+        sample_indices: list[int] = []
+        lp_rows: dict[str, tuple[list[int], tuple[int, int]]] = {}
+        max_blocks = max(len(s.block_ids) for s in step.scheduled)
+        block_table = torch.zeros((len(step.scheduled), max_blocks), dtype=torch.int32)
+        for i, s in enumerate(step.scheduled):
+            n = len(s.token_ids)
+            offset = len(token_ids)
+            token_ids.extend(s.token_ids)
+            positions.extend(range(s.start_position, s.start_position + n))
+            query_lens.append(n)
+            seq_lens.append(s.start_position + n)
+            block_table[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
+            if s.sample:
+                sample_rows.append(s.request_id)
+                sample_indices.append(offset + n - 1)
+            lo, hi = s.prompt_logprobs_range
+            if hi > lo:
+                idx = [offset + p - s.start_position for p in range(lo, hi)]
+                lp_rows[s.request_id] = (idx, (lo, hi))
+
+        positions_t = torch.tensor(positions, dtype=torch.int64)
+        seq_index = torch.repeat_interleave(
+            torch.arange(len(query_lens)), torch.tensor(query_lens)
+        )
+        slot_mapping = (
+            block_table[seq_index, positions_t // bs].to(torch.int64) * bs + positions_t % bs
+        )
+        query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+        query_start_loc[1:] = torch.tensor(query_lens).cumsum(0)
+
+        dev = self.device
+        metadata = AttentionMetadata(
+            num_tokens=len(token_ids),
+            num_seqs=len(query_lens),
+            query_start_loc=query_start_loc.to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=block_table.to(dev),
+            slot_mapping=slot_mapping.to(dev),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            block_size=bs,
+        )
+        return _StepInputs(
+            input_ids=torch.tensor(token_ids, dtype=torch.int64, device=dev),
+            positions=positions_t.to(dev),
+            metadata=metadata,
+            sample_rows=sample_rows,
+            sample_indices=torch.tensor(sample_indices, dtype=torch.int64, device=dev),
+            prompt_logprob_rows={
+                rid: (torch.tensor(idx, dtype=torch.int64, device=dev), span)
+                for rid, (idx, span) in lp_rows.items()
+            },
+        )
+
+
+@dataclass(slots=True)
+class _StepInputs:
+    input_ids: torch.Tensor  # int64 [num_tokens]
+    positions: torch.Tensor  # int64 [num_tokens]
+    metadata: AttentionMetadata
+    sample_rows: list[str]  # request ids that sample, in row order
+    sample_indices: torch.Tensor  # int64 [len(sample_rows)]: their last token's index
+    # request id -> (token indices, prompt positions [lo, hi)) for prompt logprobs
+    prompt_logprob_rows: dict[str, tuple[torch.Tensor, tuple[int, int]]]

@@ -1,0 +1,95 @@
+from tokenmill.kv.manager import KVCacheManager
+from tokenmill.request import Request, RequestStatus
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.scheduler import Scheduler, SchedulerConfig
+
+
+def make(num_blocks=64, block_size=4, budget=16, max_seqs=8, caching=True):
+    kv = KVCacheManager(num_blocks, block_size, caching)
+    return Scheduler(SchedulerConfig(max_seqs, budget, 1024), kv)
+
+
+def run_step(s: Scheduler, next_token: int = 7):
+    """Play the runner: every request that samples gets `next_token`."""
+    out = s.schedule()
+    s.update_computed(out)
+    for item in out.scheduled:
+        if item.sample:
+            s.requests[item.request_id].append_output_token(next_token)
+    return out
+
+
+def req(rid, n, max_tokens=4):
+    return Request(rid, list(range(100, 100 + n)), SamplingParams(max_tokens=max_tokens))
+
+
+def test_chunked_prefill_under_budget_then_decode():
+    s = make(budget=8)
+    s.add_request(req("a", 20))
+    steps = [run_step(s) for _ in range(4)]
+    assert [st.num_tokens for st in steps] == [8, 8, 4, 1]
+    assert [st.scheduled[0].sample for st in steps] == [False, False, True, True]
+    assert steps[1].scheduled[0].start_position == 8
+    assert s.requests["a"].num_output_tokens == 2
+
+
+def test_decode_and_prefill_mix_in_one_step():
+    s = make(budget=10)
+    s.add_request(req("a", 5))
+    run_step(s)
+    s.add_request(req("b", 30))
+    out = run_step(s)
+    assert [(x.request_id, len(x.token_ids)) for x in out.scheduled] == [("a", 1), ("b", 9)]
+
+
+def test_max_num_seqs_limits_admission():
+    s = make(max_seqs=2, budget=100)
+    for i in range(3):
+        s.add_request(req(str(i), 3))
+    out = run_step(s)
+    assert [x.request_id for x in out.scheduled] == ["0", "1"]
+    assert s.num_waiting == 1
+
+
+def test_preemption_frees_and_recomputes():
+    s = make(num_blocks=4, block_size=4, budget=64, caching=False)
+    s.add_request(req("a", 7))
+    s.add_request(req("b", 7))
+    run_step(s)  # both admitted: 2 blocks each, pool full
+    assert s.num_running == 2 and s.kv.pool.num_free_blocks == 0
+    run_step(s)  # each needs token 9 -> "a" fits in block 2? 8 tokens fill 2 blocks exactly
+    out = run_step(s)  # now 9 tokens: a needs a third block; b is preempted
+    assert out.num_preempted == 1
+    b = s.requests["b"]
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert s.waiting[0] is b
+    # once a finishes, b comes back and resumes from its known tokens
+    s.finish("a", RequestStatus.FINISHED_STOPPED)
+    out = run_step(s)
+    assert out.scheduled[0].request_id == "b"
+    assert out.scheduled[0].token_ids == b.all_token_ids[out.scheduled[0].start_position : -1]
+
+
+def test_prefix_hit_skips_cached_tokens():
+    s = make(budget=64)
+    s.add_request(req("a", 10))
+    run_step(s)
+    s.add_request(req("b", 10))
+    out = run_step(s)
+    b_item = next(x for x in out.scheduled if x.request_id == "b")
+    assert b_item.start_position == 8 and s.requests["b"].num_cached_tokens == 8
+    assert s.kv.stats.queries == 20 and s.kv.stats.hits == 8
+
+
+def test_abort_waiting_and_running_frees_blocks():
+    s = make(budget=64)
+    s.add_request(req("a", 10))
+    s.add_request(req("b", 10))
+    run_step(s)
+    s.add_request(req("c", 3))
+    s.finish("a", RequestStatus.FINISHED_ABORTED)
+    s.finish("c", RequestStatus.FINISHED_ABORTED)
+    assert s.num_waiting == 0 and s.num_running == 1
+    s.finish("b", RequestStatus.FINISHED_ABORTED)
+    assert s.kv.usage == 0.0 and not s.has_unfinished_requests()
+    assert s.finish("zzz", RequestStatus.FINISHED_ABORTED) is None
