@@ -14,7 +14,7 @@ import torch
 from tokenmill.config import DEFAULT_KV_CACHE_BYTES, EngineArgs
 from tokenmill.kv.arena import KVArena
 from tokenmill.kv.manager import KVCacheManager
-from tokenmill.model.loader import LoadedModel, load_model_and_tokenizer
+from tokenmill.model.loader import LoadedModel, default_model_path, load_model_and_tokenizer
 from tokenmill.output_processor import OutputProcessor
 from tokenmill.outputs import RequestOutput
 from tokenmill.platforms.interfaces import AllocatorPurpose
@@ -54,10 +54,11 @@ class LLMEngine:
         torch.manual_seed(args.seed)
 
         self.loaded: LoadedModel = load_model_and_tokenizer(
-            args.model,
+            args.model or default_model_path(),
             dtype=self.dtype,
             device=self.device,
-            platform=self.platform,
+            ops=self.platform.ops,
+            attention_backend=self.platform.attention_backend,
             block_size=args.block_size,
             tokenizer=args.tokenizer,
         )

@@ -14,7 +14,7 @@ Parameter names follow HF's, except that q/k/v become `qkv_proj` and gate/up bec
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -139,7 +139,7 @@ class Model(nn.Module):
         self,
         hf_config: Any,
         specs: list[AttentionSpec],
-        backend: AttentionBackend,
+        backends: list[AttentionBackend],
         ops: Ops,
         dtype: torch.dtype,
     ) -> None:
@@ -152,7 +152,8 @@ class Model(nn.Module):
         )
         self.embed_tokens = Embedding(hf_config.vocab_size, hf_config.hidden_size, dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(hf_config, spec, self.rotary_emb, backend, ops, dtype) for spec in specs
+            DecoderLayer(hf_config, spec, self.rotary_emb, backend, ops, dtype)
+            for spec, backend in zip(specs, backends, strict=True)
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, ops, dtype)
 
@@ -184,7 +185,7 @@ class CausalLM(nn.Module):
         hf_config: Any,
         *,
         ops: Ops,
-        attention_backend: AttentionBackend,
+        attention_backend: AttentionBackend | Callable[[AttentionSpec], AttentionBackend],
         dtype: torch.dtype,
         block_size: int,
     ) -> None:
@@ -192,13 +193,21 @@ class CausalLM(nn.Module):
         self.hf_config = hf_config
         self.dtype = dtype
         self.attention_specs: list[AttentionSpec] = _attention_specs(hf_config, dtype, block_size)
-        for i, spec in enumerate(self.attention_specs):
-            if not attention_backend.supports(spec):
+        # One backend for every layer, or a chooser per spec (a platform picks per kind).
+        choose = (
+            attention_backend
+            if not isinstance(attention_backend, AttentionBackend)
+            else lambda spec: attention_backend
+        )
+        backends = [choose(spec) for spec in self.attention_specs]
+        for i, (spec, backend) in enumerate(zip(self.attention_specs, backends)):
+            if not backend.supports(spec):
                 raise ValueError(
-                    f"attention backend {attention_backend.name!r} does not support layer {i}'s "
-                    f"spec {spec}"
+                    f"attention backend {backend.name!r} does not support layer {i}'s spec {spec}"
                 )
-        self.model = Model(hf_config, self.attention_specs, attention_backend, ops, dtype)
+        # the distinct backends, for the runner's once-per-step `prepare`
+        self.attention_backends = list({id(b): b for b in backends}.values())
+        self.model = Model(hf_config, self.attention_specs, backends, ops, dtype)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.lm_head = None
         if not self.tie_word_embeddings:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +20,7 @@ from torch import nn
 
 from tokenmill.model.registry import model_class_for
 from tokenmill.ops import Ops
-from tokenmill.platforms.interfaces import AttentionBackend
+from tokenmill.platforms.interfaces import AttentionBackend, AttentionSpec
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def load_model_and_tokenizer(
     dtype: torch.dtype | None,
     device: torch.device | str,
     ops: Ops,
-    attention_backend: AttentionBackend,
+    attention_backend: AttentionBackend | Callable[[AttentionSpec], AttentionBackend],
     block_size: int,
     *,
     tokenizer: str | None = None,
