@@ -1,0 +1,128 @@
+"""Milliseconds per layer call: the core's reference paged attention vs the CPU plugin's.
+
+Usage: python benchmarks/bench_attention.py [--iters 10] [--block-size 16] [--threads N]
+
+Shapes are SmolLM2-135M's (9 query heads, 3 KV heads, head size 64). Cases: decode of
+one sequence with a 1000-token context; decode of 64 sequences with contexts drawn
+uniformly from 200-1000; a 512-token prefill chunk (after 512 cached tokens) mixed with
+63 such decodes. The CPU backend's `prepare` runs once per step and is shared by every
+layer, so it is reported separately and not counted in the per-layer time. Times are the
+minimum over `--iters` runs (the machine may be shared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections.abc import Callable
+from itertools import accumulate
+
+import torch
+from tokenmill.ops.reference import paged_attention
+from tokenmill.platforms.interfaces import AttentionKind, AttentionMetadata, AttentionSpec
+from tokenmill_cpu.attention import CpuPagedAttention
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE = 9, 3, 64
+
+
+def make_step(seqs: list[tuple[int, int]], block_size: int, dtype: torch.dtype, seed: int = 0):
+    """(query, key, value, kv_cache, metadata) for sequences given as (cached, new) tokens."""
+    rng = random.Random(seed)
+    needed = [-(-(cached + new) // block_size) for cached, new in seqs]
+    num_blocks = sum(needed) + 1
+    pool = list(range(num_blocks))
+    rng.shuffle(pool)
+    tables = torch.zeros(len(seqs), max(needed), dtype=torch.int32)
+    slots = []
+    for i, ((cached, new), n) in enumerate(zip(seqs, needed, strict=True)):
+        block_ids = [pool.pop() for _ in range(n)]
+        tables[i, :n] = torch.tensor(block_ids)
+        slots += [
+            block_ids[p // block_size] * block_size + p % block_size
+            for p in range(cached, cached + new)
+        ]
+    query_lens = [new for _, new in seqs]
+    seq_lens = [cached + new for cached, new in seqs]
+    num_tokens = sum(query_lens)
+    metadata = AttentionMetadata(
+        num_tokens=num_tokens,
+        num_seqs=len(seqs),
+        query_start_loc=torch.tensor([0, *accumulate(query_lens)], dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=tables,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_lens_cpu=query_lens,
+        seq_lens_cpu=seq_lens,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        block_size=block_size,
+    )
+    kv_cache = torch.randn(2, num_blocks, block_size, NUM_KV_HEADS, HEAD_SIZE).to(dtype)
+    query = torch.randn(num_tokens, NUM_HEADS, HEAD_SIZE).to(dtype)
+    key = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_SIZE).to(dtype)
+    value = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_SIZE).to(dtype)
+    return query, key, value, kv_cache, metadata
+
+
+def best_ms(fn: Callable[[], object], iters: int) -> float:
+    fn()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times) * 1e3
+
+
+def measure(spec: AttentionSpec, step: tuple, iters: int) -> tuple[float, float, float]:
+    """(reference ms, cpu forward ms, cpu prepare ms) for one layer call on `step`."""
+    query, key, value, kv_cache, metadata = step
+    backend = CpuPagedAttention(spec.kind)
+    ref_ms = best_ms(lambda: paged_attention(spec, query, key, value, kv_cache, metadata), iters)
+    prepare_ms = best_ms(lambda: backend.prepare(metadata), iters)
+    backend.prepare(metadata)
+    cpu_ms = best_ms(lambda: backend.forward(spec, query, key, value, kv_cache, metadata), iters)
+    return ref_ms, cpu_ms, prepare_ms
+
+
+def cases(rng: random.Random) -> dict[str, list[tuple[int, int]]]:
+    decodes = [(rng.randint(200, 1000) - 1, 1) for _ in range(64)]
+    return {
+        "decode b=1 ctx=1000": [(999, 1)],
+        "decode b=64 ctx=200-1000": decodes,
+        "prefill 512 (+512 cached) + 63 decodes": [(512, 512), *decodes[:63]],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, block size {args.block_size}"
+    )
+    header = f"{'case':<40} {'dtype':<9} {'reference ms':>12} {'cpu ms':>8} {'speedup':>8} {'prepare ms':>10}"
+    print(header)
+    print("-" * len(header))
+    for name, seqs in cases(random.Random(0)).items():
+        for dtype in (torch.bfloat16, torch.float32):
+            spec = AttentionSpec(
+                AttentionKind.FULL, NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, dtype, args.block_size
+            )
+            ref_ms, cpu_ms, prepare_ms = measure(
+                spec, make_step(seqs, args.block_size, dtype), args.iters
+            )
+            dtype_name = str(dtype).removeprefix("torch.")
+            print(
+                f"{name:<40} {dtype_name:<9} {ref_ms:>12.2f} {cpu_ms:>8.2f} "
+                f"{ref_ms / cpu_ms:>7.1f}x {prepare_ms:>10.2f}"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,263 @@
+"""Paged attention on CPU, built on PyTorch's fused CPU SDPA kernel.
+
+Per step (`prepare`, cached in `metadata.backend_state`), a plan lists which cache blocks
+each sequence needs (only those inside its sliding window) and the masks. Per layer
+(`forward`) the backend writes the step's keys/values with one `index_copy_` each,
+gathers every needed block with one `index_select` each for K and V into a buffer that
+all layers of the step reuse, then runs SDPA:
+
+- decode rows (query_len 1) in a few batched calls, rows bucketed by span so padding
+  stays small; the query heads of one KV head are packed into SDPA's query-length
+  dimension, so grouped-query attention needs no expanded keys;
+- prefill / chunk rows one call per sequence with a bottom-right causal mask (query i
+  of a chunk sits at position seq_len - query_len + i); a fresh prompt attends to the
+  step's own keys without a gather.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from tokenmill.platforms.interfaces import (
+    AttentionBackend,
+    AttentionKind,
+    AttentionMetadata,
+    AttentionSpec,
+)
+
+SUPPORTED_DTYPES = frozenset({torch.float32, torch.bfloat16})
+# A decode bucket takes rows while their span is at least this fraction of the bucket's
+# longest span: at most ~1/4 of a bucket's gathered keys are padding.
+_BUCKET_FILL = 0.75
+
+
+@dataclass(slots=True)
+class _DecodeBucket:
+    token_ids: torch.Tensor  # int64 [b]: the rows' positions in the step's flat batch
+    block_offset: int  # first block of this bucket in the gather buffer
+    num_blocks: int  # blocks gathered per row (the bucket's longest span)
+    mask: torch.Tensor | None  # bool [b, 1, 1, num_blocks * block_size]; True = attend
+    additive_masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _PrefillSeq:
+    query_start: int
+    query_end: int
+    block_offset: int | None  # None: attend to the step's own keys, nothing cached
+    num_blocks: int
+    mask: torch.Tensor | None  # bool [query_len, num_keys]; None: plain causal
+    additive_masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    gather_block_ids: torch.Tensor  # int64 [total_blocks]
+    decode: list[_DecodeBucket]
+    prefill: list[_PrefillSeq]
+    # (dtype, num_kv_heads, head_size) -> [2, total_blocks, block_size, kv heads, head size];
+    # the gather buffer, allocated by the first layer and reused by the others.
+    buffers: dict[tuple[torch.dtype, int, int], torch.Tensor] = field(default_factory=dict)
+
+
+class CpuPagedAttention(AttentionBackend):
+    """FULL or SLIDING_WINDOW paged attention for fp32/bf16, any block and head size."""
+
+    def __init__(self, kind: AttentionKind = AttentionKind.FULL) -> None:
+        if kind not in (AttentionKind.FULL, AttentionKind.SLIDING_WINDOW):
+            raise ValueError(f"CpuPagedAttention implements full and sliding window, not {kind}")
+        self.kind = kind
+        self.name = f"cpu_sdpa_{kind.value}"
+
+    def supports(self, spec: AttentionSpec) -> bool:
+        windowed = spec.sliding_window is not None
+        return (
+            spec.kind == self.kind
+            and windowed == (self.kind == AttentionKind.SLIDING_WINDOW)
+            and (not windowed or spec.sliding_window > 0)
+            and spec.dtype in SUPPORTED_DTYPES
+            and spec.num_heads % spec.num_kv_heads == 0
+        )
+
+    def prepare(self, metadata: AttentionMetadata) -> None:
+        """Plans the step for full attention; window plans are built by the first layer."""
+        metadata.backend_state[self.name] = {}
+        if self.kind == AttentionKind.FULL:
+            self._plan(metadata, None)
+
+    def forward(self, spec, query, key, value, kv_cache, metadata):
+        """Writes key/value into `kv_cache`, then attends; does not modify the inputs."""
+        num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+        flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
+        flat[0].index_copy_(0, metadata.slot_mapping, key.to(kv_cache.dtype))
+        flat[1].index_copy_(0, metadata.slot_mapping, value.to(kv_cache.dtype))
+
+        plan = self._plan(metadata, spec.sliding_window)
+        gathered = _gather(plan, kv_cache)
+        scale = spec.scale if spec.scale is not None else spec.head_size**-0.5
+        query = query.to(kv_cache.dtype)
+        out = torch.empty_like(query)
+        for bucket in plan.decode:
+            _decode(bucket, query, gathered, scale, out)
+        for seq in plan.prefill:
+            own_keys = (key.to(kv_cache.dtype), value.to(kv_cache.dtype))
+            _prefill(seq, query, own_keys, gathered, scale, out)
+        return out
+
+    def _plan(self, metadata: AttentionMetadata, window: int | None) -> _StepPlan:
+        plans = metadata.backend_state.setdefault(self.name, {})
+        assert isinstance(plans, dict)
+        if window not in plans:
+            plans[window] = _build_plan(metadata, window)
+        return plans[window]
+
+
+def _gather(plan: _StepPlan, kv_cache: torch.Tensor) -> torch.Tensor | None:
+    """[2, total_blocks, block_size, kv heads, head size]: every block the step reads."""
+    if plan.gather_block_ids.numel() == 0:
+        return None
+    key = (kv_cache.dtype, kv_cache.shape[3], kv_cache.shape[4])
+    buffer = plan.buffers.get(key)
+    if buffer is None:
+        shape = (2, plan.gather_block_ids.numel(), *kv_cache.shape[2:])
+        buffer = plan.buffers[key] = kv_cache.new_empty(shape)
+    torch.index_select(kv_cache[0], 0, plan.gather_block_ids, out=buffer[0])
+    torch.index_select(kv_cache[1], 0, plan.gather_block_ids, out=buffer[1])
+    return buffer
+
+
+def _decode(bucket, query, gathered, scale, out) -> None:
+    rows, num_heads, head_size = bucket.token_ids.numel(), query.shape[1], query.shape[2]
+    num_kv_heads = gathered.shape[3]
+    blocks = gathered[:, bucket.block_offset : bucket.block_offset + rows * bucket.num_blocks]
+    # [2, rows, keys, kv heads, D] viewed as [2, rows, kv heads, keys, D] (no copy)
+    kv = blocks.reshape(2, rows, -1, num_kv_heads, head_size).transpose(2, 3)
+    # the query heads of one KV head play SDPA's query positions: [rows, kv heads, G, D]
+    q = query.index_select(0, bucket.token_ids).view(rows, num_kv_heads, -1, head_size)
+    mask = _additive_mask(bucket, q.dtype)
+    o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask, scale=scale)
+    out.index_copy_(0, bucket.token_ids, o.reshape(rows, num_heads, head_size))
+
+
+def _prefill(seq, query, own_keys, gathered, scale, out) -> None:
+    q = query[seq.query_start : seq.query_end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+    if seq.block_offset is None:
+        k, v = (t[seq.query_start : seq.query_end].transpose(0, 1).unsqueeze(0) for t in own_keys)
+    else:
+        blocks = gathered[:, seq.block_offset : seq.block_offset + seq.num_blocks]
+        kv = blocks.flatten(1, 2).transpose(1, 2).unsqueeze(1)  # [2, 1, kv heads, keys, D]
+        k, v = kv[0], kv[1]
+    mask = _additive_mask(seq, q.dtype)
+    o = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+    )
+    out[seq.query_start : seq.query_end] = o[0].transpose(0, 1)
+
+
+def _additive_mask(item: _DecodeBucket | _PrefillSeq, dtype: torch.dtype) -> torch.Tensor | None:
+    """The item's mask as 0 / -inf in `dtype`, converted once per step rather than per layer
+    (SDPA would convert a boolean mask on every call)."""
+    if item.mask is None:
+        return None
+    if dtype not in item.additive_masks:
+        additive = torch.zeros(item.mask.shape, dtype=dtype)
+        item.additive_masks[dtype] = additive.masked_fill_(~item.mask, float("-inf"))
+    return item.additive_masks[dtype]
+
+
+def _build_plan(metadata: AttentionMetadata, window: int | None) -> _StepPlan:
+    """Which blocks each sequence reads and with which mask, for one window size."""
+    block_size = metadata.block_size
+    starts = metadata.query_start_loc.tolist()
+    tables = metadata.block_tables.long()
+    block_ids: list[torch.Tensor] = []
+    num_gathered = 0
+    decode_rows: list[int] = []
+    prefill: list[_PrefillSeq] = []
+    for i, (q_len, seq_len) in enumerate(
+        zip(metadata.query_lens_cpu, metadata.seq_lens_cpu, strict=True)
+    ):
+        if q_len == 1:
+            decode_rows.append(i)
+            continue
+        first_pos = 0 if window is None else max(0, seq_len - q_len - window + 1)
+        q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
+        if q_len == seq_len:  # a fresh prompt: its keys are all in this step
+            causal_only = window is None or window >= seq_len
+            mask = None if causal_only else _visible(q_pos, q_pos.T, window)
+            prefill.append(_PrefillSeq(starts[i], starts[i + 1], None, 0, mask))
+            continue
+        first_block = first_pos // block_size
+        num_blocks = -(-seq_len // block_size) - first_block
+        k_pos = (first_block * block_size + torch.arange(num_blocks * block_size)).unsqueeze(0)
+        mask = _visible(q_pos, k_pos, window)
+        prefill.append(_PrefillSeq(starts[i], starts[i + 1], num_gathered, num_blocks, mask))
+        block_ids.append(tables[i, first_block : first_block + num_blocks])
+        num_gathered += num_blocks
+    decode, decode_ids = _decode_buckets(metadata, decode_rows, window, starts, num_gathered)
+    gather_ids = (
+        torch.cat(block_ids + decode_ids)
+        if block_ids or decode_ids
+        else torch.zeros(0, dtype=torch.long)
+    )
+    return _StepPlan(gather_ids, decode, prefill)
+
+
+def _decode_buckets(
+    metadata: AttentionMetadata,
+    rows: list[int],
+    window: int | None,
+    starts: list[int],
+    block_offset: int,
+) -> tuple[list[_DecodeBucket], list[torch.Tensor]]:
+    """Decode rows grouped by span (longest first); each group padded to its longest."""
+    if not rows:
+        return [], []
+    block_size = metadata.block_size
+    seq_lens = torch.tensor([metadata.seq_lens_cpu[r] for r in rows])
+    first_pos = (seq_lens - window).clamp(min=0) if window is not None else seq_lens * 0
+    first_block = first_pos // block_size
+    spans = (seq_lens + block_size - 1) // block_size - first_block
+    order = torch.argsort(spans, descending=True, stable=True)
+    spans_sorted = spans[order].tolist()
+    tables = metadata.block_tables.long()
+    row_ids = torch.tensor(rows)
+    buckets, block_ids = [], []
+    begin = 0
+    while begin < len(rows):
+        num_blocks = spans_sorted[begin]
+        end = begin + 1
+        while end < len(rows) and spans_sorted[end] >= _BUCKET_FILL * num_blocks:
+            end += 1
+        members = order[begin:end]
+        cols = (first_block[members].unsqueeze(1) + torch.arange(num_blocks)).clamp(
+            max=tables.shape[1] - 1
+        )
+        block_ids.append(tables[row_ids[members]].gather(1, cols).flatten())
+        k_pos = first_block[members].unsqueeze(1) * block_size + torch.arange(
+            num_blocks * block_size
+        )
+        q_pos = (seq_lens[members] - 1).unsqueeze(1)
+        mask = _visible(q_pos, k_pos, window)
+        token_ids = torch.tensor([starts[r] for r in row_ids[members].tolist()])
+        buckets.append(
+            _DecodeBucket(
+                token_ids=token_ids,
+                block_offset=block_offset,
+                num_blocks=num_blocks,
+                mask=None if bool(mask.all()) else mask[:, None, None, :],
+            )
+        )
+        block_offset += len(members) * num_blocks
+        begin = end
+    return buckets, block_ids
+
+
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """True where a query at q_pos sees a key at k_pos: causal, and within the window."""
+    visible = k_pos <= q_pos
+    if window is not None:
+        visible &= k_pos > q_pos - window
+    return visible

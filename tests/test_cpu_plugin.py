@@ -1,0 +1,342 @@
+"""The CPU plugin against the core's references: attention, allocators, collectives."""
+
+from __future__ import annotations
+
+import random
+from datetime import timedelta
+from itertools import accumulate
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from tokenmill.ops.reference import paged_attention
+from tokenmill.platforms.interfaces import (
+    AllocatorPurpose,
+    AttentionKind,
+    AttentionMetadata,
+    AttentionSpec,
+    OutOfMemoryError,
+)
+from tokenmill.platforms.registry import load_platform
+from tokenmill_cpu import hardware
+from tokenmill_cpu.allocator import KVCACHE_ENV, make_allocator
+from tokenmill_cpu.attention import CpuPagedAttention
+from tokenmill_cpu.communicator import SingleProcessCommunicator
+
+TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def make_step(seqs, num_heads, num_kv_heads, head_size, block_size, dtype, seed=0):
+    """A random paged, ragged step. `seqs` lists (cached tokens, new tokens) per sequence.
+
+    Blocks are shuffled across sequences (block 0 included) and the cache holds random
+    values everywhere, so reading a wrong slot changes the result.
+    """
+    rng = random.Random(seed)
+    generator = torch.Generator().manual_seed(seed)
+    needed = [-(-(cached + new) // block_size) for cached, new in seqs]
+    num_blocks = sum(needed) + 2
+    pool = list(range(num_blocks))
+    rng.shuffle(pool)
+    tables = torch.zeros(len(seqs), max(needed) + 1, dtype=torch.int32)
+    slots = []
+    for i, ((cached, new), n) in enumerate(zip(seqs, needed, strict=True)):
+        block_ids = [pool.pop() for _ in range(n)]
+        tables[i, :n] = torch.tensor(block_ids)
+        slots += [
+            block_ids[p // block_size] * block_size + p % block_size
+            for p in range(cached, cached + new)
+        ]
+    query_lens = [new for _, new in seqs]
+    seq_lens = [cached + new for cached, new in seqs]
+    num_tokens = sum(query_lens)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator).to(dtype)
+
+    metadata = AttentionMetadata(
+        num_tokens=num_tokens,
+        num_seqs=len(seqs),
+        query_start_loc=torch.tensor([0, *accumulate(query_lens)], dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=tables,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_lens_cpu=query_lens,
+        seq_lens_cpu=seq_lens,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        block_size=block_size,
+    )
+    kv_cache = randn(2, num_blocks, block_size, num_kv_heads, head_size)
+    query = randn(num_tokens, num_heads, head_size)
+    key = randn(num_tokens, num_kv_heads, head_size)
+    value = randn(num_tokens, num_kv_heads, head_size)
+    return query, key, value, kv_cache, metadata
+
+
+def mixed_batch(seed: int) -> list[tuple[int, int]]:
+    """Fresh prompts, prefill chunks after cached context, decodes and a 1-token prompt."""
+    rng = random.Random(seed)
+    decodes = [(rng.randint(1, 90), 1) for _ in range(rng.randint(3, 9))]
+    chunks = [(rng.randint(1, 60), rng.randint(2, 40)) for _ in range(2)]
+    prompts = [(0, rng.randint(2, 50)), (0, 1)]
+    batch = decodes + chunks + prompts
+    rng.shuffle(batch)
+    return batch
+
+
+def check_against_reference(spec: AttentionSpec, seqs, seed: int = 0, num_layers: int = 2):
+    """Runs `num_layers` layers on one step's metadata, as the model runner does."""
+    backend = CpuPagedAttention(spec.kind)
+    assert backend.supports(spec)
+    steps = [
+        make_step(
+            seqs,
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.head_size,
+            spec.block_size,
+            spec.dtype,
+            seed + layer,
+        )
+        for layer in range(num_layers)
+    ]
+    metadata = steps[0][4]
+    backend.prepare(metadata)
+    for query, key, value, kv_cache, _ in steps:
+        ref_cache = kv_cache.clone()
+        expected = paged_attention(spec, query, key, value, ref_cache, metadata)
+        inputs = (query.clone(), key.clone(), value.clone())
+        out = backend.forward(spec, *inputs, kv_cache, metadata)
+        assert out.shape == query.shape and out.dtype == query.dtype
+        torch.testing.assert_close(out, expected, **TOLERANCE[spec.dtype])
+        assert torch.equal(kv_cache, ref_cache), "the KV cache differs from the reference's"
+        assert all(torch.equal(a, b) for a, b in zip(inputs, (query, key, value), strict=True))
+
+
+# -- attention ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (9, 3), (8, 2)])
+@pytest.mark.parametrize("block_size", [8, 16, 64])
+def test_full_attention_matches_reference_on_mixed_batches(
+    dtype, num_heads, num_kv_heads, block_size
+):
+    spec = AttentionSpec(AttentionKind.FULL, num_heads, num_kv_heads, 64, dtype, block_size)
+    for seed in range(2):
+        check_against_reference(spec, mixed_batch(seed), seed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("window", [1, 5, 24, 500])
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_sliding_window_matches_reference(dtype, window, block_size):
+    spec = AttentionSpec(
+        AttentionKind.SLIDING_WINDOW, 6, 2, 32, dtype, block_size, sliding_window=window
+    )
+    for seed in range(2):
+        check_against_reference(spec, mixed_batch(seed + 10), seed)
+
+
+@pytest.mark.parametrize("head_size", [32, 80, 128, 256])
+def test_head_sizes_and_custom_scale(head_size):
+    spec = AttentionSpec(AttentionKind.FULL, 4, 1, head_size, torch.float32, 16, scale=0.3)
+    check_against_reference(spec, mixed_batch(3))
+
+
+@pytest.mark.parametrize(
+    "seqs",
+    [
+        [(0, 1)],  # a one-token prompt
+        [(0, 77)],  # one fresh prompt: causal over the step's own keys
+        [(63, 1)] * 5,  # equal decodes: no padding mask
+        [(200, 1), (3, 1), (90, 1), (15, 1), (140, 1), (7, 1)],  # decodes of very different spans
+        [(16, 16), (31, 33)],  # chunks on and off block boundaries
+    ],
+)
+def test_edge_shapes(seqs):
+    for kind, window in ((AttentionKind.FULL, None), (AttentionKind.SLIDING_WINDOW, 9)):
+        spec = AttentionSpec(kind, 6, 3, 64, torch.float32, 16, sliding_window=window)
+        check_against_reference(spec, seqs)
+
+
+def test_layers_with_different_windows_share_one_step():
+    seqs = mixed_batch(5)
+    query, key, value, kv_cache, metadata = make_step(seqs, 4, 2, 32, 16, torch.float32)
+    backend = CpuPagedAttention(AttentionKind.SLIDING_WINDOW)
+    backend.prepare(metadata)
+    for window in (4, 64, 4):
+        spec = AttentionSpec(
+            AttentionKind.SLIDING_WINDOW, 4, 2, 32, torch.float32, 16, sliding_window=window
+        )
+        expected = paged_attention(spec, query, key, value, kv_cache.clone(), metadata)
+        torch.testing.assert_close(
+            backend.forward(spec, query, key, value, kv_cache, metadata), expected
+        )
+
+
+def test_supports_declares_what_it_runs():
+    full = CpuPagedAttention(AttentionKind.FULL)
+    sliding = CpuPagedAttention(AttentionKind.SLIDING_WINDOW)
+    spec = AttentionSpec(AttentionKind.FULL, 8, 2, 64, torch.bfloat16, 16)
+    assert full.supports(spec) and not sliding.supports(spec)
+    assert not full.supports(AttentionSpec(AttentionKind.FULL, 8, 2, 64, torch.float16, 16))
+    assert not full.supports(AttentionSpec(AttentionKind.FULL, 8, 3, 64, torch.float32, 16))
+    windowed = AttentionSpec(
+        AttentionKind.SLIDING_WINDOW, 8, 2, 64, torch.float32, 16, sliding_window=8
+    )
+    assert sliding.supports(windowed) and not full.supports(windowed)
+    with pytest.raises(ValueError, match="not AttentionKind.MLA|not mla"):
+        CpuPagedAttention(AttentionKind.MLA)
+
+
+def test_active_platform_routes_each_kind_to_its_backend():
+    active = load_platform("cpu")
+    for kind, window in ((AttentionKind.FULL, None), (AttentionKind.SLIDING_WINDOW, 128)):
+        spec = AttentionSpec(
+            kind, 9, 3, 64, active.platform.default_dtype, 16, sliding_window=window
+        )
+        assert active.attention_backend(spec).kind == kind
+
+
+# -- platform, hardware spec, allocators -------------------------------------------------
+
+
+def test_default_dtype_follows_the_cpu_flags():
+    platform = load_platform("cpu").platform
+    native = hardware.has_native_bf16(hardware.cpu_flags())
+    assert platform.default_dtype == (torch.bfloat16 if native else torch.float32)
+    assert platform.memory_info().total_bytes >= platform.memory_info().free_bytes > 0
+
+
+def test_hardware_spec_estimate_and_overrides(monkeypatch):
+    spec = load_platform("cpu").hardware_spec()
+    assert spec.peak_flops["bfloat16"] >= spec.peak_flops["float32"] > 0
+    assert spec.memory_bandwidth > 0 and spec.memory_bytes > 0
+    monkeypatch.setenv(hardware.PEAK_FP32_ENV, "250")
+    monkeypatch.setenv(hardware.BANDWIDTH_ENV, "40")
+    spec = hardware.estimate_hardware_spec()
+    assert spec.peak_flops["float32"] == 250e9 and spec.memory_bandwidth == 40e9
+    monkeypatch.setenv(hardware.BANDWIDTH_ENV, "fast")
+    with pytest.raises(ValueError, match="TOKENMILL_CPU_MEMORY_BANDWIDTH_GBS='fast'"):
+        hardware.estimate_hardware_spec()
+
+
+def test_kv_allocator_limit_accounting_oom_and_double_free(monkeypatch):
+    monkeypatch.setenv(KVCACHE_ENV, "0.001")
+    allocator = load_platform("cpu").allocator(AllocatorPurpose.KV_ARENA)
+    limit = allocator.bytes_limit()
+    assert limit == int(0.001 * (1 << 30))
+    first = allocator.allocate(1000)
+    assert first.dtype == torch.uint8 and first.numel() == 1000
+    second = allocator.allocate(limit - 1000)
+    assert allocator.bytes_in_use() == limit
+    with pytest.raises(
+        OutOfMemoryError,
+        match=rf"cannot allocate 1 bytes .*: 0 bytes .* {limit}-byte limit .*{KVCACHE_ENV}",
+    ):
+        allocator.allocate(1)
+    allocator.free(first)
+    assert allocator.bytes_in_use() == limit - 1000
+    with pytest.raises(OutOfMemoryError, match=r"cannot allocate 1001 bytes .*: 1000 bytes"):
+        allocator.allocate(1001)
+    with pytest.raises(ValueError, match="already freed"):
+        allocator.free(first)
+    with pytest.raises(ValueError, match="not allocated by this allocator"):
+        allocator.free(torch.empty(10, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="already freed or was not allocated"):
+        allocator.free(second[10:])
+    allocator.free(second)
+    assert allocator.bytes_in_use() == 0
+
+
+def test_allocator_limits_from_available_memory_and_bad_env(monkeypatch):
+    monkeypatch.delenv(KVCACHE_ENV, raising=False)
+    for purpose in AllocatorPurpose:
+        allocator = make_allocator(purpose)
+        assert allocator.purpose is purpose and allocator.bytes_limit() > 0
+    monkeypatch.setenv(KVCACHE_ENV, "-2")
+    with pytest.raises(ValueError, match=r"TOKENMILL_CPU_KVCACHE_GIB='-2' must be a positive"):
+        make_allocator(AllocatorPurpose.KV_ARENA)
+    with pytest.raises(ValueError, match="num_bytes=0"):
+        make_allocator(AllocatorPurpose.WEIGHTS).allocate(0)
+
+
+# -- communicator ------------------------------------------------------------------------
+
+
+def test_single_process_communicator_without_torch_distributed():
+    assert not dist.is_initialized()
+    comm = load_platform("cpu").communicator()
+    assert isinstance(comm, SingleProcessCommunicator)
+    x = torch.arange(6.0).view(2, 3)
+    assert comm.world_size == 1 and comm.rank == 0
+    assert torch.equal(comm.all_reduce(x), x) and torch.equal(comm.all_gather(x, dim=1), x)
+    assert torch.equal(comm.reduce_scatter(x), x) and torch.equal(comm.all_to_all(x), x)
+    with pytest.raises(ValueError, match="no peer"):
+        comm.send(x, 1)
+
+
+def _collectives_worker(rank: int, store_path: str) -> None:
+    """Runs every collective on a 2-rank gloo group; raises (failing the spawn) on a mismatch."""
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store_path}",
+        rank=rank,
+        world_size=2,
+        timeout=timedelta(seconds=60),
+    )
+    try:
+        active = load_platform("cpu")
+        for group in (None, dist.new_group([0, 1])):
+            comm = active.communicator(group)
+            _check_collectives(comm, rank)
+    finally:
+        dist.destroy_process_group()
+
+
+def _check_collectives(comm, rank: int) -> None:
+    other = 1 - rank
+    assert (comm.rank, comm.world_size) == (rank, 2)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.full((3, 4), rank + 1.0, dtype=dtype)
+        assert torch.equal(comm.all_reduce(x), torch.full((3, 4), 3.0, dtype=dtype))
+    strided = torch.full((4, 3), rank + 1.0).t()
+    assert torch.equal(comm.all_reduce(strided), torch.full((3, 4), 3.0))
+
+    x = torch.full((2, 3), float(rank))
+    assert torch.equal(comm.all_gather(x), torch.cat([torch.zeros(2, 3), torch.ones(2, 3)]))
+    assert torch.equal(
+        comm.all_gather(x, dim=1), torch.cat([torch.zeros(2, 3), torch.ones(2, 3)], 1)
+    )
+
+    x = torch.arange(12.0).view(4, 3) * (rank + 1)
+    before = x.clone()
+    expected = torch.arange(12.0).view(4, 3) * 3
+    assert torch.equal(comm.reduce_scatter(x), expected[2 * rank : 2 * rank + 2])
+    assert torch.equal(
+        comm.reduce_scatter(x.t().contiguous(), dim=1), expected.t()[:, 2 * rank : 2 * rank + 2]
+    )
+    assert torch.equal(x, before), "reduce_scatter modified its input"
+
+    x = torch.arange(4.0) + 10 * rank  # chunk i of every rank goes to rank i
+    assert torch.equal(
+        comm.all_to_all(x), torch.tensor([2.0 * rank, 2 * rank + 1, 10 + 2 * rank, 11 + 2 * rank])
+    )
+
+    if rank == 0:
+        comm.send(torch.arange(5.0), dst=other)
+        assert torch.equal(comm.recv(torch.empty(5), src=other), torch.arange(5.0) * 2)
+    else:
+        received = comm.recv(torch.empty(5), src=other)
+        comm.send(received * 2, dst=other)
+
+    x = torch.full((3,), float(rank))
+    assert torch.equal(comm.broadcast(x, src=1), torch.ones(3))
+    comm.barrier()
+
+
+def test_gloo_collectives_in_a_real_two_process_group(tmp_path):
+    mp.spawn(_collectives_worker, args=(str(tmp_path / "store"),), nprocs=2, join=True)
