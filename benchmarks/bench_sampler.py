@@ -10,7 +10,6 @@ that forces the full-sort fallback). Rows carry a 512-token prompt and 128 outpu
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
@@ -36,14 +35,15 @@ CASES: dict[str, dict] = {
 
 
 def time_call(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow], iters: int) -> float:
-    """Median milliseconds per call; the median shrugs off a busy neighbour on shared CPUs."""
+    """Best-of-`iters` milliseconds per call: on shared CPUs the minimum is what the code
+    costs, the rest is neighbours."""
     sampler(logits, rows)
     times = []
     for _ in range(iters):
         start = time.perf_counter()
         sampler(logits, rows)
         times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return min(times) * 1e3
 
 
 def main() -> None:
@@ -61,8 +61,9 @@ def main() -> None:
     prompt = torch.randint(0, args.vocab, (512,)).tolist()
     output = torch.randint(0, args.vocab, (128,)).tolist()
     batch_sizes = (1, 64)
-    print(f"vocab={args.vocab} scale={args.scale} threads={torch.get_num_threads()}")
-    print(f"{'case':<30}" + "".join(f"{f'rows={n} ms':>14}" for n in batch_sizes)
+    print(f"vocab={args.vocab} scale={args.scale} threads={torch.get_num_threads()}, "
+          f"best of {args.iters}, ms per call")
+    print(f"{'case':<30}" + "".join(f"{f'rows={n}':>14}" for n in batch_sizes)
           + f"{'rows=64 seeded':>16}")
     for name, kwargs in CASES.items():
         cells = []
