@@ -105,6 +105,8 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return [], 0
         self.update_block_hashes(request)
+        if request.sampling_params.prompt_logprobs is not None:
+            return [], 0  # every prompt position must be computed to score it
         hits = self.full.longest_hit(request, request.num_tokens - 1)
         return hits, len(hits) * self.block_size
 
