@@ -19,6 +19,7 @@ from collections.abc import Callable
 from itertools import accumulate
 
 import torch
+
 from tokenmill.ops.reference import paged_attention
 from tokenmill.platforms.interfaces import AttentionKind, AttentionMetadata, AttentionSpec
 from tokenmill_cpu.attention import CpuPagedAttention

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pluggy
+
 from tokenmill.platforms.interfaces import (
     Allocator,
     AllocatorPurpose,

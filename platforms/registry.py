@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from importlib import metadata
 
 import pluggy
+
 from tokenmill.ops import Ops, resolve_ops
 from tokenmill.platforms import hookspecs
 from tokenmill.platforms.interfaces import (
@@ -178,12 +179,12 @@ class PlatformRegistry:
             dist_version = dist.version if dist is not None else "0"
             try:
                 module = entry_point.load()
-            except ImportError as exc:
+            except Exception as exc:  # kept and reported: one broken plugin must not hide the rest
                 error = f"cannot import {entry_point.value!r}: {exc!r}"
                 registry._plugins[entry_point.name] = _Plugin(
                     entry_point.name, dist_name, dist_version, None, error
                 )
-                logger.warning("platform plugin %r failed to import: %r", entry_point.name, exc)
+                logger.warning("platform plugin %r: %s", entry_point.name, error, exc_info=True)
                 continue
             registry._add(module, entry_point.name, dist_name, dist_version, keep_errors=True)
         return registry
@@ -201,30 +202,7 @@ class PlatformRegistry:
 
     def list_platforms(self) -> list[PlatformInfo]:
         """Every registered plugin, whether it is available and why, sorted by name."""
-        infos = []
-        for name in self.names:
-            record = self._plugins[name]
-            if record.plugin is None:
-                infos.append(
-                    PlatformInfo(name, record.distribution, record.version, False, record.error)
-                )
-                continue
-            detection = self._detect(name)
-            capabilities = None
-            if detection.available:
-                platform = _check_platform(name, self._caller(name)("tokenmill_platform"))
-                capabilities = platform.capabilities
-            infos.append(
-                PlatformInfo(
-                    name=name,
-                    distribution=record.distribution,
-                    version=record.version,
-                    available=detection.available,
-                    reason=detection.reason,
-                    capabilities=capabilities,
-                )
-            )
-        return infos
+        return [self._probe(name)[0] for name in self.names]
 
     def load_platform(self, name: str | None = None) -> ActivePlatform:
         """Choose and activate a platform; see the module docstring for the rules."""
@@ -287,10 +265,10 @@ class PlatformRegistry:
     def _only_available(self) -> str:
         if not self._plugins:
             raise PlatformError(f"no tokenmill platform plugin is installed; {_INSTALL_HINT}")
-        infos = self.list_platforms()
+        probes = [self._probe(name) for name in self.names]
+        infos = [info for info, _ in probes]
         available = [info.name for info in infos if info.available]
-        broken = [info for info in infos if not info.available and info.name in self._broken()]
-        if len(available) == 1 and not broken:
+        if len(available) == 1 and not any(broken for _, broken in probes):
             return available[0]
         listing = "; ".join(f"{i.name}: {'available' if i.available else i.reason}" for i in infos)
         if not available:
@@ -300,8 +278,32 @@ class PlatformRegistry:
             f"or set ${PLATFORM_ENV} to one of {available}"
         )
 
-    def _broken(self) -> set[str]:
-        return {name for name, record in self._plugins.items() if record.plugin is None}
+    def _probe(self, name: str) -> tuple[PlatformInfo, bool]:
+        """(what `list_platforms` shows for `name`, whether the plugin is broken).
+
+        A plugin that failed to load, or whose probe or activation raised, is broken: it is
+        shown as unavailable with the error as the reason.
+        """
+        record = self._plugins[name]
+        about = {"name": name, "distribution": record.distribution, "version": record.version}
+        if record.plugin is None:
+            return PlatformInfo(**about, available=False, reason=record.error), True
+        try:
+            detection = self._detect(name)
+            capabilities = None
+            if detection.available:
+                platform = _check_platform(name, self._caller(name)("tokenmill_platform"))
+                capabilities = platform.capabilities
+        except PlatformError as exc:
+            logger.warning("%s", exc)
+            return PlatformInfo(**about, available=False, reason=str(exc)), True
+        info = PlatformInfo(
+            **about,
+            available=detection.available,
+            reason=detection.reason,
+            capabilities=capabilities,
+        )
+        return info, False
 
     def _detect(self, name: str) -> DetectionResult:
         result = self._caller(name)("tokenmill_detect")
@@ -311,10 +313,21 @@ class PlatformRegistry:
         return self._caller_for(self._plugins[name].plugin)
 
     def _caller_for(self, plugin: object) -> Callable[..., object]:
+        """Calls one hook of `plugin` only; an exception it raises becomes a `PlatformError`
+        naming the plugin and the hook (chained to the original)."""
         others = [p for p in self._pm.get_plugins() if p is not plugin]
+        name = self._pm.get_name(plugin)
 
         def call(hook_name: str, **kwargs: object) -> object:
-            return self._pm.subset_hook_caller(hook_name, others)(**kwargs)
+            hook = self._pm.subset_hook_caller(hook_name, others)
+            try:
+                return hook(**kwargs)
+            except PlatformError:
+                raise
+            except Exception as exc:
+                raise PlatformError(
+                    f"platform plugin {name!r}: {hook_name} raised {exc!r}"
+                ) from exc
 
         return call
 

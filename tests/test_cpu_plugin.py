@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
 from tokenmill.ops.reference import paged_attention
 from tokenmill.platforms.interfaces import (
     AllocatorPurpose,

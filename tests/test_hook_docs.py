@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 
 import pytest
+
 from tokenmill.platforms import hookspecs
 
 SECTIONS = ("When called:", "Arguments:", "Returns:", "Core checks:", "Example:")

@@ -7,6 +7,7 @@ from importlib import metadata
 import pluggy
 import pytest
 import torch
+
 from tokenmill.platforms import registry as registry_module
 from tokenmill.platforms.interfaces import (
     Allocator,
@@ -211,6 +212,34 @@ def test_broken_entry_point_is_listed_and_blocks_only_automatic_choice(monkeypat
     assert load_platform("cpu").name == "cpu"
     with pytest.raises(PlatformError, match="'broken' is broken"):
         load_platform("broken")
+
+
+def test_entry_point_failing_with_any_error_is_reported_not_raised(monkeypatch):
+    real = metadata.entry_points(group="tokenmill.platforms")
+    missing_attr = metadata.EntryPoint(
+        "odd", "tokenmill.platforms.hookspecs:no_such_plugin", "tokenmill.platforms"
+    )
+    monkeypatch.setattr(metadata, "entry_points", lambda group: [*real, missing_attr])
+    infos = {info.name: info for info in list_platforms()}
+    assert not infos["odd"].available and "AttributeError" in infos["odd"].reason
+
+
+def test_a_probe_that_raises_is_reported_and_blocks_only_automatic_choice():
+    class Crashing(FakePlugin):
+        @hookimpl
+        def tokenmill_detect(self):
+            raise OSError("driver went away")
+
+    registry = registry_with(Crashing("alpha"), FakePlugin("beta"))
+    infos = {info.name: info for info in registry.list_platforms()}
+    assert not infos["alpha"].available
+    assert "'alpha': tokenmill_detect raised OSError('driver went away')" in infos["alpha"].reason
+    with pytest.raises(PlatformError, match="several.*alpha: platform plugin 'alpha'"):
+        registry.load_platform()
+    assert registry.load_platform("beta").name == "beta"
+    with pytest.raises(PlatformError, match="'alpha': tokenmill_detect raised") as caught:
+        registry.load_platform("alpha")
+    assert isinstance(caught.value.__cause__, OSError)
 
 
 # -- validation at registration ----------------------------------------------------------

@@ -15,6 +15,7 @@ import os
 
 import psutil
 import torch
+
 from tokenmill.platforms.interfaces import Allocator, AllocatorPurpose, OutOfMemoryError
 
 KVCACHE_ENV = "TOKENMILL_CPU_KVCACHE_GIB"

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
 from tokenmill.platforms.interfaces import (
     AttentionBackend,
     AttentionKind,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
 from tokenmill.platforms.interfaces import Communicator
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import psutil
 import torch
+
 from tokenmill.platforms.interfaces import HardwareSpec
 
 PEAK_FP32_ENV = "TOKENMILL_CPU_PEAK_GFLOPS_FP32"

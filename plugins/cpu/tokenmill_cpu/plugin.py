@@ -13,6 +13,7 @@ from collections.abc import Callable
 import pluggy
 import psutil
 import torch
+
 from tokenmill.platforms.interfaces import (
     Allocator,
     AllocatorPurpose,
