@@ -75,11 +75,18 @@ class ActivePlatform:
     Allocators are created once per purpose and kept, so their accounting is global.
     """
 
-    def __init__(self, name: str, version: str, call: Callable[..., object]) -> None:
+    def __init__(
+        self, name: str, version: str, call: Callable[..., object], implemented: frozenset[str]
+    ) -> None:
         self.name = name
         self.version = version
         self._call = call
         self.platform: Platform = _check_platform(name, call("tokenmill_platform"))
+        if self.platform.capabilities.collectives and "tokenmill_communicator" not in implemented:
+            raise PlatformError(
+                f"platform plugin {name!r} declares collectives but does not implement "
+                "tokenmill_communicator; implement it or declare collectives=False"
+            )
         self._backends = _check_backends(
             name, self.platform, call("tokenmill_attention_backends", platform=self.platform)
         )
@@ -222,7 +229,8 @@ class PlatformRegistry:
         detection = self._detect(chosen)
         if not detection.available:
             raise PlatformError(f"platform {chosen!r} is not available: {detection.reason}")
-        return ActivePlatform(chosen, record.version, self._caller(chosen))
+        implemented = frozenset(hook for hook, _ in _hookimpls(self._pm, record.plugin))
+        return ActivePlatform(chosen, record.version, self._caller(chosen), implemented)
 
     def _add(self, plugin: object, name: str, dist: str, version: str, keep_errors: bool) -> None:
         if name in self._plugins:

@@ -351,6 +351,17 @@ def test_bad_return_values_fail_at_activation_naming_the_plugin(plugin_class, me
         registry.load_platform("alpha")
 
 
+def test_declared_collectives_need_a_communicator():
+    class Collective(FakePlugin):
+        @hookimpl
+        def tokenmill_platform(self):
+            caps = Capabilities(collectives=True)
+            return Platform("alpha", "cpu", caps, torch.float32, lambda: MemoryInfo(1, 1))
+
+    with pytest.raises(PlatformError, match="declares collectives but does not implement"):
+        registry_with(Collective("alpha")).load_platform()
+
+
 def test_bad_allocator_hardware_spec_and_waivers_fail_when_asked():
     class Bad(FakePlugin):
         @hookimpl

@@ -88,7 +88,15 @@ class CpuPagedAttention(AttentionBackend):
         if self.kind == AttentionKind.FULL:
             self._plan(metadata, None)
 
-    def forward(self, spec, query, key, value, kv_cache, metadata):
+    def forward(
+        self,
+        spec: AttentionSpec,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
         """Writes key/value into `kv_cache`, then attends; does not modify the inputs."""
         num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
         flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
@@ -98,14 +106,14 @@ class CpuPagedAttention(AttentionBackend):
         plan = self._plan(metadata, spec.sliding_window)
         gathered = _gather(plan, kv_cache)
         scale = spec.scale if spec.scale is not None else spec.head_size**-0.5
-        query = query.to(kv_cache.dtype)
-        out = torch.empty_like(query)
+        q = query.to(kv_cache.dtype)
+        out = torch.empty_like(q)
         for bucket in plan.decode:
-            _decode(bucket, query, gathered, scale, out)
+            _decode(bucket, q, gathered, scale, out)
+        own_keys = (key.to(kv_cache.dtype), value.to(kv_cache.dtype))
         for seq in plan.prefill:
-            own_keys = (key.to(kv_cache.dtype), value.to(kv_cache.dtype))
-            _prefill(seq, query, own_keys, gathered, scale, out)
-        return out
+            _prefill(seq, q, own_keys, gathered, scale, out)
+        return out.to(query.dtype)
 
     def _plan(self, metadata: AttentionMetadata, window: int | None) -> _StepPlan:
         plans = metadata.backend_state.setdefault(self.name, {})
@@ -129,7 +137,13 @@ def _gather(plan: _StepPlan, kv_cache: torch.Tensor) -> torch.Tensor | None:
     return buffer
 
 
-def _decode(bucket, query, gathered, scale, out) -> None:
+def _decode(
+    bucket: _DecodeBucket,
+    query: torch.Tensor,
+    gathered: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
     rows, num_heads, head_size = bucket.token_ids.numel(), query.shape[1], query.shape[2]
     num_kv_heads = gathered.shape[3]
     blocks = gathered[:, bucket.block_offset : bucket.block_offset + rows * bucket.num_blocks]
@@ -142,7 +156,14 @@ def _decode(bucket, query, gathered, scale, out) -> None:
     out.index_copy_(0, bucket.token_ids, o.reshape(rows, num_heads, head_size))
 
 
-def _prefill(seq, query, own_keys, gathered, scale, out) -> None:
+def _prefill(
+    seq: _PrefillSeq,
+    query: torch.Tensor,
+    own_keys: tuple[torch.Tensor, torch.Tensor],
+    gathered: torch.Tensor | None,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
     q = query[seq.query_start : seq.query_end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
     if seq.block_offset is None:
         k, v = (t[seq.query_start : seq.query_end].transpose(0, 1).unsqueeze(0) for t in own_keys)
