@@ -231,4 +231,6 @@ class DetectionResult:
 
 # Op names a plugin may override through `tokenmill_ops`; each has a reference in
 # `tokenmill.ops.reference` with the same signature.
-OP_NAMES = frozenset({"rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul"})
+OP_NAMES = frozenset(
+    {"rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "prepack_linear"}
+)

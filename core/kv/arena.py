@@ -58,6 +58,9 @@ class KVArena:
                 f"{page * num_slots} bytes; give it more memory"
             )
         buffer = allocator.allocate(num_blocks * page * num_slots)
+        # Kernels may read a block's unwritten tail (and multiply it by a zero probability);
+        # uninitialised memory can hold NaN bit patterns, and 0 * NaN is NaN.
+        buffer.zero_()
         caches = []
         for slot, spec in enumerate(specs):
             region = buffer[slot * num_blocks * page : (slot + 1) * num_blocks * page]

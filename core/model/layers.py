@@ -31,8 +31,16 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+        self._apply_packed = None
+
+    def prepack(self, ops: Ops) -> None:
+        """Let the platform repack the loaded weights (`ops.prepack_linear`); call after every
+        weight update. Until then, and for weights changed later, forward uses F.linear."""
+        self._apply_packed = ops.prepack_linear(self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._apply_packed is not None:
+            return self._apply_packed(x)
         return F.linear(x, self.weight, self.bias)
 
 

@@ -208,6 +208,8 @@ class CausalLM(nn.Module):
         # the distinct backends, for the runner's once-per-step `prepare`
         self.attention_backends = list({id(b): b for b in backends}.values())
         self.model = Model(hf_config, self.attention_specs, backends, ops, dtype)
+        self.ops = ops
+        self._logits_fn = None
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.lm_head = None
         if not self.tie_word_embeddings:
@@ -235,8 +237,21 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 [n, vocab] logits for hidden states [n, hidden] (matmul in the model dtype)."""
+        if self._logits_fn is not None:
+            return self._logits_fn(hidden).float()
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
+
+    def prepack(self) -> None:
+        """Hand every loaded matmul weight to the platform's `prepack_linear` (once, after
+        `load_weights`), so that a platform can keep weights in its fastest layout."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.prepack(self.ops)
+        if self.lm_head is not None:
+            self._logits_fn = self.lm_head
+        else:  # tied: the embedding table doubles as the head
+            self._logits_fn = self.ops.prepack_linear(self.model.embed_tokens.weight, None)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -104,6 +104,7 @@ def load_model_and_tokenizer(
             block_size=block_size,
         )
     lm.load_weights(weights)
+    lm.prepack()
     lm.eval()
     logger.info("loaded %s (%s) in %s on %s", path, hf_config.model_type, dtype, device)
 

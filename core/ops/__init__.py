@@ -16,6 +16,7 @@ class Ops:
     fused_add_rms_norm: Callable
     rotary_embedding: Callable
     silu_and_mul: Callable
+    prepack_linear: Callable
 
 
 def resolve_ops(overrides: Mapping[str, Callable] | None = None, source: str = "platform") -> Ops:

@@ -7,7 +7,11 @@ obviously correct over being fast. A plugin may override an op by name through t
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 
 from tokenmill.platforms.interfaces import (
     AttentionBackend,
@@ -59,6 +63,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x is [..., 2 * d] holding (gate | up); returns silu(gate) * up."""
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def prepack_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Called once per linear layer after its weights are loaded; returns y = f(x) computing
+    x @ weight.T + bias. A platform may repack the weight into its preferred layout here
+    (the returned function owns the packed copy). Does not modify `weight` or `bias`."""
+    return functools.partial(F.linear, weight=weight, bias=bias)
 
 
 def write_kv(
@@ -138,4 +151,5 @@ REFERENCE_OPS = {
     "fused_add_rms_norm": fused_add_rms_norm,
     "rotary_embedding": rotary_embedding,
     "silu_and_mul": silu_and_mul,
+    "prepack_linear": prepack_linear,
 }
