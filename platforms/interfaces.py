@@ -232,5 +232,13 @@ class DetectionResult:
 # Op names a plugin may override through `tokenmill_ops`; each has a reference in
 # `tokenmill.ops.reference` with the same signature.
 OP_NAMES = frozenset(
-    {"rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "prepack_linear"}
+    {
+        "rms_norm",
+        "fused_add_rms_norm",
+        "rotary_embedding",
+        "silu_and_mul",
+        "prepack_linear",
+        "copy_blocks",  # KV blocks within each layer's cache (conformance tier T2)
+        "swap_blocks",  # KV blocks between two caches, e.g. device <-> host (tier T2)
+    }
 )

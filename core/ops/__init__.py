@@ -17,6 +17,8 @@ class Ops:
     rotary_embedding: Callable
     silu_and_mul: Callable
     prepack_linear: Callable
+    copy_blocks: Callable
+    swap_blocks: Callable
 
 
 def resolve_ops(overrides: Mapping[str, Callable] | None = None, source: str = "platform") -> Ops:

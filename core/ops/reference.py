@@ -96,6 +96,36 @@ def gather_kv(
     return k, v
 
 
+def copy_blocks(kv_caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
+    """Copy whole KV blocks within each layer's cache (copy-on-write of shared blocks).
+
+    `kv_caches` holds one [2, num_blocks, block_size, num_kv_heads, head_size] tensor per
+    layer; `block_mapping` is int64 [n, 2] of (src block, dst block) pairs. Keys and values
+    of every layer are copied. Sources are read before any destination is written, so a
+    block may be both a source and a destination. Modifies only the destination blocks.
+    """
+    if block_mapping.numel() == 0:
+        return
+    src, dst = block_mapping[:, 0].long(), block_mapping[:, 1].long()
+    for cache in kv_caches:
+        cache[:, dst.to(cache.device)] = cache[:, src.to(cache.device)]
+
+
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """Move KV blocks between two caches of one layer, e.g. device to host and back.
+
+    `src` and `dst` are [2, num_blocks, block_size, num_kv_heads, head_size] tensors of the
+    same dtype and block shape, possibly on different devices and with different block
+    counts; `block_mapping` is int64 [n, 2] of (src block, dst block) pairs. Does not
+    modify `src`; modifies only the mapped blocks of `dst`.
+    """
+    if block_mapping.numel() == 0:
+        return
+    src_ids, dst_ids = block_mapping[:, 0].long(), block_mapping[:, 1].long()
+    blocks = src[:, src_ids.to(src.device)]
+    dst[:, dst_ids.to(dst.device)] = blocks.to(dst.device)
+
+
 def paged_attention(
     spec: AttentionSpec,
     query: torch.Tensor,
@@ -152,4 +182,6 @@ REFERENCE_OPS = {
     "rotary_embedding": rotary_embedding,
     "silu_and_mul": silu_and_mul,
     "prepack_linear": prepack_linear,
+    "copy_blocks": copy_blocks,
+    "swap_blocks": swap_blocks,
 }
