@@ -33,7 +33,9 @@ def _caps_dict(caps) -> dict[str, object]:
     for name in caps.__slots__:
         value = getattr(caps, name)
         if isinstance(value, frozenset):
-            value = sorted(getattr(v, "value", str(v).removeprefix("torch.")) for v in value)
+            shown = [getattr(v, "value", v) for v in value]
+            shown = [s if isinstance(s, int | str) else str(s).removeprefix("torch.") for s in shown]
+            value = sorted(shown, key=lambda s: (isinstance(s, str), s))
         out[name] = value
     return out
 
