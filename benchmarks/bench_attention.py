@@ -16,7 +16,6 @@ import argparse
 import random
 import time
 from collections.abc import Callable
-from itertools import accumulate
 
 import torch
 
@@ -34,31 +33,12 @@ def make_step(seqs: list[tuple[int, int]], block_size: int, dtype: torch.dtype, 
     num_blocks = sum(needed) + 1
     pool = list(range(num_blocks))
     rng.shuffle(pool)
-    tables = torch.zeros(len(seqs), max(needed), dtype=torch.int32)
-    slots = []
-    for i, ((cached, new), n) in enumerate(zip(seqs, needed, strict=True)):
-        block_ids = [pool.pop() for _ in range(n)]
-        tables[i, :n] = torch.tensor(block_ids)
-        slots += [
-            block_ids[p // block_size] * block_size + p % block_size
-            for p in range(cached, cached + new)
-        ]
+    block_ids = [[pool.pop() for _ in range(n)] for n in needed]
     query_lens = [new for _, new in seqs]
-    seq_lens = [cached + new for cached, new in seqs]
-    num_tokens = sum(query_lens)
-    metadata = AttentionMetadata(
-        num_tokens=num_tokens,
-        num_seqs=len(seqs),
-        query_start_loc=torch.tensor([0, *accumulate(query_lens)], dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=tables,
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_lens_cpu=query_lens,
-        seq_lens_cpu=seq_lens,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        block_size=block_size,
+    metadata = AttentionMetadata.build(
+        query_lens, [cached + new for cached, new in seqs], block_ids, block_size
     )
+    num_tokens = metadata.num_tokens
     kv_cache = torch.randn(2, num_blocks, block_size, NUM_KV_HEADS, HEAD_SIZE).to(dtype)
     query = torch.randn(num_tokens, NUM_HEADS, HEAD_SIZE).to(dtype)
     key = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_SIZE).to(dtype)

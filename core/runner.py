@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenmill.platforms.interfaces import AttentionMetadata
+from tokenmill.platforms.interfaces import AttentionMetadata, token_positions
 from tokenmill.request import Request
 from tokenmill.sampler import Logprobs, Sampler, SamplingRow, prompt_logprobs
 from tokenmill.scheduler import SchedulerOutput
@@ -77,24 +77,18 @@ class ModelRunner:
         return out
 
     def _prepare_inputs(self, step: SchedulerOutput) -> _StepInputs:
-        bs = self.block_size
         token_ids: list[int] = []
-        positions: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
         sample_rows: list[str] = []
         sample_indices: list[int] = []
         lp_rows: dict[str, tuple[list[int], tuple[int, int]]] = {}
-        max_blocks = max(len(s.block_ids) for s in step.scheduled)
-        block_table = torch.zeros((len(step.scheduled), max_blocks), dtype=torch.int32)
-        for i, s in enumerate(step.scheduled):
+        for s in step.scheduled:
             n = len(s.token_ids)
             offset = len(token_ids)
             token_ids.extend(s.token_ids)
-            positions.extend(range(s.start_position, s.start_position + n))
             query_lens.append(n)
             seq_lens.append(s.start_position + n)
-            block_table[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
             if s.sample:
                 sample_rows.append(s.request_id)
                 sample_indices.append(offset + n - 1)
@@ -103,33 +97,14 @@ class ModelRunner:
                 idx = [offset + p - s.start_position for p in range(lo, hi)]
                 lp_rows[s.request_id] = (idx, (lo, hi))
 
-        positions_t = torch.tensor(positions, dtype=torch.int64)
-        seq_index = torch.repeat_interleave(
-            torch.arange(len(query_lens)), torch.tensor(query_lens)
-        )
-        slot_mapping = (
-            block_table[seq_index, positions_t // bs].to(torch.int64) * bs + positions_t % bs
-        )
-        query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
-        query_start_loc[1:] = torch.tensor(query_lens).cumsum(0)
-
         dev = self.device
-        metadata = AttentionMetadata(
-            num_tokens=len(token_ids),
-            num_seqs=len(query_lens),
-            query_start_loc=query_start_loc.to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=block_table.to(dev),
-            slot_mapping=slot_mapping.to(dev),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            block_size=bs,
+        metadata = AttentionMetadata.build(
+            query_lens, seq_lens, [s.block_ids for s in step.scheduled], self.block_size, dev
         )
+        _, positions = token_positions(query_lens, seq_lens)
         return _StepInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.int64, device=dev),
-            positions=positions_t.to(dev),
+            positions=positions.to(dev),
             metadata=metadata,
             sample_rows=sample_rows,
             sample_indices=torch.tensor(sample_indices, dtype=torch.int64, device=dev),

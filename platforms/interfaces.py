@@ -65,6 +65,52 @@ class AttentionMetadata:
     # `AttentionBackend.prepare`; the core never reads it.
     backend_state: dict[str, object] = field(default_factory=dict)
 
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_ids: list[list[int]],
+        block_size: int,
+        device: torch.device | str | None = None,
+    ) -> AttentionMetadata:
+        """Metadata for sequences whose i-th computes its last `query_lens[i]` tokens of
+        `seq_lens[i]`, with block table `block_ids[i]` (which must cover seq_lens[i])."""
+        num_seqs = len(query_lens)
+        tables = torch.zeros((num_seqs, max(len(b) for b in block_ids)), dtype=torch.int32)
+        for i, ids in enumerate(block_ids):
+            tables[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        seq_index, positions = token_positions(query_lens, seq_lens)
+        slots = tables[seq_index, positions // block_size].long() * block_size
+        query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.int32)
+        query_start_loc[1:] = torch.tensor(query_lens).cumsum(0)
+        return cls(
+            num_tokens=len(positions),
+            num_seqs=num_seqs,
+            query_start_loc=query_start_loc.to(device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=tables.to(device),
+            slot_mapping=(slots + positions % block_size).to(device),
+            query_lens_cpu=list(query_lens),
+            seq_lens_cpu=list(seq_lens),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            block_size=block_size,
+        )
+
+
+def token_positions(
+    query_lens: list[int], seq_lens: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a flattened ragged batch: each token's sequence index and its position in that
+    sequence (sequence i's tokens are the last query_lens[i] of seq_lens[i]). int64 [T] each."""
+    q_lens = torch.tensor(query_lens, dtype=torch.int64)
+    seq_index = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)
+    first = q_lens.cumsum(0) - q_lens
+    starts = torch.tensor(seq_lens, dtype=torch.int64) - q_lens
+    positions = torch.arange(int(q_lens.sum())) - first[seq_index] + starts[seq_index]
+    return seq_index, positions
+
 
 class AttentionBackend(ABC):
     """Paged attention for one attention kind.

@@ -24,29 +24,11 @@ class Sequence:
 
 def build_metadata(chunks: list[tuple[Sequence, int]], block_size: int) -> AttentionMetadata:
     """Metadata for a step computing the next `n` tokens of each `(sequence, n)`, in order."""
-    query_lens = [n for _, n in chunks]
-    seq_lens = [seq.num_computed + n for seq, n in chunks]
-    max_blocks = max(len(seq.block_ids) for seq, _ in chunks)
-    block_tables = torch.zeros(len(chunks), max_blocks, dtype=torch.int32)
-    slots: list[int] = []
-    for i, (seq, n) in enumerate(chunks):
-        block_tables[i, : len(seq.block_ids)] = torch.tensor(seq.block_ids, dtype=torch.int32)
-        for pos in range(seq.num_computed, seq.num_computed + n):
-            slots.append(seq.block_ids[pos // block_size] * block_size + pos % block_size)
-    query_start_loc = torch.zeros(len(chunks) + 1, dtype=torch.int32)
-    query_start_loc[1:] = torch.tensor(query_lens).cumsum(0)
-    return AttentionMetadata(
-        num_tokens=sum(query_lens),
-        num_seqs=len(chunks),
-        query_start_loc=query_start_loc,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=block_tables,
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_lens_cpu=query_lens,
-        seq_lens_cpu=seq_lens,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        block_size=block_size,
+    return AttentionMetadata.build(
+        [n for _, n in chunks],
+        [seq.num_computed + n for seq, n in chunks],
+        [seq.block_ids for seq, _ in chunks],
+        block_size,
     )
 
 
