@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
+from pathlib import Path
+
+DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 def _platforms(args: argparse.Namespace) -> int:
@@ -51,12 +56,78 @@ def _info_dict(info) -> dict[str, object]:
     }
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+    from pydantic import ValidationError
+
+    from tokenmill.async_engine import AsyncLLM
+    from tokenmill.config import EngineArgs
+    from tokenmill.server.app import build_app
+    from tokenmill.server.protocol import MAX_HEADER_BYTES
+
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()), format="%(levelname)s %(name)s: %(message)s"
+    )
+    chat_template = Path(args.chat_template).read_text() if args.chat_template else None
+    engine_kw = {
+        "model": args.model, "dtype": args.dtype, "platform": args.platform,
+        "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens, "block_size": args.block_size,
+        "chat_template": chat_template, "seed": args.seed,
+    }
+    try:
+        engine_args = EngineArgs(**{k: v for k, v in engine_kw.items() if v is not None})
+    except ValidationError as e:
+        print(f"tokenmill serve: invalid arguments:\n{e}", file=sys.stderr)
+        return 2
+    names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
+    api_key = args.api_key or os.environ.get("TOKENMILL_API_KEY") or None
+    app = build_app(AsyncLLM(engine_args), names, api_key=api_key)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        http="h11",  # its header-size limit is configurable
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+        timeout_graceful_shutdown=args.shutdown_timeout,
+        log_level=args.log_level,
+    )
+    return 0
+
+
+def _add_serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve a model over the OpenAI and Anthropic HTTP APIs")
+    p.add_argument("model", nargs="?", default=None,
+                   help="HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) clients use for the model (default: MODEL)")
+    p.add_argument("--api-key", default=None,
+                   help="require this key (also read from TOKENMILL_API_KEY)")
+    p.add_argument("--platform", default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--dtype", default=None,
+                   choices=["auto", "bfloat16", "bf16", "float32", "fp32", "float16", "fp16"])
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--chat-template", default=None, help="a file holding a jinja chat template")
+    p.add_argument("--shutdown-timeout", type=int, default=30,
+                   help="seconds in-flight requests get to finish after SIGTERM")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description="tokenmill inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("platforms", help="list installed platform plugins and their state")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_platforms)
+    _add_serve_parser(sub)
     return parser
 
 

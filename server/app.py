@@ -1,0 +1,245 @@
+"""The FastAPI app: routes, error shapes, API-key check, body-size limit, health and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from contextlib import asynccontextmanager
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tokenmill.async_engine import AsyncLLM, EngineDeadError
+from tokenmill.server import anthropic_routes, openai_routes
+from tokenmill.server.metrics import Metrics
+from tokenmill.server.protocol import MAX_BODY_BYTES, DetokenizeRequest, TokenizeRequest
+from tokenmill.server.serving import (
+    APIError,
+    ClientDisconnected,
+    ServerState,
+    error_body,
+    error_response,
+    state_of,
+)
+
+# Paths answered without an API key, compared with the raw request path byte for byte, so
+# no spelling of another path ("//v1/models", "/health/../v1/...", %-escapes) slips through.
+PUBLIC_PATHS = frozenset({b"/health", b"/version", b"/metrics"})
+
+
+def _version() -> str:
+    try:
+        return version("tokenmill")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+class APIKeyMiddleware:
+    """401 unless `Authorization: Bearer KEY` or `x-api-key: KEY` matches (constant time)."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.key = api_key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or self._allowed(scope):
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        message = "missing or invalid API key: send `Authorization: Bearer KEY` or `x-api-key: KEY`"
+        body = error_body(path, 401, message, code="invalid_api_key")
+        await JSONResponse(body, status_code=401)(scope, receive, send)
+
+    def _allowed(self, scope) -> bool:
+        raw_path = scope.get("raw_path") or scope.get("path", "").encode()
+        raw_path = raw_path.split(b"?", 1)[0]
+        if raw_path in PUBLIC_PATHS:
+            return True
+        ok = False
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization" and value[:7].lower() == b"bearer ":
+                ok |= hmac.compare_digest(value[7:].strip(), self.key)
+            elif name == b"x-api-key":
+                ok |= hmac.compare_digest(value.strip(), self.key)
+        return ok
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class BodyLimitMiddleware:
+    """413 for a request body over `max_bytes`, declared or streamed."""
+
+    def __init__(self, app, max_bytes: int = MAX_BODY_BYTES) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        too_large = error_response(path, 413, f"the request body is over {self.max_bytes} bytes")
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                await too_large(scope, receive, send)
+                return
+        received = 0
+        started = False
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise _BodyTooLarge()
+            return message
+
+        async def tracked_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracked_send)
+        except _BodyTooLarge:
+            if not started:
+                await too_large(scope, receive, send)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    parts, param = [], None
+    for err in exc.errors()[:5]:
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        param = param or (loc[0] if loc else None)
+        parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}")
+    return "invalid request: " + "; ".join(parts), param
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> Response:
+        message, param = _validation_message(exc)
+        return error_response(request.url.path, 400, message, param)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> Response:
+        return error_response(request.url.path, exc.status, exc.message, exc.param, exc.code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        response = error_response(request.url.path, exc.status_code, str(exc.detail))
+        for k, v in (exc.headers or {}).items():
+            response.headers[k] = v
+        return response
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(request: Request, exc: EngineDeadError) -> Response:
+        return error_response(request.url.path, 503, str(exc))
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(request: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema, with our 400 in place of its 422 (we never answer 422)."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    error = {"description": "invalid request", "content": {"application/json": {"schema": {"type": "object"}}}}
+    for ops in schema.get("paths", {}).values():
+        for op in ops.values():
+            responses = op.setdefault("responses", {})
+            responses.pop("422", None)
+            if op.get("requestBody"):
+                responses["400"] = error
+                responses["413"] = {**error, "description": "body too large"}
+            if op.get("operationId", "").startswith(("create_", "count_", "tokenize", "detokenize")):
+                responses["404"] = {**error, "description": "unknown model"}
+                responses["503"] = {**error, "description": "the engine is dead"}
+    app.openapi_schema = schema
+    return schema
+
+
+def build_app(
+    engine: AsyncLLM,
+    served_model_names: list[str],
+    api_key: str | None = None,
+    metrics: Metrics | None = None,
+) -> FastAPI:
+    """An app serving `engine`; the engine thread starts and stops with the app's lifespan."""
+    metrics = metrics or Metrics(served_model_names[0])
+    metrics.bind_engine(lambda: engine.stats)
+    if engine.observer is None:
+        engine.observer = metrics
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(title="tokenmill", version=_version(), lifespan=lifespan)
+    app.state.server = ServerState(engine, served_model_names, metrics, api_key, int(time.time()))
+    _install_error_handlers(app)
+    app.openapi = lambda: _openapi(app)
+    app.include_router(openai_routes.router)
+    app.include_router(anthropic_routes.router)
+    _add_utility_routes(app)
+    app.add_middleware(BodyLimitMiddleware)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    return app
+
+
+def _add_utility_routes(app: FastAPI) -> None:
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        if state_of(request).engine.is_dead:
+            return error_response(request.url.path, 503, "the engine is dead")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def get_version() -> dict[str, str]:
+        return {"version": _version()}
+
+    @app.get("/metrics")
+    async def get_metrics(request: Request) -> Response:
+        return Response(state_of(request).metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+        state = state_of(request)
+        state.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of `prompt` and `messages`")
+        if body.messages is not None:
+            msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
+            try:
+                _, ids = await state.engine.render_chat(msgs)
+            except Exception as e:  # the template failing on these messages
+                raise APIError(400, f"could not render the messages: {e}", "messages") from e
+        else:
+            ids = await state.engine.encode(body.prompt, body.add_special_tokens)
+        return {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, str]:
+        state = state_of(request)
+        state.check_model(body.model)
+        size = len(state.engine.tokenizer)
+        bad = [t for t in body.tokens if t >= size]
+        if bad:
+            raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {size})", "tokens")
+        return {"prompt": await state.engine.decode(body.tokens)}

@@ -1,0 +1,112 @@
+"""Prometheus metrics, vLLM's names with the `tokenmill:` prefix.
+
+Counters and histograms are fed from the engine thread (a `StatsObserver`); gauges of the
+engine's state are read at scrape time from the snapshot the engine thread publishes.
+Each app has its own registry: no module-level metric objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from tokenmill.async_engine import EngineStats
+from tokenmill.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)
+
+
+class _EngineCollector:
+    """Gauges and counters the engine keeps itself, read from its latest snapshot."""
+
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
+        self._stats = stats
+        self._labels = {"model_name": model_name}
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(name, doc, labels=list(self._labels))
+        g.add_metric(list(self._labels.values()), value)
+        return g
+
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        c = CounterMetricFamily(name, doc, labels=list(self._labels))
+        c.add_metric(list(self._labels.values()), value)
+        return c
+
+    def collect(self):
+        s = self._stats()
+        yield self._gauge("tokenmill:num_requests_running", "Requests being computed.", s.num_running)
+        yield self._gauge("tokenmill:num_requests_waiting", "Requests waiting to run.", s.num_waiting)
+        yield self._gauge("tokenmill:kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).", s.kv_usage)
+        yield self._counter("tokenmill:num_preemptions", "Preemptions since start.", s.num_preemptions)
+        yield self._counter(
+            "tokenmill:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+            s.prefix_cache_queries,
+        )
+        yield self._counter(
+            "tokenmill:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+            s.prefix_cache_hits,
+        )
+
+
+class Metrics:
+    """One server's metrics; implements `tokenmill.async_engine.StatsObserver`."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self._stats: Callable[[], EngineStats] = EngineStats
+        labels = ["model_name"]
+        self.prompt_tokens = Counter(
+            "tokenmill:prompt_tokens", "Prompt tokens of finished requests.", labels,
+            registry=self.registry,
+        ).labels(model_name)
+        self.generation_tokens = Counter(
+            "tokenmill:generation_tokens", "Generated tokens of finished requests.", labels,
+            registry=self.registry,
+        ).labels(model_name)
+        self._success = Counter(
+            "tokenmill:request_success", "Finished requests, by finish reason.",
+            labels + ["finished_reason"], registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "tokenmill:time_to_first_token_seconds", "Time to first token.", labels,
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        ).labels(model_name)
+        self.itl = Histogram(
+            "tokenmill:inter_token_latency_seconds", "Time between generated tokens.", labels,
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        ).labels(model_name)
+        self.e2e = Histogram(
+            "tokenmill:e2e_request_latency_seconds", "Arrival to finish of a request.", labels,
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        ).labels(model_name)
+        self.registry.register(_EngineCollector(lambda: self._stats(), model_name))
+
+    def bind_engine(self, stats: Callable[[], EngineStats]) -> None:
+        """Read engine gauges through `stats` at scrape time."""
+        self._stats = stats
+
+    # ---- StatsObserver (called from the engine thread) -----------------------------------
+    def on_first_token(self, ttft_s: float) -> None:
+        self.ttft.observe(ttft_s)
+
+    def on_next_tokens(self, inter_token_s: float, num_tokens: int) -> None:
+        per_token = inter_token_s / num_tokens
+        for _ in range(num_tokens):
+            self.itl.observe(per_token)
+
+    def on_finished(self, output: RequestOutput, e2e_s: float) -> None:
+        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        self.generation_tokens.inc(sum(len(o.token_ids) for o in output.outputs))
+        reason = next((o.finish_reason for o in output.outputs if o.finish_reason), "abort")
+        self._success.labels(self.model_name, reason).inc()
+        self.e2e.observe(e2e_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

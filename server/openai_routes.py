@@ -1,0 +1,274 @@
+"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.server.generation import SeqStream, Started, params_or_400, start
+from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
+from tokenmill.server.serving import (
+    APIError,
+    DeltaText,
+    ServerState,
+    sse,
+    state_of,
+    unless_disconnected,
+    usage_dict,
+)
+
+router = APIRouter()
+
+_MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+def _lp(value: float) -> float:
+    return max(value, _MIN_LOGPROB)
+
+
+def _sampling(body, max_tokens: int, logprobs: int | None):
+    return params_or_400(
+        n=body.n,
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        seed=body.seed,
+        stop=body.stop,
+        stop_token_ids=body.stop_token_ids,
+        ignore_eos=body.ignore_eos,
+        min_tokens=body.min_tokens,
+        logprobs=logprobs,
+        skip_special_tokens=body.skip_special_tokens,
+    )
+
+
+def _usage(finals: list[RequestOutput]) -> dict[str, Any]:
+    return usage_dict(
+        sum(len(f.prompt_token_ids) for f in finals),
+        sum(len(o.token_ids) for f in finals for o in f.outputs),
+        sum(f.num_cached_tokens for f in finals),
+    )
+
+
+def _streams(started: Started, max_stop_len: int) -> dict[tuple[int, int], SeqStream]:
+    return {
+        (i, o.index): SeqStream(DeltaText(max_stop_len))
+        for i, first in enumerate(started.firsts)
+        for o in first.outputs
+    }
+
+
+def _include_usage(body) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
+
+
+# ---- /v1/models ------------------------------------------------------------------------------
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    state = state_of(request)
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": name,
+                "object": "model",
+                "created": state.created,
+                "owned_by": "tokenmill",
+                "max_model_len": state.engine.max_model_len,
+            }
+            for name in state.model_names
+        ],
+    }
+
+
+# ---- /v1/completions -------------------------------------------------------------------------
+def _completion_logprobs(out: CompletionOutput, lo: int, hi: int, k: int, offset: int) -> dict:
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for tid, pos in zip(out.token_ids[lo:hi], (out.logprobs or [])[lo:hi]):
+        chosen = pos[tid]
+        tokens.append(chosen.decoded_token or "")
+        token_lps.append(_lp(chosen.logprob))
+        tops.append({
+            (lp.decoded_token or ""): _lp(lp.logprob)
+            for lp in sorted(pos.values(), key=lambda lp: lp.rank or 0)
+            if lp.rank is not None and lp.rank <= max(k, 1)
+        })
+        offsets.append(offset)
+        offset += len(chosen.decoded_token or "")
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+async def _encode_prompts(state: ServerState, prompt) -> list[tuple[str | None, list[int]]]:
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    elif prompt and isinstance(prompt[0], int):
+        prompt = [prompt]
+    encoded = []
+    for p in prompt:
+        if isinstance(p, str):
+            encoded.append((p, await state.engine.encode(p)))
+        else:
+            encoded.append((None, list(p)))
+    return encoded
+
+
+@router.post("/v1/completions", response_model=None)
+async def create_completion(body: CompletionRequest, request: Request):
+    state = state_of(request)
+    model = state.check_model(body.model)
+    if body.echo:
+        raise APIError(400, "echo=true is not supported", param="echo")
+    prompts = await _encode_prompts(state, body.prompt)
+    params = _sampling(body, body.max_tokens or 16, body.logprobs)
+    rid = state.engine.new_request_id("cmpl")
+    started = await start(request, state.engine, prompts, params, rid, body.cache_salt)
+    n, created = body.n, int(time.time())
+    head = {"id": rid, "object": "text_completion", "created": created, "model": model}
+
+    if body.stream:
+        return StreamingResponse(
+            _stream_completion(started, head, n, body.logprobs, params.max_stop_len(),
+                               _include_usage(body)),
+            media_type="text/event-stream",
+        )
+    finals = await unless_disconnected(request, started.finals())
+    choices = []
+    for i, final in enumerate(finals):
+        for o in final.outputs:
+            lps = None
+            if body.logprobs is not None:
+                lps = _completion_logprobs(o, 0, len(o.token_ids), body.logprobs, 0)
+            choices.append({
+                "index": i * n + o.index, "text": o.text, "logprobs": lps,
+                "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
+            })
+    return JSONResponse({**head, "choices": choices, "usage": _usage(finals)})
+
+
+async def _stream_completion(
+    started: Started, head: dict, n: int, logprobs: int | None, max_stop_len: int,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    streams = _streams(started, max_stop_len)
+    finals: dict[int, RequestOutput] = {}
+    async for i, out in started.merged():
+        for o in out.outputs:
+            s = streams[(i, o.index)]
+            offset = s.text.sent
+            step = s.advance(o)
+            if step is None:
+                continue
+            text, lo, hi = step
+            lps = None if logprobs is None else _completion_logprobs(o, lo, hi, logprobs, offset)
+            choice = {
+                "index": i * n + o.index, "text": text, "logprobs": lps,
+                "finish_reason": o.finish_reason if s.done else None,
+                "stop_reason": o.stop_reason if s.done else None,
+            }
+            yield sse({**head, "choices": [choice]})
+        if out.finished:
+            finals[i] = out
+    if include_usage:
+        yield sse({**head, "choices": [], "usage": _usage(list(finals.values()))})
+    yield sse("[DONE]")
+
+
+# ---- /v1/chat/completions --------------------------------------------------------------------
+def _chat_logprobs(out: CompletionOutput, lo: int, hi: int, k: int) -> dict[str, Any]:
+    def entry(lp) -> dict[str, Any]:
+        token = lp.decoded_token or ""
+        return {"token": token, "logprob": _lp(lp.logprob), "bytes": list(token.encode())}
+
+    content = []
+    for tid, pos in zip(out.token_ids[lo:hi], (out.logprobs or [])[lo:hi]):
+        top = sorted((lp for lp in pos.values() if lp.rank is not None and lp.rank <= k),
+                     key=lambda lp: lp.rank)
+        content.append({**entry(pos[tid]), "top_logprobs": [entry(lp) for lp in top]})
+    return {"content": content}
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+    state = state_of(request)
+    model = state.check_model(body.model)
+    if body.top_logprobs and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    messages = [
+        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        for m in body.messages
+    ]
+    try:
+        text, ids = await state.engine.render_chat(messages, body.chat_template)
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages") from e
+    except Exception as e:  # a template that fails on these messages is the request's fault
+        raise APIError(400, f"the chat template failed on these messages: {e}", "messages") from e
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    if max_tokens is None:
+        max_tokens = max(state.engine.max_model_len - len(ids), 1)
+    top_k = (body.top_logprobs or 0) if body.logprobs else None
+    params = _sampling(body, max_tokens, top_k)
+    rid = state.engine.new_request_id("chatcmpl")
+    started = await start(request, state.engine, [(text, ids)], params, rid, body.cache_salt)
+    head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model}
+
+    if body.stream:
+        return StreamingResponse(
+            _stream_chat(started, {**head, "object": "chat.completion.chunk"}, top_k,
+                         params.max_stop_len(), _include_usage(body)),
+            media_type="text/event-stream",
+        )
+    (final,) = await unless_disconnected(request, started.finals())
+    choices = [
+        {
+            "index": o.index,
+            "message": {"role": "assistant", "content": o.text},
+            "logprobs": None if top_k is None else _chat_logprobs(o, 0, len(o.token_ids), top_k),
+            "finish_reason": o.finish_reason,
+            "stop_reason": o.stop_reason,
+        }
+        for o in final.outputs
+    ]
+    return JSONResponse({**head, "choices": choices, "usage": _usage([final])})
+
+
+async def _stream_chat(
+    started: Started, head: dict, top_k: int | None, max_stop_len: int, include_usage: bool
+) -> AsyncIterator[str]:
+    streams = _streams(started, max_stop_len)
+    extra = {"usage": None} if include_usage else {}
+    for o in started.firsts[0].outputs:
+        choice = {"index": o.index, "delta": {"role": "assistant", "content": ""},
+                  "logprobs": None, "finish_reason": None}
+        yield sse({**head, "choices": [choice], **extra})
+    final = started.firsts[0]
+    async for _, out in started.merged():
+        final = out
+        for o in out.outputs:
+            s = streams[(0, o.index)]
+            step = s.advance(o)
+            if step is None:
+                continue
+            text, lo, hi = step
+            choice = {
+                "index": o.index,
+                "delta": {"content": text} if text else {},
+                "logprobs": None if top_k is None else _chat_logprobs(o, lo, hi, top_k),
+                "finish_reason": o.finish_reason if s.done else None,
+            }
+            if s.done:
+                choice["stop_reason"] = o.stop_reason
+            yield sse({**head, "choices": [choice], **extra})
+    if include_usage:
+        yield sse({**head, "choices": [], "usage": _usage([final])})
+    yield sse("[DONE]")
