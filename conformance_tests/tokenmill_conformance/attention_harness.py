@@ -1,0 +1,162 @@
+"""Random paged, ragged attention steps and the comparison with the core's reference.
+
+A step is described by (cached tokens, new tokens) per sequence. Blocks are shuffled
+across sequences (block 0 included), so a backend that reads a wrong block gets a wrong
+answer. With `poison=True` every slot that no sequence has written holds NaN, including
+the tail of each sequence's last partial block: a backend that lets unwritten slots
+into its output produces NaN.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+
+from tokenmill.ops.reference import paged_attention
+from tokenmill.platforms.interfaces import AttentionBackend, AttentionMetadata, AttentionSpec
+
+# Per-dtype tolerances of attention outputs against the float32-math reference.
+TOLERANCE = {
+    torch.float32: dict(atol=1e-4, rtol=1e-4),
+    torch.float16: dict(atol=5e-3, rtol=5e-3),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+}
+
+
+@dataclass(slots=True)
+class Step:
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    kv_cache: torch.Tensor
+    metadata: AttentionMetadata
+
+
+def make_metadata(
+    seqs: list[tuple[int, int]], tables: torch.Tensor, block_size: int
+) -> AttentionMetadata:
+    """The step's metadata for sequences with (cached, new) tokens and these block tables."""
+    slots = []
+    for i, (cached, new) in enumerate(seqs):
+        slots += [
+            int(tables[i, p // block_size]) * block_size + p % block_size
+            for p in range(cached, cached + new)
+        ]
+    query_lens = [new for _, new in seqs]
+    seq_lens = [cached + new for cached, new in seqs]
+    return AttentionMetadata(
+        num_tokens=sum(query_lens),
+        num_seqs=len(seqs),
+        query_start_loc=torch.tensor([0, *accumulate(query_lens)], dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=tables,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_lens_cpu=query_lens,
+        seq_lens_cpu=seq_lens,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        block_size=block_size,
+    )
+
+
+def shuffled_tables(
+    seqs: list[tuple[int, int]], block_size: int, rng: random.Random, spare: int = 2
+) -> tuple[torch.Tensor, int]:
+    """(block tables padded with 0, number of blocks in the cache)."""
+    needed = [-(-(cached + new) // block_size) for cached, new in seqs]
+    num_blocks = sum(needed) + spare
+    pool = list(range(num_blocks))
+    rng.shuffle(pool)
+    tables = torch.zeros(len(seqs), max(needed) + 1, dtype=torch.int32)
+    for i, n in enumerate(needed):
+        tables[i, :n] = torch.tensor([pool.pop() for _ in range(n)], dtype=torch.int32)
+    return tables, num_blocks
+
+
+def make_step(
+    seqs: list[tuple[int, int]], spec: AttentionSpec, seed: int = 0, poison: bool = False
+) -> Step:
+    rng = random.Random(seed)
+    generator = torch.Generator().manual_seed(seed)
+    tables, num_blocks = shuffled_tables(seqs, spec.block_size, rng)
+    metadata = make_metadata(seqs, tables, spec.block_size)
+    shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+
+    def randn(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=generator).to(spec.dtype)
+
+    kv_cache = randn(*shape)
+    if poison:
+        written = torch.full(shape, float("nan"), dtype=spec.dtype)
+        for i, (cached, _) in enumerate(seqs):
+            for p in range(cached):
+                block, offset = int(tables[i, p // spec.block_size]), p % spec.block_size
+                written[:, block, offset] = kv_cache[:, block, offset]
+        kv_cache = written
+    num_tokens = metadata.num_tokens
+    return Step(
+        query=randn(num_tokens, spec.num_heads, spec.head_size),
+        key=randn(num_tokens, spec.num_kv_heads, spec.head_size),
+        value=randn(num_tokens, spec.num_kv_heads, spec.head_size),
+        kv_cache=kv_cache,
+        metadata=metadata,
+    )
+
+
+def mixed_batch(seed: int) -> list[tuple[int, int]]:
+    """Decodes, prefill chunks after cached context, fresh prompts and a 1-token prompt."""
+    rng = random.Random(seed)
+    decodes = [(rng.randint(1, 90), 1) for _ in range(rng.randint(3, 9))]
+    chunks = [(rng.randint(1, 60), rng.randint(2, 40)) for _ in range(2)]
+    prompts = [(0, rng.randint(2, 50)), (0, 1)]
+    batch = decodes + chunks + prompts
+    rng.shuffle(batch)
+    return batch
+
+
+def to_device(step: Step, device: torch.device) -> Step:
+    meta = step.metadata
+    for name in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
+        setattr(meta, name, getattr(meta, name).to(device))
+    return Step(
+        step.query.to(device), step.key.to(device), step.value.to(device),
+        step.kv_cache.to(device), meta,
+    )
+
+
+def check_step(backend: AttentionBackend, spec: AttentionSpec, step: Step, prepare: bool = True):
+    """One layer of `backend` against the reference on a copy of the same step."""
+    device = step.kv_cache.device
+    ref_meta = make_metadata(
+        list(zip(
+            [s - q for s, q in zip(step.metadata.seq_lens_cpu, step.metadata.query_lens_cpu)],
+            step.metadata.query_lens_cpu,
+        )),
+        step.metadata.block_tables.cpu(),
+        spec.block_size,
+    )
+    ref_cache = step.kv_cache.cpu().clone()
+    expected = paged_attention(
+        spec, step.query.cpu(), step.key.cpu(), step.value.cpu(), ref_cache, ref_meta
+    )
+    inputs = (step.query.clone(), step.key.clone(), step.value.clone())
+    if prepare:
+        backend.prepare(step.metadata)
+    out = backend.forward(spec, *inputs, step.kv_cache, step.metadata)
+    assert out.shape == step.query.shape, f"output shape {tuple(out.shape)}"
+    assert out.dtype == step.query.dtype, f"output dtype {out.dtype}, query {step.query.dtype}"
+    assert out.device == device
+    assert torch.isfinite(out).all(), (
+        "the output holds NaN/inf although the reference's is finite: the backend let KV "
+        "slots that no sequence wrote (e.g. the tail of a last partial block) into its result"
+    )
+    torch.testing.assert_close(out.cpu(), expected, **TOLERANCE[spec.dtype])
+    assert torch.equal(step.kv_cache.cpu().nan_to_num(7.0), ref_cache.nan_to_num(7.0)), (
+        "the KV cache after the step differs from the reference's (keys/values written to "
+        "the wrong slots, or slots outside slot_mapping modified)"
+    )
+    for before, after, name in zip((step.query, step.key, step.value), inputs, "qkv"):
+        assert torch.equal(before, after), f"forward modified its input {name}"

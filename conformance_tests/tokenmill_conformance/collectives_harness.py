@@ -1,0 +1,183 @@
+"""Every collective of a plugin's communicator in a real multi-process group.
+
+`run_group` spawns `world_size` processes; each initialises torch.distributed with the
+device's default backend (gloo on CPU), loads the plugin, asks it for a communicator and
+runs every check below on every dtype. Each rank writes its results as it goes, so a
+check that hangs the group fails with a timeout instead of hiding the others.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tokenmill.platforms.interfaces import Communicator
+from tokenmill_conformance.session import PluginSource
+
+COLLECTIVES = (
+    "rank_and_world_size",
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "send_recv",
+    "broadcast",
+    "barrier",
+)
+SHAPES = ((3, 4), (1,), (8, 5, 3))
+_TIMEOUT_S = 120
+
+
+def _base(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Small integers, exact in every float dtype after summing over a few ranks."""
+    n = 1
+    for s in shape:
+        n *= s
+    return (torch.arange(n) % 7).reshape(shape).to(dtype).to(device)
+
+
+def _equal(got: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    if got.shape != expected.shape or got.dtype != expected.dtype:
+        raise AssertionError(
+            f"{what}: got {tuple(got.shape)} {got.dtype}, expected "
+            f"{tuple(expected.shape)} {expected.dtype}"
+        )
+    if not torch.equal(got.cpu(), expected.cpu()):
+        raise AssertionError(f"{what}: got {got.flatten()[:8].tolist()}..., expected "
+                             f"{expected.flatten()[:8].tolist()}...")
+
+
+def _check(comm: Communicator, name: str, dtype: torch.dtype, device: torch.device) -> None:
+    rank, world = comm.rank, comm.world_size
+    ranks_sum = world * (world + 1) / 2
+    if name == "rank_and_world_size":
+        _equal(torch.tensor([rank, world]), torch.tensor([dist.get_rank(), world]), name)
+        if world != dist.get_world_size():
+            raise AssertionError(f"world_size {world}, the group has {dist.get_world_size()}")
+    for shape in SHAPES:
+        base = _base(shape, dtype, device)
+        if name == "all_reduce":
+            got = comm.all_reduce(base * (rank + 1))
+            _equal(got, base * ranks_sum, f"all_reduce {shape}")
+            if len(shape) == 2:
+                strided = (base * (rank + 1)).t()
+                _equal(comm.all_reduce(strided), (base * ranks_sum).t(), "all_reduce strided")
+        elif name == "all_gather":
+            x = base + rank
+            for dim in range(len(shape)):
+                expected = torch.cat([base + r for r in range(world)], dim=dim)
+                _equal(comm.all_gather(x, dim=dim), expected, f"all_gather {shape} dim={dim}")
+        elif name == "reduce_scatter":
+            x = torch.cat([base] * world) * (rank + 1)
+            before = x.clone()
+            _equal(comm.reduce_scatter(x), base * ranks_sum, f"reduce_scatter {shape}")
+            _equal(x, before, "reduce_scatter must not modify its input")
+            if len(shape) >= 2:
+                x = torch.cat([base] * world, dim=1) * (rank + 1)
+                _equal(comm.reduce_scatter(x, dim=1), base * ranks_sum, "reduce_scatter dim=1")
+        elif name == "all_to_all":
+            x = torch.cat([base + 10 * rank + r for r in range(world)])  # chunk r -> rank r
+            expected = torch.cat([base + 10 * r + rank for r in range(world)])
+            _equal(comm.all_to_all(x), expected, f"all_to_all {shape}")
+        elif name == "send_recv":
+            dst, src = (rank + 1) % world, (rank - 1) % world
+            out, buffer = base + rank, torch.empty_like(base)
+            if rank % 2 == 0:
+                comm.send(out, dst)
+                got = comm.recv(buffer, src)
+            else:
+                got = comm.recv(buffer, src)
+                comm.send(out, dst)
+            _equal(got, base + src, f"send/recv {shape} ring")
+        elif name == "broadcast":
+            src = world - 1
+            _equal(comm.broadcast(base + rank, src=src), base + src, f"broadcast {shape}")
+        elif name == "barrier":
+            comm.barrier()
+
+
+def _worker(rank: int, world: int, store: str, source: PluginSource, dtypes: list[str],
+            out_dir: str) -> None:
+    results_path = Path(out_dir) / f"rank{rank}.jsonl"
+
+    def record(check: str, error: str | None) -> None:
+        with results_path.open("a") as f:
+            f.write(json.dumps({"check": check, "error": error}) + "\n")
+
+    try:
+        active = source.load()
+        device_type = active.platform.device_type
+        backend = dist.Backend.default_device_backend_map.get(device_type, "gloo")
+        if device_type != "cpu":
+            torch.accelerator.set_device_index(rank % torch.accelerator.device_count())
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
+                                world_size=world, timeout=timedelta(seconds=60))
+        comm = active.communicator(None)
+        device = active.platform.device
+    except Exception:  # recorded for the parent; the group cannot run without it
+        record("<setup>", traceback.format_exc(limit=3))
+        return
+    try:
+        for name in COLLECTIVES:
+            for dtype_name in dtypes:
+                check = f"{name}-{dtype_name}"
+                try:
+                    _check(comm, name, getattr(torch, dtype_name), device)
+                except Exception as exc:  # recorded per check; the next checks still run
+                    record(check, f"rank {rank}: {exc}")
+                else:
+                    record(check, None)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_group(source: PluginSource, world: int, dtypes: list[str]) -> dict[str, str | None]:
+    """check id ('all_reduce-float32') -> None when it passed on every rank, else why not."""
+    with tempfile.TemporaryDirectory(prefix="tokenmill-collectives-") as tmp:
+        context = mp.start_processes(
+            _worker, args=(world, f"{tmp}/store", source, dtypes, tmp), nprocs=world,
+            join=False, start_method="spawn",
+        )
+        deadline = time.monotonic() + _TIMEOUT_S
+        timed_out = False
+        try:
+            while not context.join(timeout=1):
+                if time.monotonic() > deadline:
+                    timed_out = True
+                    break
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+        results: dict[str, str | None] = {}
+        for rank in range(world):
+            path = Path(tmp) / f"rank{rank}.jsonl"
+            lines = path.read_text().splitlines() if path.exists() else []
+            for line in lines:
+                entry = json.loads(line)
+                if entry["error"] or entry["check"] not in results:
+                    results[entry["check"]] = entry["error"] or results.get(entry["check"])
+            if len(lines) < len(COLLECTIVES) * len(dtypes) and "<setup>" not in results:
+                why = f"timed out after {_TIMEOUT_S} s" if timed_out else "exited early"
+                results.setdefault("<incomplete>", f"rank {rank} {why} after {len(lines)} checks")
+        return results
+
+
+def check_result(results: dict[str, str | None], check: str, world: int,
+                 fail: Callable[[str], None]) -> None:
+    for key in ("<setup>", "<incomplete>"):
+        if results.get(key):
+            fail(f"{world}-rank group: {results[key]}")
+    if check not in results:
+        fail(f"{world}-rank group: {check} did not run (an earlier check hung or crashed it)")
+    if results[check]:
+        fail(f"{world}-rank group: {results[check]}")

@@ -1,0 +1,103 @@
+"""T1 ops: every op a plugin overrides through `tokenmill_ops` against the core reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenmill.ops import reference
+from tokenmill.platforms.interfaces import OP_NAMES
+from tokenmill_conformance.suite.conftest import capabilities_of
+
+# Per-dtype tolerances of elementwise ops and linear layers against the references.
+TOLERANCE = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
+}
+LINEAR_TOLERANCE = {
+    torch.float32: dict(atol=1e-4, rtol=1e-4),
+    torch.float16: dict(atol=1e-2, rtol=1e-2),
+    torch.bfloat16: dict(atol=5e-2, rtol=3e-2),
+}
+# copy_blocks / swap_blocks are KV movement: tier T2.
+T1_OPS = sorted(OP_NAMES - {"copy_blocks", "swap_blocks"})
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "op_case" in metafunc.fixturenames:
+        caps = capabilities_of(metafunc.config)
+        dtypes = [] if caps is None else sorted(caps.dtypes, key=str)
+        cases = [(op, d) for op in T1_OPS for d in dtypes]
+        ids = [f"{op}-{str(d).removeprefix('torch.')}" for op, d in cases]
+        metafunc.parametrize("op_case", cases, ids=ids)
+
+
+def _inputs(op: str, dtype: torch.dtype, device: torch.device, seed: int):
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * scale).to(dtype).to(device)
+
+    tokens, hidden = (1, 7, 33)[seed % 3], (64, 96, 128)[seed % 3]
+    if op == "rms_norm":
+        return randn(tokens, hidden, scale=3.0), randn(hidden), 1e-6
+    if op == "fused_add_rms_norm":
+        return randn(tokens, hidden), randn(tokens, hidden), randn(hidden), 1e-5
+    if op == "rotary_embedding":
+        head, heads, kv_heads, rotary = (64, 4, 2, (64, 32, 64)[seed % 3])
+        positions = torch.randint(0, 100, (tokens,), generator=g).to(device)
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary, 2).float() / rotary))
+        freqs = torch.outer(torch.arange(128).float(), inv_freq)
+        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
+        return positions, randn(tokens, heads, head), randn(tokens, kv_heads, head), cache
+    if op == "silu_and_mul":
+        return (randn(tokens, 2 * hidden),)
+    if op == "prepack_linear":
+        bias = randn(48) if seed % 2 else None
+        return randn(48, hidden, scale=0.2), bias, randn(tokens, hidden)
+    raise AssertionError(op)
+
+
+def _call(fn, op: str, args):
+    if op == "prepack_linear":
+        weight, bias, x = args
+        return fn(weight, bias)(x)
+    return fn(*args)
+
+
+def test_op_matches_reference(active, op_case):
+    op, dtype = op_case
+    override = getattr(active.ops, op)
+    if override is getattr(reference, op):
+        pytest.skip(f"{op} is not overridden: the core's reference is used")
+    device = active.platform.device
+    tolerance = LINEAR_TOLERANCE[dtype] if op == "prepack_linear" else TOLERANCE[dtype]
+    for seed in range(3):
+        args = _inputs(op, dtype, device, seed)
+        before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        ref_args = [a.cpu() if isinstance(a, torch.Tensor) else a for a in before]
+        expected = _call(getattr(reference, op), op, ref_args)
+        got = _call(override, op, args)
+        expected = expected if isinstance(expected, tuple) else (expected,)
+        got = got if isinstance(got, tuple) else (got,)
+        assert len(got) == len(expected), f"{op} returned {len(got)} values"
+        for g, e in zip(got, expected):
+            assert g.dtype == e.dtype and g.shape == e.shape, (g.dtype, g.shape, e.dtype, e.shape)
+            torch.testing.assert_close(g.cpu(), e, **tolerance)
+        for a, b in zip(args, before):
+            if isinstance(a, torch.Tensor):
+                assert torch.equal(a, b), f"{op} modified one of its inputs"
+
+
+def test_prepack_linear_owns_its_weights(active):
+    """The returned function keeps computing with the weights it was given."""
+    dtype = active.platform.default_dtype
+    device = active.platform.device
+    weight = torch.randn(32, 64).to(dtype).to(device)
+    x = torch.randn(5, 64).to(dtype).to(device)
+    fn = active.ops.prepack_linear(weight, None)
+    first = fn(x)
+    torch.testing.assert_close(first.cpu(), F.linear(x.cpu(), weight.cpu()), **LINEAR_TOLERANCE[dtype])
+    torch.testing.assert_close(fn(x), first)  # deterministic across calls
