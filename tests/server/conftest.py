@@ -54,6 +54,7 @@ def tiny_engine(path, **kw) -> AsyncLLM:
     kw.setdefault("dtype", "float32")
     kw.setdefault("block_size", 4)
     kw.setdefault("max_num_seqs", 64)
+    kw.setdefault("num_kv_blocks", 4096)  # 16k tokens: plenty, and quick to allocate
     return AsyncLLM(EngineArgs(model=str(path), **kw))
 
 

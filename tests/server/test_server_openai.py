@@ -20,7 +20,7 @@ def client(base_url) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def offline(tiny_model) -> LLM:
-    return LLM(str(tiny_model), dtype="float32", block_size=4)
+    return LLM(str(tiny_model), dtype="float32", block_size=4, num_kv_blocks=4096)
 
 
 def greedy(max_tokens=12, **kw) -> SamplingParams:
