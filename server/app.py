@@ -18,7 +18,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenmill.async_engine import AsyncLLM, EngineDeadError
 from tokenmill.server import anthropic_routes, openai_routes
 from tokenmill.server.metrics import Metrics
-from tokenmill.server.protocol import MAX_BODY_BYTES, DetokenizeRequest, TokenizeRequest
+from tokenmill.server.protocol import (
+    MAX_BODY_BYTES,
+    MAX_HEADER_BYTES,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from tokenmill.server.serving import (
     APIError,
     ClientDisconnected,
@@ -70,49 +75,61 @@ class APIKeyMiddleware:
         return ok
 
 
-class _BodyTooLarge(Exception):
-    pass
+class LimitsMiddleware:
+    """431 for headers over `max_header_bytes` in all; 413 for a body over `max_bytes`,
+    declared or streamed.
 
+    The body is read here in full (the routes would buffer it anyway) and replayed to the
+    app, so an oversized chunked body is refused before any route sees it.
+    """
 
-class BodyLimitMiddleware:
-    """413 for a request body over `max_bytes`, declared or streamed."""
-
-    def __init__(self, app, max_bytes: int = MAX_BODY_BYTES) -> None:
+    def __init__(
+        self, app, max_bytes: int = MAX_BODY_BYTES, max_header_bytes: int = MAX_HEADER_BYTES
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.max_header_bytes = max_header_bytes
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] == "http":
+            header_bytes = sum(len(k) + len(v) for k, v in scope.get("headers", ()))
+            if header_bytes > self.max_header_bytes:
+                message = f"the request headers are over {self.max_header_bytes} bytes"
+                await error_response(scope.get("path", ""), 431, message)(scope, receive, send)
+                return
+        if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD", "OPTIONS"):
             await self.app(scope, receive, send)
             return
-        path = scope.get("path", "")
-        too_large = error_response(path, 413, f"the request body is over {self.max_bytes} bytes")
+        too_large = error_response(
+            scope.get("path", ""), 413, f"the request body is over {self.max_bytes} bytes"
+        )
         for name, value in scope.get("headers", ()):
             if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
                 await too_large(scope, receive, send)
                 return
-        received = 0
-        started = False
-
-        async def limited_receive():
-            nonlocal received
+        chunks, size, more = [], 0, True
+        while more:
             message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise _BodyTooLarge()
-            return message
-
-        async def tracked_send(message):
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, limited_receive, tracked_send)
-        except _BodyTooLarge:
-            if not started:
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
                 await too_large(scope, receive, send)
+                return
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return body
+            return await receive()
+
+        await self.app(scope, replay, send)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -197,7 +214,7 @@ def build_app(
     app.include_router(openai_routes.router)
     app.include_router(anthropic_routes.router)
     _add_utility_routes(app)
-    app.add_middleware(BodyLimitMiddleware)
+    app.add_middleware(LimitsMiddleware)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     return app
