@@ -127,8 +127,11 @@ def to_device(step: Step, device: torch.device) -> Step:
     )
 
 
-def check_step(backend: AttentionBackend, spec: AttentionSpec, step: Step, prepare: bool = True):
-    """One layer of `backend` against the reference on a copy of the same step."""
+def check_step(
+    backend: AttentionBackend, spec: AttentionSpec, step: Step, prepare: bool = True
+) -> torch.Tensor:
+    """One layer of `backend` against the reference on a copy of the same step; returns
+    the backend's output."""
     device = step.kv_cache.device
     ref_meta = make_metadata(
         list(zip(
@@ -160,3 +163,4 @@ def check_step(backend: AttentionBackend, spec: AttentionSpec, step: Step, prepa
     )
     for before, after, name in zip((step.query, step.key, step.value), inputs, "qkv"):
         assert torch.equal(before, after), f"forward modified its input {name}"
+    return out
