@@ -79,10 +79,14 @@ class OutputProcessor:
     def process(self, result: RunnerOutput) -> list[RequestOutput]:
         """Apply one step's results; return an output for every parent that changed."""
         touched: dict[str, _ParentState] = {}
-        for rid, lps in result.prompt_logprobs.items():
+        for rid, (start, lps) in result.prompt_logprobs.items():
             parent = self.parents[self.child_to_parent[rid]]
             if parent.prompt_logprobs is not None and next(iter(parent.children)) == rid:
-                parent.prompt_logprobs.extend(self._convert(lp) for lp in lps)
+                # entry j + 1 scores prompt position j; a preempted request recomputes
+                # positions it already reported, which are skipped here
+                num_done = len(parent.prompt_logprobs) - 1
+                fresh = lps[max(0, num_done - start) :]
+                parent.prompt_logprobs.extend(self._convert(lp) for lp in fresh)
         for rid, token_id in result.sampled.items():
             request = self.scheduler.requests.get(rid)
             if request is None:  # aborted during the step

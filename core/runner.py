@@ -23,8 +23,8 @@ class RunnerOutput:
 
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, Logprobs] = field(default_factory=dict)
-    # request id -> logprobs of prompt positions [start, end) computed this step
-    prompt_logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
+    # request id -> (start, logprobs of prompt positions [start, end)) computed this step
+    prompt_logprobs: dict[str, tuple[int, list[Logprobs]]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -73,7 +73,7 @@ class ModelRunner:
             # the logits at position p predict the token at p + 1
             next_ids = request.all_token_ids[lo + 1 : hi + 1]
             k = request.sampling_params.prompt_logprobs
-            out.prompt_logprobs[rid] = prompt_logprobs(logits, next_ids, k)
+            out.prompt_logprobs[rid] = (lo, prompt_logprobs(logits, next_ids, k))
         return out
 
     def _prepare_inputs(self, step: SchedulerOutput) -> _StepInputs:

@@ -95,6 +95,17 @@ def test_preemption_keeps_outputs_identical(tiny_dirs):
     assert tight.engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
     assert tight.engine.kv.usage == 0.0
+    # prompt logprobs survive preemption without repeats
+    lp = greedy(24, prompt_logprobs=1)
+    before = tight.engine.scheduler.num_preemptions
+    c = tight.generate(prompts, [lp] * len(prompts), use_tqdm=False)
+    assert tight.engine.scheduler.num_preemptions > before
+    for prompt_out, ref in zip(c, a):
+        assert len(prompt_out.prompt_logprobs) == len(prompt_out.prompt_token_ids)
+        assert all(
+            prompt_out.prompt_token_ids[i] in prompt_out.prompt_logprobs[i]
+            for i in range(1, len(prompt_out.prompt_token_ids))
+        )
 
 
 def test_seeded_sampling_reproducible_and_batch_independent(llama):
