@@ -93,3 +93,16 @@ def wait_idle(engine: AsyncLLM, timeout_s: float = 10.0) -> None:
             return
         time.sleep(0.02)
     raise AssertionError(f"engine still busy after {timeout_s}s: {engine.stats}")
+
+
+def scrape(base_url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """/metrics as {(sample name, sorted labels without model_name): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
+            samples[(s.name, labels)] = s.value
+    return samples

@@ -1,0 +1,55 @@
+"""/metrics: counters move by exactly what the requests sent, gauges fall back to idle."""
+
+from __future__ import annotations
+
+import httpx
+from conftest import TINY_NAME, scrape, wait_idle
+
+
+def delta(before: dict, after: dict, name: str, labels=()) -> float:
+    return after.get((name, labels), 0) - before.get((name, labels), 0)
+
+
+def test_counters_match_requests(tiny_server):
+    base_url, engine = tiny_server
+    wait_idle(engine)
+    before = scrape(base_url)
+    usages = []
+    with httpx.Client(base_url=base_url, timeout=60) as c:
+        for i, max_tokens in enumerate((3, 5, 7)):
+            body = {"model": TINY_NAME, "prompt": f"The quick brown fox {i}",
+                    "max_tokens": max_tokens, "ignore_eos": True}
+            usages.append(c.post("/v1/completions", json=body).json()["usage"])
+        body = {"model": TINY_NAME, "messages": [{"role": "user", "content": "hi"}], "n": 2,
+                "max_tokens": 4, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            lines = [line for line in r.iter_lines() if line.startswith("data: {")]
+        usages.append(httpx.Response(200, content=lines[-1][6:]).json()["usage"])
+        body = {"model": TINY_NAME, "max_tokens": 6, "messages": [{"role": "user", "content": "x"}],
+                "stop_sequences": ["zzzz"]}
+        msg = c.post("/v1/messages", json=body).json()["usage"]
+        usages.append({"prompt_tokens": msg["input_tokens"] + msg["cache_read_input_tokens"],
+                       "completion_tokens": msg["output_tokens"]})
+    wait_idle(engine)
+    after = scrape(base_url)
+
+    assert delta(before, after, "tokenmill:prompt_tokens_total") == sum(
+        u["prompt_tokens"] for u in usages)
+    assert delta(before, after, "tokenmill:generation_tokens_total") == sum(
+        u["completion_tokens"] for u in usages)
+    finished = sum(
+        delta(before, after, "tokenmill:request_success_total", (("finished_reason", r),))
+        for r in ("stop", "length"))
+    assert finished == 5
+    for hist in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
+        assert delta(before, after, f"tokenmill:{hist}_count") == 5
+    # n=2 streams two sequences: every generated token after a sequence's first is one gap
+    gaps = sum(u["completion_tokens"] for u in usages) - 6
+    assert delta(before, after, "tokenmill:inter_token_latency_seconds_count") == gaps
+    assert delta(before, after, "tokenmill:prefix_cache_queries_total") > 0
+    assert after[("tokenmill:num_requests_running", ())] == 0
+    assert after[("tokenmill:num_requests_waiting", ())] == 0
+    assert after[("tokenmill:kv_cache_usage_perc", ())] == 0
+    assert ("tokenmill:num_preemptions_total", ()) in after
+    assert ("tokenmill:prefix_cache_hits_total", ()) in after
