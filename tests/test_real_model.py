@@ -37,10 +37,13 @@ def test_real_model_greedy_matches_transformers_batched_and_chunked(llm, hf_mode
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     # a budget of 8 tokens forces chunked prefill mixed with the other prompts' decodes
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
-    for prompt, out in zip(PROMPTS, outs):
-        ids = tok.encode(prompt)
-        assert out.prompt_token_ids == ids
-        assert out.outputs[0].token_ids == hf_greedy(hf_model, ids, 12), prompt
+    expected = [hf_greedy(hf_model, tok.encode(p), 12) for p in PROMPTS]
+    for prompt, out, ref in zip(PROMPTS, outs, expected):
+        assert out.prompt_token_ids == tok.encode(prompt)
+        assert out.outputs[0].token_ids == ref, prompt
+    # and one request at a time
+    for prompt, ref in zip(PROMPTS[:2], expected):
+        assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == ref
 
 
 @pytest.mark.slow
