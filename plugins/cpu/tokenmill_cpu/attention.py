@@ -56,6 +56,11 @@ class _PrefillSeq:
 @dataclass(slots=True)
 class _StepPlan:
     gather_block_ids: torch.Tensor  # int64 [total_blocks]
+    # int64: slots of the gather buffer (flat over blocks x block_size) at or past their
+    # sequence's length (the unwritten tail of a last partial block, a decode row's
+    # padding). Zeroed after each gather: the masks hide them, but unwritten memory may
+    # hold NaN, and 0 * NaN is NaN.
+    stale_slots: torch.Tensor
     decode: list[_DecodeBucket]
     prefill: list[_PrefillSeq]
     # (dtype, num_kv_heads, head_size) -> [2, total_blocks, block_size, kv heads, head size];
@@ -134,6 +139,8 @@ def _gather(plan: _StepPlan, kv_cache: torch.Tensor) -> torch.Tensor | None:
         buffer = plan.buffers[key] = kv_cache.new_empty(shape)
     torch.index_select(kv_cache[0], 0, plan.gather_block_ids, out=buffer[0])
     torch.index_select(kv_cache[1], 0, plan.gather_block_ids, out=buffer[1])
+    if plan.stale_slots.numel():
+        buffer.flatten(1, 2)[:, plan.stale_slots] = 0
     return buffer
 
 
@@ -195,6 +202,7 @@ def _build_plan(metadata: AttentionMetadata, window: int | None) -> _StepPlan:
     starts = metadata.query_start_loc.tolist()
     tables = metadata.block_tables.long()
     block_ids: list[torch.Tensor] = []
+    stale: list[torch.Tensor] = []
     num_gathered = 0
     decode_rows: list[int] = []
     prefill: list[_PrefillSeq] = []
@@ -217,14 +225,15 @@ def _build_plan(metadata: AttentionMetadata, window: int | None) -> _StepPlan:
         mask = _visible(q_pos, k_pos, window)
         prefill.append(_PrefillSeq(starts[i], starts[i + 1], num_gathered, num_blocks, mask))
         block_ids.append(tables[i, first_block : first_block + num_blocks])
+        stale.append(num_gathered * block_size + torch.nonzero(k_pos[0] >= seq_len)[:, 0])
         num_gathered += num_blocks
-    decode, decode_ids = _decode_buckets(metadata, decode_rows, window, starts, num_gathered)
-    gather_ids = (
-        torch.cat(block_ids + decode_ids)
-        if block_ids or decode_ids
-        else torch.zeros(0, dtype=torch.long)
+    decode, decode_ids, decode_stale = _decode_buckets(
+        metadata, decode_rows, window, starts, num_gathered
     )
-    return _StepPlan(gather_ids, decode, prefill)
+    empty = torch.zeros(0, dtype=torch.long)
+    gather_ids = torch.cat(block_ids + decode_ids) if block_ids or decode_ids else empty
+    stale_slots = torch.cat(stale + decode_stale) if stale or decode_stale else empty
+    return _StepPlan(gather_ids, stale_slots, decode, prefill)
 
 
 def _decode_buckets(
@@ -233,10 +242,12 @@ def _decode_buckets(
     window: int | None,
     starts: list[int],
     block_offset: int,
-) -> tuple[list[_DecodeBucket], list[torch.Tensor]]:
-    """Decode rows grouped by span (longest first); each group padded to its longest."""
+) -> tuple[list[_DecodeBucket], list[torch.Tensor], list[torch.Tensor]]:
+    """Decode rows grouped by span (longest first); each group padded to its longest.
+
+    Returns (buckets, block ids to gather, stale gather slots: see `_StepPlan`)."""
     if not rows:
-        return [], []
+        return [], [], []
     block_size = metadata.block_size
     seq_lens = torch.tensor([metadata.seq_lens_cpu[r] for r in rows])
     first_pos = (seq_lens - window).clamp(min=0) if window is not None else seq_lens * 0
@@ -246,7 +257,7 @@ def _decode_buckets(
     spans_sorted = spans[order].tolist()
     tables = metadata.block_tables.long()
     row_ids = torch.tensor(rows)
-    buckets, block_ids = [], []
+    buckets, block_ids, stale = [], [], []
     begin = 0
     while begin < len(rows):
         num_blocks = spans_sorted[begin]
@@ -263,6 +274,7 @@ def _decode_buckets(
         )
         q_pos = (seq_lens[members] - 1).unsqueeze(1)
         mask = _visible(q_pos, k_pos, window)
+        stale.append(block_offset * block_size + torch.nonzero((k_pos > q_pos).flatten())[:, 0])
         token_ids = torch.tensor([starts[r] for r in row_ids[members].tolist()])
         buckets.append(
             _DecodeBucket(
@@ -274,7 +286,7 @@ def _decode_buckets(
         )
         block_offset += len(members) * num_blocks
         begin = end
-    return buckets, block_ids
+    return buckets, block_ids, stale
 
 
 def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
