@@ -77,9 +77,15 @@ def shuffled_tables(
 
 
 def make_step(
-    seqs: list[tuple[int, int]], spec: AttentionSpec, seed: int = 0, poison: bool = False
+    seqs: list[tuple[int, int]],
+    spec: AttentionSpec,
+    seed: int = 0,
+    poison: bool = False,
+    table_seed: int | None = None,
 ) -> Step:
-    rng = random.Random(seed)
+    """Random values from `seed`; block tables from `table_seed` (default: `seed`), so the
+    layers of one step can share its tables."""
+    rng = random.Random(seed if table_seed is None else table_seed)
     generator = torch.Generator().manual_seed(seed)
     tables, num_blocks = shuffled_tables(seqs, spec.block_size, rng)
     metadata = make_metadata(seqs, tables, spec.block_size)

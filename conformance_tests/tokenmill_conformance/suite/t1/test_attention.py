@@ -108,7 +108,10 @@ def _run(active, spec: AttentionSpec, seqs, seed: int = 0, poison: bool = False,
     """`layers` layers sharing one step's metadata, as the model runner calls them."""
     backend = active.attention_backend(spec)
     device = active.platform.device
-    steps = [to_device(make_step(seqs, spec, seed + i, poison), device) for i in range(layers)]
+    steps = [
+        to_device(make_step(seqs, spec, seed + i, poison, table_seed=seed), device)
+        for i in range(layers)
+    ]
     backend.prepare(steps[0].metadata)
     for step in steps:
         step.metadata = steps[0].metadata
