@@ -12,7 +12,7 @@ import random
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from tokenmill.ops.reference import paged_attention
@@ -72,30 +72,34 @@ def _cases(name: str, caps) -> list:
         return sorted((k for k in caps.attention_kinds if k not in REFERENCE_KINDS), key=str)
     if name == "test_mixed_batches":
         return [
-            (k, d, b, h)
+            (k, d, f"block{b}", h)
             for k in kinds for d in dtypes for b in _block_sizes(caps) for h in GQA
         ]
     if name == "test_head_sizes":
-        return [(k, h) for k in kinds for h in sorted(caps.head_sizes)]
+        return [(k, f"head{h}") for k in kinds for h in sorted(caps.head_sizes)]
     if name == "test_edge_batches":
         return [(k, e) for k in kinds for e in EDGE_BATCHES]
     if name == "test_sliding_windows":
-        return [w for w in (1, 5, 24, 500) if AttentionKind.SLIDING_WINDOW in kinds]
+        return [f"window{w}" for w in (1, 5, 24, 500) if AttentionKind.SLIDING_WINDOW in kinds]
     if name in ("test_unwritten_slots_are_never_read", "test_chunked_prefill_then_decode"):
         return [(k, d) for k in kinds for d in dtypes]
     return []
 
 
-def _id(value) -> str:
-    if isinstance(value, tuple):
-        return "-".join(_id(v) for v in value)
-    if isinstance(value, AttentionKind):
-        return value.value
-    if isinstance(value, torch.dtype):
-        return _name(value)
-    if isinstance(value, int):
-        return f"bs{value}"
-    return str(value)
+def _id(case) -> str:
+    """Readable ids: full-float32-block16-heads8x2, full-head64, sliding_window-fresh_prompt."""
+    parts = case if isinstance(case, tuple) else (case,)
+    words = []
+    for part in parts:
+        if isinstance(part, AttentionKind):
+            words.append(part.value)
+        elif isinstance(part, torch.dtype):
+            words.append(_name(part))
+        elif isinstance(part, tuple):
+            words.append(f"heads{part[0]}x{part[1]}")
+        else:
+            words.append(str(part))
+    return "-".join(words)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -126,7 +130,8 @@ def test_unsupported_kind_has_no_reference(case):
 
 
 def test_mixed_batches(active, case):
-    kind, dtype, block_size, (heads, kv_heads) = case
+    kind, dtype, block, (heads, kv_heads) = case
+    block_size = int(block.removeprefix("block"))
     head = _head_size(active.platform.capabilities)
     spec = AttentionSpec(kind, heads, kv_heads, head, dtype, block_size, _window(kind))
     for seed in range(2):
@@ -134,7 +139,7 @@ def test_mixed_batches(active, case):
 
 
 def test_head_sizes(active, case):
-    kind, head = case
+    kind, head = case[0], int(case[1].removeprefix("head"))
     dtype = _test_dtype(active.platform.capabilities)
     block = _block_sizes(active.platform.capabilities)[0]
     spec = AttentionSpec(kind, 4, 1, head, dtype, block, _window(kind), scale=0.3)
@@ -155,7 +160,7 @@ def test_sliding_windows(active, case):
     caps = active.platform.capabilities
     spec = AttentionSpec(
         AttentionKind.SLIDING_WINDOW, 6, 2, _head_size(caps), _test_dtype(caps),
-        min(caps.block_sizes), sliding_window=case,
+        min(caps.block_sizes), sliding_window=int(case.removeprefix("window")),
     )
     _run(active, spec, mixed_batch(10), 1)
 
@@ -224,6 +229,8 @@ def test_property_random_steps(active, quick):
         max_examples=12 if quick else 80,
         deadline=None,
         derandomize=True,
+        # quick runs skip shrinking: a failure is reported as found, not minimised
+        phases=[Phase.explicit, Phase.reuse, Phase.generate] if quick else list(Phase),
         suppress_health_check=list(HealthCheck),
     )
     @given(
