@@ -9,6 +9,8 @@ import os
 import sys
 from pathlib import Path
 
+from tokenmill.platforms import template
+
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
@@ -128,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_platforms)
     _add_serve_parser(sub)
+    template.add_parser(sub)  # tokenmill new-plugin NAME
     return parser
 
 
