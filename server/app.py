@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill.async_engine import AsyncLLM, EngineDeadError
@@ -167,6 +167,14 @@ def _install_error_handlers(app: FastAPI) -> None:
         return Response(status_code=499)
 
 
+# One server-sent event: OpenAI's carry JSON or "[DONE]" in `data`, Anthropic's name an `event`.
+_SSE_EVENT = {
+    "type": "object",
+    "properties": {"event": {"type": "string"}, "data": {"type": "string"}},
+    "required": ["data"],
+}
+
+
 def _openapi(app: FastAPI) -> dict[str, Any]:
     """FastAPI's schema, with our 400 in place of its 422 (we never answer 422)."""
     if app.openapi_schema:
@@ -180,6 +188,9 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
             if op.get("requestBody"):
                 responses["400"] = error
                 responses["413"] = {**error, "description": "body too large"}
+            if op.get("operationId", "").startswith("create_"):  # stream=true answers SSE
+                ok = responses.setdefault("200", {"description": "OK"}).setdefault("content", {})
+                ok["text/event-stream"] = {"schema": _SSE_EVENT}
             if op.get("operationId", "").startswith(("create_", "count_", "tokenize", "detokenize")):
                 responses["404"] = {**error, "description": "unknown model"}
                 responses["503"] = {**error, "description": "the engine is dead"}
@@ -221,7 +232,13 @@ def build_app(
 
 
 def _add_utility_routes(app: FastAPI) -> None:
-    @app.get("/health")
+    @app.get(
+        "/health",
+        response_class=Response,
+        responses={200: {"description": "the engine is alive", "content": {}},
+                   503: {"description": "the engine is dead",
+                         "content": {"application/json": {"schema": {"type": "object"}}}}},
+    )
     async def health(request: Request) -> Response:
         if state_of(request).engine.is_dead:
             return error_response(request.url.path, 503, "the engine is dead")
@@ -231,9 +248,11 @@ def _add_utility_routes(app: FastAPI) -> None:
     async def get_version() -> dict[str, str]:
         return {"version": _version()}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def get_metrics(request: Request) -> Response:
-        return Response(state_of(request).metrics.render(), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(
+            state_of(request).metrics.render(), media_type="text/plain; version=0.0.4"
+        )
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:

@@ -51,7 +51,9 @@ class _SamplingFields(_Body):
     # vLLM's extras, sent by clients in `extra_body`
     top_k: int | None = Field(None, ge=-1, le=1 << 20)
     min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0, le=100)
+    # Far below 1 the penalty scales logits past float range and the sampler fails (a
+    # core bug to fix there); no useful penalty lies outside [0.01, 100].
+    repetition_penalty: float | None = Field(None, ge=0.01, le=100)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP)

@@ -41,7 +41,7 @@ def assert_anthropic_error(r: httpx.Response, status: int, kind: str) -> dict:
         {"max_tokens": 0}, {"presence_penalty": 3}, {"top_logprobs": 100, "logprobs": True},
         {"stop": [""]}, {"seed": -5}, {"messages": []}, {"messages": [{"role": "wizard"}]},
         {"min_tokens": 9, "max_tokens": 3}, {"stop_token_ids": [-1]}, {"top_k": -7},
-        {"repetition_penalty": 0}, {"top_logprobs": 2},
+        {"repetition_penalty": 0}, {"repetition_penalty": 5e-324}, {"top_logprobs": 2},
     ],
 )
 def test_chat_validation_is_400(http, extra):
