@@ -6,12 +6,19 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.server.generation import SeqStream, Started, params_or_400, start
 from tokenmill.server.protocol import CountTokensRequest, MessagesRequest
-from tokenmill.server.serving import APIError, DeltaText, sse, state_of, unless_disconnected
+from tokenmill.server.serving import (
+    APIError,
+    DeltaText,
+    event_stream,
+    sse,
+    state_of,
+    unless_disconnected,
+)
 
 router = APIRouter()
 
@@ -64,9 +71,7 @@ async def create_message(body: MessagesRequest, request: Request):
     started = await start(request, state.engine, [(text, ids)], params, rid)
     head = {"id": rid, "type": "message", "role": "assistant", "model": model}
     if body.stream:
-        return StreamingResponse(
-            _stream(started, head, params.max_stop_len()), media_type="text/event-stream"
-        )
+        return event_stream(_stream(started, head, params.max_stop_len()), request.url.path)
     (final,) = await unless_disconnected(request, started.finals())
     out = final.outputs[0]
     stop_reason, stop_sequence = _stop(out)

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.server.generation import SeqStream, Started, params_or_400, start
@@ -16,6 +16,7 @@ from tokenmill.server.serving import (
     APIError,
     DeltaText,
     ServerState,
+    event_stream,
     sse,
     state_of,
     unless_disconnected,
@@ -136,10 +137,10 @@ async def create_completion(body: CompletionRequest, request: Request):
     head = {"id": rid, "object": "text_completion", "created": created, "model": model}
 
     if body.stream:
-        return StreamingResponse(
+        return event_stream(
             _stream_completion(started, head, n, body.logprobs, params.max_stop_len(),
                                _include_usage(body)),
-            media_type="text/event-stream",
+            request.url.path,
         )
     finals = await unless_disconnected(request, started.finals())
     choices = []
@@ -223,10 +224,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model}
 
     if body.stream:
-        return StreamingResponse(
+        return event_stream(
             _stream_chat(started, {**head, "object": "chat.completion.chunk"}, top_k,
                          params.max_stop_len(), _include_usage(body)),
-            media_type="text/event-stream",
+            request.url.path,
         )
     (final,) = await unless_disconnected(request, started.finals())
     choices = [

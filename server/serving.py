@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 
-from tokenmill.async_engine import AsyncLLM
+from tokenmill.async_engine import AsyncLLM, EngineDeadError
 from tokenmill.server.metrics import Metrics
 
 T = TypeVar("T")
@@ -89,6 +89,27 @@ def sse(data: dict[str, Any] | str, event: str | None = None) -> str:
     payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
     head = f"event: {event}\n" if event else ""
     return f"{head}data: {payload}\n\n"
+
+
+def event_stream(events: AsyncIterator[str], path: str) -> StreamingResponse:
+    """An SSE response; if the engine dies mid-stream, the stream ends with an error event
+    in the route's shape instead of a cut connection."""
+
+    async def guarded() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield event
+        except EngineDeadError as e:
+            body = error_body(path, 503, str(e))
+            if is_anthropic_path(path):
+                yield sse(body, "error")
+            else:
+                yield sse(body)
+                yield sse("[DONE]")
+        finally:
+            await events.aclose()
+
+    return StreamingResponse(guarded(), media_type="text/event-stream")
 
 
 class DeltaText:

@@ -3,7 +3,9 @@ never a 5xx for a bad request."""
 
 from __future__ import annotations
 
+import asyncio
 import http.client
+import json
 import time
 from urllib.parse import urlsplit
 
@@ -210,16 +212,33 @@ def test_engine_crash_fails_requests_and_health(tiny_model):
         def failing_step():
             nonlocal calls
             calls += 1
-            if calls > 3:
+            if calls > 5:
                 raise RuntimeError("simulated device failure")
             return real_step()
 
         engine.engine.step = failing_step
-        t0 = time.monotonic()
         body = {"model": TINY_NAME, "prompt": "hi", "max_tokens": 50, "ignore_eos": True}
-        r = c.post("/v1/completions", json=body, timeout=30)
-        assert r.status_code == 503 and "simulated device failure" in r.json()["error"]["message"]
-        assert time.monotonic() - t0 < 10
+
+        async def in_flight():
+            async with httpx.AsyncClient(base_url=url, timeout=30) as ac:
+                async def stream() -> list[str]:
+                    async with ac.stream("POST", "/v1/completions",
+                                         json={**body, "stream": True}) as r:
+                        assert r.status_code == 200
+                        return [line async for line in r.aiter_lines() if line]
+
+                return await asyncio.gather(ac.post("/v1/completions", json=body), stream())
+
+        t0 = time.monotonic()
+        plain, lines = asyncio.run(in_flight())
+        assert time.monotonic() - t0 < 10  # failed, not hung
+        assert plain.status_code == 503
+        assert "simulated device failure" in plain.json()["error"]["message"]
+        assert lines[-1] == "data: [DONE]"
+        error = json.loads(lines[-2].removeprefix("data: "))["error"]
+        assert error["code"] == 503 and "simulated device failure" in error["message"]
         assert c.get("/health").status_code == 503
-        r = c.post("/v1/completions", json=body, timeout=30)
-        assert r.status_code == 503
+        assert c.post("/v1/completions", json=body, timeout=30).status_code == 503
+        r = c.post("/v1/messages", timeout=30,
+                   json={"model": TINY_NAME, "max_tokens": 4, "messages": CHAT})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "overloaded_error"
