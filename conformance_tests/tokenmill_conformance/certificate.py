@@ -289,3 +289,10 @@ def _perf(value: object) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)
+
+
+def validate(certificate: dict) -> None:
+    """Raise `jsonschema.ValidationError` when `certificate` does not match the schema."""
+    import jsonschema
+
+    jsonschema.validate(certificate, json.loads(SCHEMA_PATH.read_text()))

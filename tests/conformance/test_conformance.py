@@ -1,0 +1,131 @@
+"""The conformance suite certifies the CPU plugin, refuses a broken plugin naming the
+failing tier and tests, honours waivers only outside the core tiers, and certifies the
+plugin that `tokenmill new-plugin` writes once it is installed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tokenmill_conformance.certificate import validate
+from tokenmill_conformance.tiers import parse_tiers
+
+from tokenmill.platforms.template import write_plugin
+
+HERE = Path(__file__).parent
+
+
+def certify(tmp_path: Path, *args: str, env: dict | None = None) -> tuple[int, str, dict, str]:
+    """Runs the `tokenmill-conformance` CLI (quick budgets) in a fresh process;
+    returns (exit code, output, JSON certificate, Markdown certificate)."""
+    report, markdown = tmp_path / "cert.json", tmp_path / "cert.md"
+    command = [sys.executable, "-m", "tokenmill_conformance.cli", "--quick", "-q",
+               "--report", str(report), "--markdown", str(markdown), *args]
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=900, cwd=tmp_path,
+        env={**os.environ, **(env or {})},
+    )
+    output = result.stdout + result.stderr
+    assert report.exists(), f"no certificate was written:\n{output[-4000:]}"
+    certificate = json.loads(report.read_text())
+    validate(certificate)
+    return result.returncode, output, certificate, markdown.read_text()
+
+
+def tiers(certificate: dict) -> dict[str, str]:
+    return {t["tier"]: t["status"] for t in certificate["tiers"]}
+
+
+def test_cpu_plugin_gets_a_full_certificate(tmp_path):
+    code, output, cert, markdown = certify(tmp_path, "--platform", "cpu")
+    assert code == 0, output[-4000:]
+    assert cert["certified"] and cert["complete"], cert["failures"]
+    assert tiers(cert) == {"T0": "passed", "T1": "passed", "T2": "passed", "T3": "passed",
+                           "T4": "passed", "T5": "reported"}
+    assert cert["plugin"]["name"] == "cpu" and cert["plugin"]["distribution"] == "tokenmill-cpu"
+    assert set(cert["capabilities"]["attention_kinds"]) == {"full", "sliding_window"}
+    ids = {t["id"] for t in cert["tests"]}
+    for expected in (
+        "t1/test_attention.py::test_unwritten_slots_are_never_read[full-float32]",
+        "t1/test_collectives.py::test_collective[world4-all_reduce-bfloat16]",
+        "t1/test_ops.py::test_op_matches_reference[prepack_linear-float32]",
+        "t2/test_kv_movement.py::test_swap_out_and_in_round_trip[float32]",
+        "t3/test_greedy.py::test_greedy_matches_reference[qwen3]",
+        "t4/test_serving.py::test_anthropic_messages_streamed",
+    ):
+        assert expected in ids, expected
+    performance = cert["performance"]
+    assert performance["matmul"]["float32"]["achieved_flops"] > 0
+    assert performance["memory_bandwidth"]["fraction_of_declared"] > 0
+    assert "**CERTIFIED**" in markdown and "| T1 " in markdown
+    assert "tokenmill-conformance: 'cpu' CERTIFIED" in output
+
+
+def test_broken_plugin_is_refused_naming_the_tier_and_tests(tmp_path):
+    plugin = HERE / "broken_plugin.py"
+    code, output, cert, markdown = certify(
+        tmp_path, "--platform", "broken", "--plugin", str(plugin), "--tier", "T0-T1"
+    )
+    assert code == 1
+    assert not cert["certified"] and not cert["complete"]
+    assert tiers(cert)["T0"] == "passed" and tiers(cert)["T1"] == "failed"
+    failed = {f["id"] for f in cert["failures"]}
+    assert {f["tier"] for f in cert["failures"]} == {"T1"}
+    partial_block = "t1/test_attention.py::test_edge_batches[full-last_partial_block]"
+    dropped_rank = "t1/test_collectives.py::test_collective[world2-all_reduce-float32]"
+    assert partial_block in failed and dropped_rank in failed
+    assert "t1/test_collectives.py::test_collective[world2-all_gather-float32]" not in failed
+    assert "REFUSED: failing required tiers ['T1']" in output
+    assert f"[T1] {partial_block}" in output and f"[T1] {dropped_rank}" in output
+    assert "**NOT CERTIFIED**" in markdown and partial_block in markdown
+
+
+def test_waivers_apply_outside_core_tiers_only(tmp_path):
+    plugin = HERE / "waiving_plugin.py"
+    code, output, cert, _ = certify(
+        tmp_path, "--platform", "waiving", "--plugin", str(plugin), "--tier", "T0,T5"
+    )
+    assert code == 0, output[-4000:]  # the selected tiers passed ...
+    assert not cert["certified"]  # ... but a partial run never certifies
+    waivers = {w["id"]: w for w in cert["waivers"]}
+    assert waivers["t0/test_contract.py::test_hardware_spec"]["status"] == "rejected"
+    assert waivers["t5/test_performance.py::test_memory_bandwidth"]["status"] == "applied"
+    assert waivers["t4/test_serving.py::test_no_such_test"]["status"] == "unmatched"
+    tests = {t["id"]: t for t in cert["tests"]}
+    assert tests["t0/test_contract.py::test_hardware_spec"]["outcome"] == "passed"
+    waived = tests["t5/test_performance.py::test_memory_bandwidth"]
+    assert waived["outcome"] == "xpassed" and waived["waiver"] == "bandwidth counters land in v2"
+
+
+def test_tier_selection_syntax():
+    assert parse_tiers("T0-T3") == ["T0", "T1", "T2", "T3"]
+    assert parse_tiers("t5,t1") == ["T1", "T5"]
+    assert parse_tiers("T2..T4") == ["T2", "T3", "T4"]
+    with pytest.raises(ValueError, match="unknown tier 'T9'"):
+        parse_tiers("T9")
+
+
+def test_template_plugin_installs_and_certifies(tmp_path):
+    root = write_plugin("myaccel", tmp_path)
+    with pytest.raises(FileExistsError):
+        write_plugin("myaccel", tmp_path)
+    with pytest.raises(ValueError, match="lowercase identifier"):
+        write_plugin("My-Accel", tmp_path)
+    site = tmp_path / "site"  # a private install: the shared environment keeps one plugin
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+         "--target", str(site), str(root)],
+        check=True, capture_output=True, timeout=300,
+    )
+    pythonpath = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    code, output, cert, _ = certify(
+        tmp_path, "--platform", "myaccel", env={"PYTHONPATH": pythonpath}
+    )
+    assert code == 0, output[-4000:]
+    assert cert["certified"], cert["failures"]
+    assert cert["plugin"]["distribution"] == "tokenmill-myaccel"
+    assert all(status in ("passed", "reported") for status in tiers(cert).values())
