@@ -46,6 +46,20 @@ def _greedy(conformance, path, platform: str, max_tokens: int = 8, **engine_args
     return [o.outputs[0].token_ids for o in outputs]
 
 
+@pytest.fixture(scope="module")
+def reference_tokens(conformance, active, tiny_dirs):
+    """The reference platform's greedy tokens per architecture, computed once."""
+    cache: dict[str, list[list[int]]] = {}
+
+    def tokens(arch: str) -> list[list[int]]:
+        if arch not in cache:
+            settings = _settings(active)
+            cache[arch] = _greedy(conformance, tiny_dirs[arch], REFERENCE_NAME, **settings)
+        return cache[arch]
+
+    return tokens
+
+
 def _compare(got: list[list[int]], expected: list[list[int]]) -> None:
     for prompt, g, e in zip(PROMPTS, got, expected):
         assert g == e, f"prompt {prompt!r}: plugin {g} != reference {e}"
@@ -57,17 +71,19 @@ def test_every_supported_architecture_has_a_tiny_model(model_type):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_matches_reference(conformance, active, tiny_dirs, arch):
+def test_greedy_matches_reference(conformance, active, tiny_dirs, reference_tokens, arch):
     settings = _settings(active)
-    expected = _greedy(conformance, tiny_dirs[arch], REFERENCE_NAME, **settings)
+    expected = reference_tokens(arch)
     got = _greedy(conformance, tiny_dirs[arch], active.name, **settings)
     _compare(got, expected)
 
 
 @pytest.mark.parametrize("arch", ["qwen3"])
-def test_chunked_prefill_mixed_with_decodes(conformance, active, tiny_dirs, arch):
+def test_chunked_prefill_mixed_with_decodes(
+    conformance, active, tiny_dirs, reference_tokens, arch
+):
     settings = _settings(active)
-    expected = _greedy(conformance, tiny_dirs[arch], REFERENCE_NAME, **settings)
+    expected = reference_tokens(arch)
     got = _greedy(
         conformance, tiny_dirs[arch], active.name,
         max_num_batched_tokens=8, max_num_seqs=3, **settings,
