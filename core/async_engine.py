@@ -25,6 +25,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import jinja2
+
 from tokenmill.config import EngineArgs
 from tokenmill.engine import LLMEngine
 from tokenmill.outputs import RequestOutput
@@ -143,11 +145,18 @@ class AsyncLLM:
     async def render_chat(
         self, messages: list[dict[str, Any]], chat_template: str | None = None
     ) -> tuple[str, list[int]]:
-        """Apply the chat template and tokenize, as `LLM.chat` does; returns (text, ids)."""
+        """Apply the chat template and tokenize, as `LLM.chat` does; returns (text, ids).
+
+        Raises ValueError when there is no template or it refuses these messages (templates
+        raise on, e.g., roles that do not alternate).
+        """
         template = chat_template or self.args.chat_template or self.engine.loaded.chat_template
 
         def render() -> tuple[str, list[int]]:
-            text = apply_chat_template(self.tokenizer, messages, template, True)
+            try:
+                text = apply_chat_template(self.tokenizer, messages, template, True)
+            except jinja2.TemplateError as e:
+                raise ValueError(f"the chat template failed on these messages: {e}") from e
             return text, self.tokenizer.encode(text, add_special_tokens=False)
 
         return await asyncio.to_thread(render)

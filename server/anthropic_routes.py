@@ -44,8 +44,8 @@ def _usage(out: RequestOutput) -> dict[str, int]:
 async def _render(request: Request, body) -> tuple[str, list[int]]:
     try:
         return await state_of(request).engine.render_chat(body.chat_messages())
-    except Exception as e:  # a template that fails on these messages is the request's fault
-        raise APIError(400, f"could not render the messages: {e}") from e
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages") from e
 
 
 @router.post("/v1/messages/count_tokens")

@@ -264,8 +264,8 @@ def _add_utility_routes(app: FastAPI) -> None:
             msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
             try:
                 _, ids = await state.engine.render_chat(msgs)
-            except Exception as e:  # the template failing on these messages
-                raise APIError(400, f"could not render the messages: {e}", "messages") from e
+            except ValueError as e:
+                raise APIError(400, str(e), "messages") from e
         else:
             ids = await state.engine.encode(body.prompt, body.add_special_tokens)
         return {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids}

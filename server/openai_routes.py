@@ -212,8 +212,6 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         text, ids = await state.engine.render_chat(messages, body.chat_template)
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from e
-    except Exception as e:  # a template that fails on these messages is the request's fault
-        raise APIError(400, f"the chat template failed on these messages: {e}", "messages") from e
     max_tokens = body.max_completion_tokens or body.max_tokens
     if max_tokens is None:
         max_tokens = max(state.engine.max_model_len - len(ids), 1)

@@ -242,3 +242,14 @@ def test_engine_crash_fails_requests_and_health(tiny_model):
         r = c.post("/v1/messages", timeout=30,
                    json={"model": TINY_NAME, "max_tokens": 4, "messages": CHAT})
         assert r.status_code == 503 and r.json()["error"]["type"] == "overloaded_error"
+
+
+@pytest.mark.parametrize(
+    ("template", "needle"),
+    [("{{ raise_exception('roles must alternate') }}", "roles must alternate"),
+     ("{% for m in %}", "chat template failed")],
+)
+def test_chat_template_failure_is_400(http, template, needle):
+    body = {"model": TINY_NAME, "messages": CHAT, "max_tokens": 2, "chat_template": template}
+    err = assert_openai_error(http.post("/v1/chat/completions", json=body), 400)
+    assert needle in err["message"]
