@@ -56,12 +56,14 @@ class Recorder:
     tiers: list[str]
     started: float
     waivers: list[Waiver] = field(default_factory=list)
-    results: dict[str, TestResult] = field(default_factory=dict)
+    results: dict[str, TestResult] = field(default_factory=dict)  # by suite id
+    ids: dict[str, str] = field(default_factory=dict)  # pytest node id -> suite id
 
     def add(self, report: pytest.TestReport) -> None:
-        result = self.results.setdefault(
-            report.nodeid, TestResult(report.nodeid, tier_of(report.nodeid), "passed")
-        )
+        test_id = self.ids.get(report.nodeid)
+        if test_id is None:  # not a suite test (a plugin's own test in the same session)
+            return
+        result = self.results.setdefault(test_id, TestResult(test_id, tier_of(test_id), "passed"))
         result.duration_s += report.duration
         wasxfail = getattr(report, "wasxfail", None)
         if wasxfail is not None:
@@ -72,6 +74,17 @@ class Recorder:
         result.outcome = outcome
         if report.longrepr is not None and outcome in ("failed", "error", "skipped", "xfailed"):
             result.message = _message(report)
+
+
+    def add_collection_error(self, report: pytest.CollectReport) -> None:
+        """A suite module that failed to import fails its tier (its tests never ran)."""
+        parts = report.nodeid.split("::")[0].split("/")
+        tiers = [p for p in parts if p.upper() in {t.id for t in TIERS}]
+        if not tiers:
+            return
+        test_id = "/".join(parts[parts.index(tiers[-1]) :])
+        message = _message(report)
+        self.results[test_id] = TestResult(test_id, tiers[-1].upper(), "error", 0.0, message)
 
 
 def _outcome(report: pytest.TestReport) -> str | None:
@@ -88,7 +101,7 @@ def _outcome(report: pytest.TestReport) -> str | None:
     return None
 
 
-def _message(report: pytest.TestReport) -> str:
+def _message(report: pytest.TestReport | pytest.CollectReport) -> str:
     longrepr = report.longrepr
     if isinstance(longrepr, tuple):  # a skip: (path, line, reason)
         return str(longrepr[2])[:_MAX_MESSAGE]

@@ -14,7 +14,7 @@ import pytest
 from tokenmill.platforms.registry import PlatformError
 from tokenmill_conformance.certificate import Recorder, Waiver, build_certificate, write
 from tokenmill_conformance.session import Conformance, PluginSource
-from tokenmill_conformance.tiers import TIER_BY_ID, parse_tiers, tier_of
+from tokenmill_conformance.tiers import TIER_BY_ID, parse_tiers, suite_id, tier_of
 
 CONFORMANCE = pytest.StashKey[Conformance]()
 
@@ -67,11 +67,17 @@ class CertificationRun:
     ) -> None:
         selected, deselected = [], []
         for item in items:
-            (selected if tier_of(item.nodeid) in self.recorder.tiers else deselected).append(item)
+            test_id = suite_id(item.path, item.nodeid)
+            self.recorder.ids[item.nodeid] = test_id
+            (selected if tier_of(test_id) in self.recorder.tiers else deselected).append(item)
         if deselected:
             config.hook.pytest_deselected(items=deselected)
             items[:] = selected
-        self.recorder.waivers = _apply_waivers(self.conformance, items)
+        self.recorder.waivers = _apply_waivers(self.conformance, items, self.recorder.ids)
+
+    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        if report.failed:
+            self.recorder.add_collection_error(report)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.recorder.add(report)
@@ -98,7 +104,9 @@ class CertificationRun:
         terminalreporter.write_line(f"{certificate['plugin']['name']}: {verdict}")
 
 
-def _apply_waivers(conformance: Conformance, items: list[pytest.Item]) -> list[Waiver]:
+def _apply_waivers(
+    conformance: Conformance, items: list[pytest.Item], ids: dict[str, str]
+) -> list[Waiver]:
     """Marks waived tests xfail (non-strict: they still run); core tiers are not waivable."""
     if conformance.active is None:
         return []
@@ -108,11 +116,12 @@ def _apply_waivers(conformance: Conformance, items: list[pytest.Item]) -> list[W
         return [Waiver("<tokenmill_waivers>", str(exc), "rejected", "the hook failed")]
     waivers = []
     for test_id, reason in requested:
-        matched = [i for i in items if i.nodeid == test_id or i.nodeid.split("[")[0] == test_id]
+        # a waiver without [params] covers every parametrization of the test
+        matched = [i for i in items if test_id in (ids[i.nodeid], ids[i.nodeid].split("[")[0])]
         if not matched:
             waivers.append(Waiver(test_id, reason, "unmatched", "no test has this id"))
             continue
-        tier = TIER_BY_ID[tier_of(matched[0].nodeid)]
+        tier = TIER_BY_ID[tier_of(ids[matched[0].nodeid])]
         if not tier.waivable:
             note = f"{tier.id} is a core tier; its tests cannot be waived"
             waivers.append(Waiver(test_id, reason, "rejected", note))

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+
+SUITE_DIR = Path(__file__).resolve().with_name("suite")
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +31,14 @@ TIERS = (
          required=False, waivable=True),
 )
 TIER_BY_ID = {tier.id: tier for tier in TIERS}
+
+
+def suite_id(path: Path, nodeid: str) -> str:
+    """A test's id relative to the suite folder, whatever pytest's rootdir was:
+    't1/test_attention.py::test_x[params]'. This is the id waivers name."""
+    relative = Path(path).resolve().relative_to(SUITE_DIR).as_posix()
+    _, sep, rest = nodeid.partition("::")
+    return relative + sep + rest
 
 
 def tier_of(test_id: str) -> str:
