@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import random
 from datetime import timedelta
-from itertools import accumulate
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tokenmill_conformance.attention_harness import make_step, mixed_batch
 
 from tokenmill.ops.reference import paged_attention
 from tokenmill.platforms.interfaces import (
     AllocatorPurpose,
     AttentionKind,
-    AttentionMetadata,
     AttentionSpec,
     OutOfMemoryError,
 )
@@ -28,84 +26,15 @@ from tokenmill_cpu.communicator import SingleProcessCommunicator
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
-def make_step(seqs, num_heads, num_kv_heads, head_size, block_size, dtype, seed=0):
-    """A random paged, ragged step. `seqs` lists (cached tokens, new tokens) per sequence.
-
-    Blocks are shuffled across sequences (block 0 included) and the cache holds random
-    values everywhere, so reading a wrong slot changes the result.
-    """
-    rng = random.Random(seed)
-    generator = torch.Generator().manual_seed(seed)
-    needed = [-(-(cached + new) // block_size) for cached, new in seqs]
-    num_blocks = sum(needed) + 2
-    pool = list(range(num_blocks))
-    rng.shuffle(pool)
-    tables = torch.zeros(len(seqs), max(needed) + 1, dtype=torch.int32)
-    slots = []
-    for i, ((cached, new), n) in enumerate(zip(seqs, needed, strict=True)):
-        block_ids = [pool.pop() for _ in range(n)]
-        tables[i, :n] = torch.tensor(block_ids)
-        slots += [
-            block_ids[p // block_size] * block_size + p % block_size
-            for p in range(cached, cached + new)
-        ]
-    query_lens = [new for _, new in seqs]
-    seq_lens = [cached + new for cached, new in seqs]
-    num_tokens = sum(query_lens)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=generator).to(dtype)
-
-    metadata = AttentionMetadata(
-        num_tokens=num_tokens,
-        num_seqs=len(seqs),
-        query_start_loc=torch.tensor([0, *accumulate(query_lens)], dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=tables,
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_lens_cpu=query_lens,
-        seq_lens_cpu=seq_lens,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        block_size=block_size,
-    )
-    kv_cache = randn(2, num_blocks, block_size, num_kv_heads, head_size)
-    query = randn(num_tokens, num_heads, head_size)
-    key = randn(num_tokens, num_kv_heads, head_size)
-    value = randn(num_tokens, num_kv_heads, head_size)
-    return query, key, value, kv_cache, metadata
-
-
-def mixed_batch(seed: int) -> list[tuple[int, int]]:
-    """Fresh prompts, prefill chunks after cached context, decodes and a 1-token prompt."""
-    rng = random.Random(seed)
-    decodes = [(rng.randint(1, 90), 1) for _ in range(rng.randint(3, 9))]
-    chunks = [(rng.randint(1, 60), rng.randint(2, 40)) for _ in range(2)]
-    prompts = [(0, rng.randint(2, 50)), (0, 1)]
-    batch = decodes + chunks + prompts
-    rng.shuffle(batch)
-    return batch
-
-
 def check_against_reference(spec: AttentionSpec, seqs, seed: int = 0, num_layers: int = 2):
     """Runs `num_layers` layers on one step's metadata, as the model runner does."""
     backend = CpuPagedAttention(spec.kind)
     assert backend.supports(spec)
-    steps = [
-        make_step(
-            seqs,
-            spec.num_heads,
-            spec.num_kv_heads,
-            spec.head_size,
-            spec.block_size,
-            spec.dtype,
-            seed + layer,
-        )
-        for layer in range(num_layers)
-    ]
-    metadata = steps[0][4]
+    steps = [make_step(seqs, spec, seed + layer, table_seed=seed) for layer in range(num_layers)]
+    metadata = steps[0].metadata
     backend.prepare(metadata)
-    for query, key, value, kv_cache, _ in steps:
+    for step in steps:
+        query, key, value, kv_cache = step.query, step.key, step.value, step.kv_cache
         ref_cache = kv_cache.clone()
         expected = paged_attention(spec, query, key, value, ref_cache, metadata)
         inputs = (query.clone(), key.clone(), value.clone())
@@ -165,7 +94,10 @@ def test_edge_shapes(seqs):
 
 def test_layers_with_different_windows_share_one_step():
     seqs = mixed_batch(5)
-    query, key, value, kv_cache, metadata = make_step(seqs, 4, 2, 32, 16, torch.float32)
+    step = make_step(seqs, AttentionSpec(AttentionKind.SLIDING_WINDOW, 4, 2, 32, torch.float32, 16))
+    query, key, value, kv_cache, metadata = (
+        step.query, step.key, step.value, step.kv_cache, step.metadata
+    )
     backend = CpuPagedAttention(AttentionKind.SLIDING_WINDOW)
     backend.prepare(metadata)
     for window in (4, 64, 4):
