@@ -1,0 +1,165 @@
+"""Tables (markdown) and a throughput-vs-concurrency plot from run.py's JSON files.
+
+    python benchmarks/serving/report.py benchmarks/serving/results/*.json \
+        --plot docs/benchmarks-peers-sweep.png > /tmp/tables.md
+
+Later files override earlier ones for the same engine and workload. Figures are medians
+over repeats; ratios are tokenmill / peer, pair by pair.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+
+from stats import median
+
+ORDER = ["tokenmill", "vllm", "transformers", "llamacpp-bf16", "llamacpp-q4_1"]
+
+
+def load(paths: list[Path]) -> tuple[dict, dict]:
+    """{engine: {(workload, point): [summary per repeat]}}, {engine: meta}."""
+    runs: dict = defaultdict(dict)
+    meta: dict = {}
+    for path in paths:
+        data = json.loads(path.read_text())
+        for engine, info in data["engines"].items():
+            if "runs" not in info:
+                meta.setdefault(engine, info)
+                continue
+            meta[engine] = {k: v for k, v in info.items() if k != "runs"}
+            fresh = defaultdict(list)
+            for run in info["runs"]:
+                fresh[(run["workload"], run["point"])].append(run)
+            runs[engine].update(fresh)
+    return runs, meta
+
+
+def med(rs: list[dict], key: str) -> float:
+    return median([r["summary"][key] for r in rs])
+
+
+def fmt(x: float, nd: int = 1) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
+
+
+def engines_in(runs: dict) -> list[str]:
+    return [e for e in ORDER if e in runs] + [e for e in runs if e not in ORDER]
+
+
+def table(runs: dict, workload: str) -> str:
+    cols = ["output tok/s", "req/s", "goodput req/s", "TTFT p50/p90/p99 ms", "ITL p50/p99 ms",
+            "TPOT p50 ms", "E2E p50/p99 ms", "ok/sent", "n"]
+    lines = [f"| engine | point | {' | '.join(cols)} |", "|" + "---|" * (len(cols) + 2)]
+    for engine in engines_in(runs):
+        for (w, point), rs in sorted(runs[engine].items(), key=lambda kv: _point_key(kv[0][1])):
+            if w != workload:
+                continue
+            s = rs[0]["summary"]
+            ok = median([r["summary"]["requests"] - r["summary"]["failed"] for r in rs])
+            lines.append(
+                f"| {engine} | {point} | {fmt(med(rs, 'output_tok_per_s'))} | {fmt(med(rs, 'req_per_s'), 2)} | "
+                f"{fmt(med(rs, 'goodput_req_per_s'), 2)} | {fmt(med(rs, 'ttft_p50_ms'), 0)} / "
+                f"{fmt(med(rs, 'ttft_p90_ms'), 0)} / {fmt(med(rs, 'ttft_p99_ms'), 0)} | "
+                f"{fmt(med(rs, 'itl_p50_ms'), 0)} / {fmt(med(rs, 'itl_p99_ms'), 0)} | "
+                f"{fmt(med(rs, 'tpot_p50_ms'), 0)} | {fmt(med(rs, 'e2e_p50_ms'), 0)} / "
+                f"{fmt(med(rs, 'e2e_p99_ms'), 0)} | {fmt(ok, 0)}/{s['requests']} | {len(rs)} |")
+    return "\n".join(lines)
+
+
+def _point_key(point: str):
+    if point.startswith("c="):
+        return (0, int(point[2:]))
+    return (1, point)
+
+
+def ratios(runs: dict, workload: str, key: str = "output_tok_per_s", base: str = "tokenmill") -> str:
+    if base not in runs:
+        return ""
+    peers = [e for e in engines_in(runs) if e != base]
+    if not peers:
+        return ""
+    lines = [f"| point | {' | '.join(f'{base} / {p}' for p in peers)} |", "|" + "---|" * (len(peers) + 1)]
+    for (w, point), rs in sorted(runs[base].items(), key=lambda kv: _point_key(kv[0][1])):
+        if w != workload:
+            continue
+        cells = []
+        for p in peers:
+            other = runs[p].get((w, point))
+            cells.append(f"{med(rs, key) / med(other, key):.2f}x" if other and med(other, key) else "-")
+        lines.append(f"| {point} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
+def trace_table(runs: dict, workload: str) -> str:
+    """Per-turn prompt tokens sent vs computed (sent - cached, where the engine reports it)."""
+    lines = ["| engine | requests ok | prompt tokens sent | cached (reported) | computed | "
+             "TTFT p50 / p90 ms | turn>0 TTFT p50 ms |", "|---|---|---|---|---|---|---|"]
+    for engine in engines_in(runs):
+        for (w, point), rs in runs[engine].items():
+            if w != workload:
+                continue
+            reqs = [q for q in rs[0].get("requests", []) if q["ok"]]
+            sent = sum(q["prompt_tokens"] for q in reqs)
+            cached_l = [q["cached_tokens"] for q in reqs if q["cached_tokens"] is not None]
+            cached = sum(cached_l) if cached_l else None
+            later = sorted(q["ttft"] for q in reqs if q["turn"] > 0)
+            s = rs[0]["summary"]
+            lines.append(
+                f"| {engine} | {len(reqs)}/{s['requests']} | {sent} | "
+                f"{'not exposed' if cached is None else cached} | "
+                f"{'-' if cached is None else sent - cached} | {fmt(s['ttft_p50_ms'], 0)} / "
+                f"{fmt(s['ttft_p90_ms'], 0)} | {fmt(median(later) * 1000, 0) if later else '-'} |")
+    return "\n".join(lines)
+
+
+def plot(runs: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for engine in engines_in(runs):
+        pts = sorted((int(p[2:]), med(rs, "output_tok_per_s")) for (w, p), rs in runs[engine].items()
+                     if w == "sweep")
+        if pts:
+            ax.plot([c for c, _ in pts], [t for _, t in pts], marker="o", label=engine)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent requests (256 in, 128 out)")
+    ax.set_ylabel("output tokens / s (median)")
+    ax.set_title("SmolLM2-135M, 2 CPU threads, OpenAI streaming")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("paths", nargs="+", type=Path)
+    p.add_argument("--plot", type=Path, default=None)
+    args = p.parse_args()
+    runs, meta = load(args.paths)
+    print("## Engines\n\n| engine | version | startup s | note |\n|---|---|---|---|")
+    for e in engines_in(meta):
+        m = meta[e]
+        print(f"| {e} | {m.get('version', '-')} | {fmt(m.get('startup_s', math.nan), 0)} | "
+              f"{m.get('skipped') or m.get('failed') or ''} |")
+    workloads = sorted({w for r in runs.values() for (w, _) in r})
+    for w in workloads:
+        print(f"\n## {w}\n\n{table(runs, w)}\n")
+        r = ratios(runs, w)
+        if r:
+            print(f"Output tok/s ratios:\n\n{r}\n")
+        if w in ("claude-code", "mooncake", "multi-turn", "shared-prefix"):
+            print(f"Prompt tokens, sent vs computed:\n\n{trace_table(runs, w)}\n")
+    if args.plot:
+        plot(runs, args.plot)
+
+
+if __name__ == "__main__":
+    main()

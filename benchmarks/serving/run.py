@@ -1,0 +1,147 @@
+"""Serving benchmark: start each engine in turn, run the workloads against it, save JSON.
+
+    python benchmarks/serving/run.py --engines tokenmill vllm transformers \
+        --workloads sweep claude-code --repeats 3 --out benchmarks/serving/results/run.json
+
+Engines run one at a time on 127.0.0.1 with the same model and thread count; every
+workload point is preceded by the engine's warm-up, repeated `--repeats` times, and the
+summaries are saved per repeat (report.py takes medians and ratios).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import platform
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import engines
+import workloads as wl
+from loadgen import Session, Target, run_workload
+from stats import Slo, summarize
+
+log = logging.getLogger("serving-bench")
+TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
+SWEEP = (1, 4, 16, 64)
+
+
+def points(name: str, words: wl.Words, args) -> list[tuple[str, list[Session], int | None, float]]:
+    """(point label, sessions, max concurrency, hard time limit s) for one workload name."""
+    if name == "smoke":
+        return [("4x(32in,16out)", wl.uniform(words, 4, 32, 16, tag="smoke"), 4, args.point_limit_s)]
+    if name == "offline-uniform":
+        return [("64x(128in,128out)", wl.uniform(words, 64, 128, 128), None, args.point_limit_s)]
+    if name == "offline-mixed":
+        return [("48 mixed", wl.mixed(words, 48), None, args.point_limit_s)]
+    if name == "sweep":
+        return [(f"c={c}", wl.uniform(words, min(64, max(4, 2 * c)), 256, 128, tag=f"s{c}-"), c,
+                 args.point_limit_s) for c in SWEEP]
+    if name == "shared-prefix":
+        return [("32 req, 4 groups, 1024 shared + 64", wl.shared_prefix(words, 32, 4, 1024, 64, 32), 8,
+                 args.point_limit_s)]
+    if name == "multi-turn":
+        return [("8 sessions x 4 turns", wl.multi_turn(words, 8, 4, 512, 64, 64, 0.5), None,
+                 args.point_limit_s)]
+    if name == "claude-code":
+        f = args.trace_factor
+        s = wl.claude_code(words, TRACES / "claude-code", f, f, args.trace_sessions, args.max_model_len,
+                           stagger_s=args.trace_stagger_s)
+        return [(f"{len(s)} sessions, /{f}", s, None, args.trace_limit_s)]
+    if name == "mooncake":
+        s = wl.mooncake(words, TRACES / "mooncake" / "conversation_trace.jsonl", 64, 1.0,
+                        args.mooncake_requests, args.max_model_len)
+        return [(f"{len(s)} requests, /64", s, None, args.trace_limit_s)]
+    raise ValueError(f"unknown workload {name!r}")
+
+
+def warm_up(target: Target, words: wl.Words) -> None:
+    asyncio.run(run_workload(target, wl.uniform(words, 4, 64, 16, tag="warm"), 4, 120, 300))
+
+
+def run_engine(spec: engines.EngineSpec, args, words: wl.Words) -> dict:
+    out = {"version": engines.version(spec), "argv": spec.argv, "env": spec.env, "runs": []}
+    log_path = Path(args.log_dir) / f"{spec.name}.log"
+    with engines.EngineProcess(spec, args.port, log_path) as proc:
+        out["startup_s"] = proc.startup_s
+        target = Target(f"http://127.0.0.1:{args.port}", engines.SERVED, dict(spec.extra_body))
+        warm_up(target, words)
+        for workload in args.workloads:
+            for label, sessions, conc, limit in points(workload, words, args):
+                for rep in range(args.repeats if workload not in ("claude-code", "mooncake")
+                                 else args.trace_repeats):
+                    salt = {"cache_salt": f"{time.time_ns()}"} if spec.name in ("tokenmill", "vllm") else {}
+                    # a fresh salt per repeat keeps one repeat's prefix cache from serving the next
+                    t = Target(target.base_url, target.model, {**target.extra_body, **salt})
+                    results, dur = asyncio.run(run_workload(t, sessions, conc, limit, limit + 30))
+                    summary = summarize(results, dur, Slo(args.slo_ttft_s, args.slo_tpot_s))
+                    run = {"workload": workload, "point": label, "concurrency": conc, "repeat": rep,
+                           "summary": summary}
+                    if workload in ("claude-code", "mooncake", "multi-turn", "shared-prefix"):
+                        run["requests"] = [
+                            {k: v for k, v in asdict(r).items() if k not in ("itls", "text")}
+                            for r in sorted(results, key=lambda r: (r.session, r.turn))]
+                    errors = sorted({r.error for r in results if r.error})[:3]
+                    if errors:
+                        run["errors"] = errors
+                    out["runs"].append(run)
+                    log.info("%s %s %s rep %d: %.1f out tok/s, ttft p50 %.0f ms, %d/%d ok %s",
+                             spec.name, workload, label, rep, summary["output_tok_per_s"],
+                             summary["ttft_p50_ms"], summary["requests"] - summary["failed"],
+                             summary["requests"], errors)
+                    time.sleep(2)  # let cancelled work drain
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--engines", nargs="+", default=["tokenmill", "vllm", "transformers",
+                                                    "llamacpp-bf16", "llamacpp-q4_1"])
+    p.add_argument("--workloads", nargs="+", default=["sweep"])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--trace-repeats", type=int, default=1)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--port", type=int, default=8471)
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--point-limit-s", type=float, default=120.0)
+    p.add_argument("--trace-limit-s", type=float, default=150.0)
+    p.add_argument("--trace-factor", type=int, default=32)
+    p.add_argument("--trace-sessions", type=int, default=6)
+    p.add_argument("--trace-stagger-s", type=float, default=5.0)
+    p.add_argument("--mooncake-requests", type=int, default=60)
+    p.add_argument("--slo-ttft-s", type=float, default=2.0)
+    p.add_argument("--slo-tpot-s", type=float, default=0.1)
+    p.add_argument("--out", default="benchmarks/serving/results/run.json")
+    p.add_argument("--log-dir", default="/work/peers/logs")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    words = wl.Words(wl.one_token_words(engines.HF_DIR / "tokenizer.json"))
+    specs = engines.engine_specs(args.port, args.threads, args.max_model_len)
+    report = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "machine": {"cpus": __import__("os").cpu_count(), "platform": platform.platform(),
+                          "python": platform.python_version()},
+              "args": vars(args), "engines": {}}
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    for name in args.engines:
+        spec = specs[name]
+        ok, why = engines.available(spec)
+        if not ok:
+            log.warning("skipping %s: %s", name, why)
+            report["engines"][name] = {"skipped": why}
+            continue
+        try:
+            report["engines"][name] = run_engine(spec, args, words)
+        except (RuntimeError, TimeoutError) as e:
+            log.error("%s failed: %s", name, e)
+            report["engines"][name] = {"failed": str(e)}
+        out_path.write_text(json.dumps(report, indent=1, default=float))
+    log.info("wrote %s", out_path)
+
+
+if __name__ == "__main__":
+    main()

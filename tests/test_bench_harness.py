@@ -1,0 +1,70 @@
+"""Fast checks of the serving benchmark's pure parts: percentiles, goodput, trace scaling."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "serving"))
+
+import workloads as wl  # noqa: E402
+from stats import RequestResult, Slo, percentile, summarize  # noqa: E402
+
+WORDS = wl.Words([f"w{i}" for i in range(500)])
+
+
+@pytest.mark.parametrize("q", [0, 1, 50, 90, 99, 100])
+def test_percentile_matches_numpy(q):
+    rng = np.random.default_rng(q)
+    xs = rng.exponential(size=37).tolist()
+    assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+    assert math.isnan(percentile([], q))
+
+
+def test_goodput_counts_only_requests_within_the_slo():
+    fast = RequestResult("a", 0, 0.0, ok=True, ttft=0.1, e2e=1.1, output_tokens=11)  # tpot 0.1
+    slow = RequestResult("b", 0, 0.0, ok=True, ttft=3.0, e2e=4.0, output_tokens=11)
+    failed = RequestResult("c", 0, 0.0, error="cancelled", output_tokens=5)
+    s = summarize([fast, slow, failed], 2.0, Slo(ttft=2.0, tpot=0.1))
+    assert s["failed"] == 1 and s["req_per_s"] == 1.0 and s["goodput_req_per_s"] == 0.5
+    assert s["output_tok_per_s"] == (11 + 11 + 5) / 2.0  # streamed tokens of cancelled requests count
+    assert s["ttft_p50_ms"] == pytest.approx(1550.0)
+
+
+def _write_trace(tmp_path: Path) -> Path:
+    trace = {"id": "t1", "block_size": 64, "requests": [
+        {"t": 0.0, "type": "n", "in": 256, "out": 64, "hash_ids": [1, 2, 3, 4], "think_time": 0.0},
+        {"t": 32.0, "type": "n", "in": 380, "out": 32, "hash_ids": [1, 2, 3, 4, 5, 6], "think_time": 16.0},
+        {"t": 40.0, "type": "s", "in": 128, "out": 10, "hash_ids": [1, 9], "think_time": 0.0},
+        {"t": 50.0, "type": "n", "in": 64000, "out": 10, "hash_ids": list(range(1000)), "think_time": 1.0},
+    ]}
+    (tmp_path / "t1.json").write_text(json.dumps(trace))
+    return tmp_path
+
+
+def test_claude_code_scaling_keeps_the_sharing_structure(tmp_path):
+    (s,) = wl.claude_code(WORDS, _write_trace(tmp_path), factor=32, time_factor=16, max_sessions=5,
+                          max_model_len=1024, stagger_s=0.0)
+    first, second, sub = s.turns  # the 64k-token request passes max_model_len and is dropped
+    a, b, c = (t.prompt.split() for t in (first, second, sub))
+    assert (len(a), len(b), len(c)) == (8, 12, 4) == tuple(t.expected_prompt_tokens for t in s.turns)
+    assert b[:8] == a  # hash ids 1-4 shared: 4 blocks of 64/32 = 2 words
+    assert c[:2] == a[:2] and c[2:] != a[2:4]  # shares block 1 only
+    assert (first.max_tokens, second.max_tokens) == (2, 1)
+    assert (second.pause_s, second.at_s, second.stream, sub.stream) == (1.0, 2.0, "main", "sub")
+
+
+def test_mooncake_scaling(tmp_path):
+    lines = [{"timestamp": 0, "input_length": 1024, "output_length": 128, "hash_ids": [0, 1]},
+             {"timestamp": 2000, "input_length": 1500, "output_length": 64, "hash_ids": [0, 1, 2]}]
+    path = tmp_path / "m.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines))
+    a, b = wl.mooncake(WORDS, path, factor=64, time_factor=2.0, max_requests=10, max_model_len=8192)
+    pa, pb = a.turns[0].prompt.split(), b.turns[0].prompt.split()
+    assert (len(pa), len(pb)) == (16, 23) and pb[:16] == pa
+    assert (a.turns[0].max_tokens, b.start_s) == (2, 1.0)
