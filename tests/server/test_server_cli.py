@@ -1,0 +1,24 @@
+"""`tokenmill serve` flags: the issue's list is there, and bad values fail before any load."""
+
+from __future__ import annotations
+
+from tokenmill.server.cli import build_parser, main
+
+FLAGS = ["--host", "--port", "--served-model-name", "--api-key", "--platform", "--max-model-len",
+         "--max-num-seqs", "--max-num-batched-tokens", "--dtype", "--chat-template"]
+
+
+def test_serve_has_the_flags():
+    sub = build_parser()._subparsers._group_actions[0].choices["serve"]
+    options = {opt for action in sub._actions for opt in action.option_strings}
+    assert set(FLAGS) <= options
+    args = build_parser().parse_args(["serve"])
+    assert args.model is None and (args.host, args.port) == ("127.0.0.1", 8000)
+
+
+def test_bad_engine_arguments_exit_2(capsys):
+    assert main(["serve", "--max-num-seqs", "0", "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "max_num_seqs" in err
+    assert main(["serve", "--block-size", "3", "--port", "1"]) == 2
+    assert "block_size=3 must be a power of two" in capsys.readouterr().err
