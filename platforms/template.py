@@ -152,7 +152,7 @@ MEMORY_BYTES = 8 << 30  # TODO: your device's memory
 CAPABILITIES = Capabilities(
     attention_kinds=frozenset({{AttentionKind.FULL, AttentionKind.SLIDING_WINDOW}}),
     dtypes=frozenset({{torch.float32, torch.bfloat16}}),
-    block_sizes=frozenset({{16, 32}}),
+    block_sizes=frozenset({{16}}),
     head_sizes=frozenset({{64, 128}}),
     collectives=False,  # TODO: True once tokenmill_communicator is implemented
 )

@@ -1,8 +1,10 @@
 """Every collective of a plugin's communicator in a real multi-process group.
 
-`run_group` spawns `world_size` processes; each initialises torch.distributed with the
-device's default backend (gloo on CPU), loads the plugin, asks it for a communicator and
-runs every check below on every dtype. Each rank writes its results as it goes, so a
+`run_groups` spawns the largest world size's processes once; each initialises
+torch.distributed with the device's default backend (gloo on CPU) and loads the plugin.
+Every check below runs on every dtype, first over the whole world (the default group,
+`group=None`), then over a subgroup of the first ranks for each smaller world size (a
+`torch.distributed.new_group`, so the plugin's communicator is also tested on a group). Each rank writes its results as it goes, so a
 check that hangs the group fails with a timeout instead of hiding the others.
 """
 
@@ -56,13 +58,14 @@ def _equal(got: torch.Tensor, expected: torch.Tensor, what: str) -> None:
                              f"{expected.flatten()[:8].tolist()}...")
 
 
-def _check(comm: Communicator, name: str, dtype: torch.dtype, device: torch.device) -> None:
+def _check(
+    comm: Communicator, group: object | None, name: str, dtype: torch.dtype, device: torch.device
+) -> None:
     rank, world = comm.rank, comm.world_size
     ranks_sum = world * (world + 1) / 2
     if name == "rank_and_world_size":
-        _equal(torch.tensor([rank, world]), torch.tensor([dist.get_rank(), world]), name)
-        if world != dist.get_world_size():
-            raise AssertionError(f"world_size {world}, the group has {dist.get_world_size()}")
+        expected = [dist.get_rank(group), dist.get_world_size(group)]
+        _equal(torch.tensor([rank, world]), torch.tensor(expected), "(rank, world_size)")
     for shape in SHAPES:
         base = _base(shape, dtype, device)
         if name == "all_reduce":
@@ -105,8 +108,9 @@ def _check(comm: Communicator, name: str, dtype: torch.dtype, device: torch.devi
             comm.barrier()
 
 
-def _worker(rank: int, world: int, store: str, source: PluginSource, dtypes: list[str],
+def _worker(rank: int, worlds: list[int], store: str, source: PluginSource, dtypes: list[str],
             out_dir: str) -> None:
+    world = max(worlds)
     results_path = Path(out_dir) / f"rank{rank}.jsonl"
 
     def record(check: str, error: str | None) -> None:
@@ -121,30 +125,41 @@ def _worker(rank: int, world: int, store: str, source: PluginSource, dtypes: lis
             torch.accelerator.set_device_index(rank % torch.accelerator.device_count())
         dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=60))
-        comm = active.communicator(None)
         device = active.platform.device
+        # every rank creates every subgroup, in the same order (torch.distributed's rule)
+        groups = {w: None if w == world else dist.new_group(list(range(w))) for w in worlds}
     except Exception:  # recorded for the parent; the group cannot run without it
         record("<setup>", traceback.format_exc(limit=3))
         return
     try:
-        for name in COLLECTIVES:
-            for dtype_name in dtypes:
-                check = f"{name}-{dtype_name}"
-                try:
-                    _check(comm, name, getattr(torch, dtype_name), device)
-                except Exception as exc:  # recorded per check; the next checks still run
-                    record(check, f"rank {rank}: {exc}")
-                else:
-                    record(check, None)
+        for size in sorted(worlds, reverse=True):
+            if rank >= size:
+                continue
+            comm = active.communicator(groups[size])
+            for name in COLLECTIVES:
+                for dtype_name in dtypes:
+                    check = f"world{size}-{name}-{dtype_name}"
+                    try:
+                        _check(comm, groups[size], name, getattr(torch, dtype_name), device)
+                    except Exception as exc:  # recorded per check; the next checks still run
+                        record(check, f"rank {rank}: {exc}")
+                    else:
+                        record(check, None)
+    except Exception:  # the communicator itself could not be made
+        record("<setup>", traceback.format_exc(limit=3))
     finally:
         dist.destroy_process_group()
 
 
-def run_group(source: PluginSource, world: int, dtypes: list[str]) -> dict[str, str | None]:
-    """check id ('all_reduce-float32') -> None when it passed on every rank, else why not."""
+def run_groups(
+    source: PluginSource, worlds: list[int], dtypes: list[str]
+) -> dict[str, str | None]:
+    """check id ('world2-all_reduce-float32') -> None when it passed on every rank of its
+    group, else why not."""
+    world = max(worlds)
     with tempfile.TemporaryDirectory(prefix="tokenmill-collectives-") as tmp:
         context = mp.start_processes(
-            _worker, args=(world, f"{tmp}/store", source, dtypes, tmp), nprocs=world,
+            _worker, args=(worlds, f"{tmp}/store", source, dtypes, tmp), nprocs=world,
             join=False, start_method="spawn",
         )
         deadline = time.monotonic() + _TIMEOUT_S
@@ -166,18 +181,18 @@ def run_group(source: PluginSource, world: int, dtypes: list[str]) -> dict[str, 
                 entry = json.loads(line)
                 if entry["error"] or entry["check"] not in results:
                     results[entry["check"]] = entry["error"] or results.get(entry["check"])
-            if len(lines) < len(COLLECTIVES) * len(dtypes) and "<setup>" not in results:
+            expected = sum(1 for w in worlds if rank < w) * len(COLLECTIVES) * len(dtypes)
+            if len(lines) < expected and "<setup>" not in results:
                 why = f"timed out after {_TIMEOUT_S} s" if timed_out else "exited early"
                 results.setdefault("<incomplete>", f"rank {rank} {why} after {len(lines)} checks")
         return results
 
 
-def check_result(results: dict[str, str | None], check: str, world: int,
-                 fail: Callable[[str], None]) -> None:
+def check_result(results: dict[str, str | None], check: str, fail: Callable[[str], None]) -> None:
     for key in ("<setup>", "<incomplete>"):
         if results.get(key):
-            fail(f"{world}-rank group: {results[key]}")
+            fail(f"the process group failed: {results[key]}")
     if check not in results:
-        fail(f"{world}-rank group: {check} did not run (an earlier check hung or crashed it)")
+        fail(f"{check} did not run (an earlier check hung or crashed the group)")
     if results[check]:
-        fail(f"{world}-rank group: {results[check]}")
+        fail(f"{check}: {results[check]}")

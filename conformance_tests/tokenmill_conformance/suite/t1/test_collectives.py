@@ -1,10 +1,11 @@
-"""T1 collectives: every communicator method in real 2- and 4-process groups, every dtype."""
+"""T1 collectives: every communicator method in real 2- and 4-rank process groups (a world
+of 4 processes and a subgroup of 2), every declared dtype, several shapes."""
 
 from __future__ import annotations
 
 import pytest
 
-from tokenmill_conformance.collectives_harness import COLLECTIVES, check_result, run_group
+from tokenmill_conformance.collectives_harness import COLLECTIVES, check_result, run_groups
 from tokenmill_conformance.suite.conftest import capabilities_of
 
 WORLD_SIZES = (2, 4)
@@ -27,23 +28,16 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 @pytest.fixture(scope="module")
-def group_results(conformance, active):
-    """Runs each world size's group once; tests read their check from the results."""
-    cache: dict[int, dict] = {}
-
-    def results(world: int) -> dict:
-        if world not in cache:
-            dtypes = _dtypes(active.platform.capabilities)
-            cache[world] = run_group(conformance.source, world, dtypes)
-        return cache[world]
-
-    return results
+def group_results(conformance, active) -> dict:
+    """One run of 4 processes: the world group, then a 2-rank subgroup; tests read their
+    check from the results."""
+    dtypes = _dtypes(active.platform.capabilities)
+    return run_groups(conformance.source, list(WORLD_SIZES), dtypes)
 
 
 def test_collective(group_results, collective_case):
     world, collective, dtype = collective_case
-    results = group_results(world)
-    check_result(results, f"{collective}-{dtype}", world, pytest.fail)
+    check_result(group_results, f"world{world}-{collective}-{dtype}", pytest.fail)
 
 
 def test_collectives_not_declared(active):

@@ -83,7 +83,7 @@ def test_attention_timing(active, quick, report, phase):
     block = min(caps.block_sizes, key=lambda s: abs(s - 16))
     head = 128 if 128 in caps.head_sizes else max(caps.head_sizes)
     spec = AttentionSpec(AttentionKind.FULL, 16, 4, head, dtype, block)
-    context = 512 if quick else 2048
+    context = 256 if quick else 2048
     seqs = [(context, 1)] * 16 if phase == "decode" else [(0, context)]
     step = to_device(make_step(seqs, spec), active.platform.device)
     backend = active.attention_backend(spec)
@@ -92,7 +92,7 @@ def test_attention_timing(active, quick, report, phase):
         backend.prepare(step.metadata)
         backend.forward(spec, step.query, step.key, step.value, step.kv_cache, step.metadata)
 
-    seconds = _best_seconds(run, active.platform.device, 3 if quick else 10)
+    seconds = _best_seconds(run, active.platform.device, 2 if quick else 10)
     kv_bytes = sum(c + n for c, n in seqs) * 2 * spec.num_kv_heads * head * step.kv_cache.element_size()
     report.setdefault("attention", {})[phase] = {
         "backend": backend.name,
