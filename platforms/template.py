@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 from pathlib import Path
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
@@ -263,7 +264,11 @@ def _class_name(name: str) -> str:
 
 
 def _new_plugin(args: argparse.Namespace) -> int:
-    root = write_plugin(args.name, Path(args.dir))
+    try:
+        root = write_plugin(args.name, Path(args.dir))
+    except (ValueError, FileExistsError) as exc:
+        print(f"tokenmill new-plugin: {exc}", file=sys.stderr)
+        return 2
     print(f"wrote {root}; next: pip install -e {root} && "
           f"tokenmill-conformance --platform {args.name} --report cert.json")
     return 0

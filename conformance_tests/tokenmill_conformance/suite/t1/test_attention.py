@@ -229,6 +229,7 @@ def test_property_random_steps(active, quick):
         max_examples=12 if quick else 80,
         deadline=None,
         derandomize=True,
+        database=None,
         # quick runs skip shrinking: a failure is reported as found, not minimised
         phases=[Phase.explicit, Phase.reuse, Phase.generate] if quick else list(Phase),
         suppress_health_check=list(HealthCheck),
