@@ -286,7 +286,7 @@ def render_markdown(cert: dict) -> str:
     ] or ["none"]
     if cert["performance"]:
         lines += ["", "## T5 performance (reported, not pass/fail)", ""]
-        lines += [f"- {k}: {_perf(v)}" for k, v in cert["performance"].items()]
+        lines += _performance_lines(cert["performance"])
     lines += ["", "## Tests", "", "| test | outcome | s |", "|---|---|---|"]
     lines += [f"| `{r['id']}` | {r['outcome']} | {r['duration_s']:.2f} |" for r in cert["tests"]]
     return "\n".join(lines) + "\n"
@@ -296,16 +296,37 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())[:300]
 
 
-def _perf(value: object) -> str:
-    if isinstance(value, dict):
-        return ", ".join(f"{k}={_perf(v)}" for k, v in value.items())
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
+def _performance_lines(perf: dict) -> list[str]:
+    lines = []
+    matmul = perf.get("matmul") or {}
+    if matmul:
+        lines += ["| matmul | n | achieved TFLOP/s | declared TFLOP/s | of declared |",
+                  "|---|---|---|---|---|"]
+        for dtype, m in matmul.items():
+            declared = m["declared_flops"]
+            lines.append(
+                f"| {dtype} | {m['n']} | {m['achieved_flops'] / 1e12:.3g} | "
+                f"{declared / 1e12 if declared else float('nan'):.3g} | "
+                f"{_percent(m['fraction_of_declared'])} |"
+            )
+        lines.append("")
+    bandwidth = perf.get("memory_bandwidth")
+    if bandwidth:
+        lines += [
+            f"- memory bandwidth (device copy of {bandwidth['bytes_copied'] >> 20} MiB): "
+            f"{bandwidth['achieved_bytes_per_s'] / 1e9:.3g} GB/s achieved, "
+            f"{bandwidth['declared_bytes_per_s'] / 1e9:.3g} GB/s declared "
+            f"({_percent(bandwidth['fraction_of_declared'])})",
+            "",
+        ]
+    for phase, a in (perf.get("attention") or {}).items():
+        lines.append(
+            f"- attention {phase}: {a['backend']} {a['dtype']}, {a['batch']}: "
+            f"{a['seconds_per_layer'] * 1e3:.3g} ms per layer, "
+            f"{a['kv_bytes_read_per_s'] / 1e9:.3g} GB/s of KV"
+        )
+    return lines
 
 
-def validate(certificate: dict) -> None:
-    """Raise `jsonschema.ValidationError` when `certificate` does not match the schema."""
-    import jsonschema
-
-    jsonschema.validate(certificate, json.loads(SCHEMA_PATH.read_text()))
+def _percent(fraction: float | None) -> str:
+    return "n/a" if fraction is None else f"{fraction:.0%}"
