@@ -129,3 +129,14 @@ def test_template_plugin_installs_and_certifies(tmp_path):
     assert cert["certified"], cert["failures"]
     assert cert["plugin"]["distribution"] == "tokenmill-myaccel"
     assert all(status in ("passed", "reported") for status in tiers(cert).values())
+
+
+def test_new_plugin_subcommand(tmp_path, capsys):
+    from tokenmill.server.cli import main
+
+    assert main(["new-plugin", "npu_x", "--dir", str(tmp_path)]) == 0
+    assert "tokenmill-conformance --platform npu_x" in capsys.readouterr().out
+    pyproject = (tmp_path / "npu_x" / "pyproject.toml").read_text()
+    assert 'npu_x = "tokenmill_npu_x.plugin"' in pyproject and 'name = "tokenmill-npu-x"' in pyproject
+    assert main(["new-plugin", "npu_x", "--dir", str(tmp_path)]) == 2  # never overwrites
+    assert "already exists" in capsys.readouterr().err
