@@ -330,3 +330,10 @@ def _performance_lines(perf: dict) -> list[str]:
 
 def _percent(fraction: float | None) -> str:
     return "n/a" if fraction is None else f"{fraction:.0%}"
+
+
+def validate(certificate: dict) -> None:
+    """Raise `jsonschema.ValidationError` when `certificate` does not match the schema."""
+    import jsonschema
+
+    jsonschema.validate(certificate, json.loads(SCHEMA_PATH.read_text()))
