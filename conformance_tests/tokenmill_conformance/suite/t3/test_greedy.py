@@ -65,9 +65,8 @@ def _compare(got: list[list[int]], expected: list[list[int]]) -> None:
         assert g == e, f"prompt {prompt!r}: plugin {g} != reference {e}"
 
 
-@pytest.mark.parametrize("model_type", UNCOVERED)
-def test_every_supported_architecture_has_a_tiny_model(model_type):
-    pytest.fail(f"the core supports model type {model_type!r}; the suite has no tiny model")
+def test_every_supported_architecture_has_a_tiny_model():
+    assert not UNCOVERED, f"the core supports model types {UNCOVERED}; the suite has no tiny model"
 
 
 @pytest.mark.parametrize("arch", ARCHS)
