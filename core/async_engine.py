@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 
 # How long the idle engine thread sleeps on its inbox before checking for shutdown.
 _IDLE_WAIT_S = 0.05
+# How long the busy engine thread waits for new requests after a step with no output.
+_NO_OUTPUT_WAIT_S = 0.001
 
 
 class EngineDeadError(RuntimeError):
@@ -208,9 +210,14 @@ class AsyncLLM:
     def _run(self) -> None:
         engine = self.engine
         try:
+            outputs: list[RequestOutput] = []
             while not self._stop.is_set():
-                busy = engine.has_unfinished_requests()
-                self._drain_inbox(block=not busy)
+                if not engine.has_unfinished_requests():
+                    self._drain_inbox(_IDLE_WAIT_S)
+                else:
+                    # a step with no output (a prefill chunk, or nothing schedulable) lets
+                    # new requests in with a short wait rather than spinning on the GIL
+                    self._drain_inbox(0.0 if outputs else _NO_OUTPUT_WAIT_S)
                 if engine.has_unfinished_requests():
                     outputs = engine.step()
                     self._publish(outputs)
@@ -222,9 +229,9 @@ class AsyncLLM:
             self.error = EngineDeadError("the engine was shut down")
         self._fail_all(EngineDeadError(f"the engine stopped: {self.error!r}"))
 
-    def _drain_inbox(self, block: bool) -> None:
+    def _drain_inbox(self, wait_s: float) -> None:
         try:
-            item = self._inbox.get(timeout=_IDLE_WAIT_S) if block else self._inbox.get_nowait()
+            item = self._inbox.get(timeout=wait_s) if wait_s > 0 else self._inbox.get_nowait()
         except queue.Empty:
             return
         while True:

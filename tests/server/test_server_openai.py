@@ -180,3 +180,17 @@ def test_usage_reports_cached_prompt_tokens(client):
     assert 0 < cached < r.usage.prompt_tokens
     salted = client.completions.create(**body, extra_body={"cache_salt": "another-tenant"})
     assert salted.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_delta_text_never_sends_what_a_stop_cuts():
+    from tokenmill.server.serving import DeltaText
+
+    # cumulative texts as the engine grows them; the stop "STOP" completes in the last step
+    # and the engine cuts the text where it began
+    steps = ["ab", "abcS", "abcST", "abcSTO"]
+    delta = DeltaText(max_stop_len=len("STOP"))
+    sent = "".join(delta.next(t, finished=False) for t in steps)
+    sent += delta.next("abc", finished=True)
+    assert sent == "abc"
+    delta = DeltaText(max_stop_len=0)
+    assert [delta.next(t, False) for t in ("a", "ab")] + [delta.next("abc", True)] == ["a", "b", "c"]
