@@ -62,7 +62,7 @@ def _check(
     comm: Communicator, group: object | None, name: str, dtype: torch.dtype, device: torch.device
 ) -> None:
     rank, world = comm.rank, comm.world_size
-    ranks_sum = world * (world + 1) / 2
+    ranks_sum = world * (world + 1) // 2
     if name == "rank_and_world_size":
         expected = [dist.get_rank(group), dist.get_world_size(group)]
         _equal(torch.tensor([rank, world]), torch.tensor(expected), "(rank, world_size)")

@@ -12,7 +12,8 @@ WORLD_SIZES = (2, 4)
 
 
 def _dtypes(caps) -> list[str]:
-    return sorted(str(d).removeprefix("torch.") for d in caps.dtypes)
+    """Every declared dtype, and int64 (token ids are gathered across ranks)."""
+    return sorted({str(d).removeprefix("torch.") for d in caps.dtypes} | {"int64"})
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
