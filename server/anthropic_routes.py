@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.server.generation import SeqStream, Started, params_or_400, start
 from tokenmill.server.protocol import CountTokensRequest, MessagesRequest
+from tokenmill.server.responses import ANTHROPIC_ERRORS, CountTokensResponse, MessageResponse
 from tokenmill.server.serving import (
     APIError,
     DeltaText,
@@ -48,14 +49,20 @@ async def _render(request: Request, body) -> tuple[str, list[int]]:
         raise APIError(400, str(e), param="messages") from e
 
 
-@router.post("/v1/messages/count_tokens")
+@router.post(
+    "/v1/messages/count_tokens", response_model=CountTokensResponse, responses=ANTHROPIC_ERRORS
+)
 async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, int]:
     state_of(request).check_model(body.model)
     _, ids = await _render(request, body)
     return {"input_tokens": len(ids)}
 
 
-@router.post("/v1/messages", response_model=None)
+@router.post(
+    "/v1/messages",
+    response_model=None,
+    responses={200: {"model": MessageResponse}, **ANTHROPIC_ERRORS},
+)
 async def create_message(body: MessagesRequest, request: Request):
     state = state_of(request)
     model = state.check_model(body.model)

@@ -12,6 +12,12 @@ from fastapi.responses import JSONResponse
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.server.generation import SeqStream, Started, params_or_400, start
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
+from tokenmill.server.responses import (
+    OPENAI_ERRORS,
+    ChatCompletionResponse,
+    CompletionResponse,
+    ModelList,
+)
 from tokenmill.server.serving import (
     APIError,
     DeltaText,
@@ -74,7 +80,7 @@ def _include_usage(body) -> bool:
 
 
 # ---- /v1/models ------------------------------------------------------------------------------
-@router.get("/v1/models")
+@router.get("/v1/models", response_model=ModelList)
 async def list_models(request: Request) -> dict[str, Any]:
     state = state_of(request)
     return {
@@ -123,7 +129,11 @@ async def _encode_prompts(state: ServerState, prompt) -> list[tuple[str | None, 
     return encoded
 
 
-@router.post("/v1/completions", response_model=None)
+@router.post(
+    "/v1/completions",
+    response_model=None,
+    responses={200: {"model": CompletionResponse}, **OPENAI_ERRORS},
+)
 async def create_completion(body: CompletionRequest, request: Request):
     state = state_of(request)
     model = state.check_model(body.model)
@@ -198,7 +208,11 @@ def _chat_logprobs(out: CompletionOutput, lo: int, hi: int, k: int) -> dict[str,
     return {"content": content}
 
 
-@router.post("/v1/chat/completions", response_model=None)
+@router.post(
+    "/v1/chat/completions",
+    response_model=None,
+    responses={200: {"model": ChatCompletionResponse}, **OPENAI_ERRORS},
+)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     state = state_of(request)
     model = state.check_model(body.model)
