@@ -101,10 +101,11 @@ class AsyncLLM:
         args: EngineArgs | None = None,
         engine: LLMEngine | None = None,
         observer: StatsObserver | None = None,
+        registry=None,
     ) -> None:
         if (args is None) == (engine is None):
             raise ValueError("give AsyncLLM either EngineArgs or an already built LLMEngine")
-        self.engine = engine if engine is not None else LLMEngine(args)
+        self.engine = engine if engine is not None else LLMEngine(args, registry)
         self.args = self.engine.args
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len

@@ -18,7 +18,7 @@ from tokenmill.model.loader import LoadedModel, default_model_path, load_model_a
 from tokenmill.output_processor import OutputProcessor
 from tokenmill.outputs import RequestOutput
 from tokenmill.platforms.interfaces import AllocatorPurpose
-from tokenmill.platforms.registry import ActivePlatform, load_platform
+from tokenmill.platforms.registry import ActivePlatform, PlatformRegistry, load_platform
 from tokenmill.request import Request
 from tokenmill.runner import ModelRunner
 from tokenmill.sampler import make_generator
@@ -46,9 +46,11 @@ def resolve_dtype(name: str, platform: ActivePlatform) -> torch.dtype:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, registry: PlatformRegistry | None = None) -> None:
+        """`registry`: where to find `args.platform`; None discovers installed plugins
+        (entry points). Pass one to run in-process plugins (tests, the conformance suite)."""
         self.args = args
-        self.platform = load_platform(args.platform)
+        self.platform = load_platform(args.platform, registry)
         self.device = self.platform.platform.device
         self.dtype = resolve_dtype(args.dtype, self.platform)
         torch.manual_seed(args.seed)

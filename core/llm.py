@@ -21,11 +21,14 @@ class LLM:
     """An engine for offline batches.
 
     `model` is an HF model directory or a .gguf file; None loads the embedded default,
-    SmolLM2-135M-Instruct. Other keyword arguments are `EngineArgs` fields.
+    SmolLM2-135M-Instruct. Other keyword arguments are `EngineArgs` fields; `registry`
+    (a `PlatformRegistry`) lets in-process plugins be chosen by name.
     """
 
-    def __init__(self, model: str | None = None, dtype: str = "auto", **engine_args: Any) -> None:
-        self.engine = LLMEngine(EngineArgs(model=model, dtype=dtype, **engine_args))
+    def __init__(
+        self, model: str | None = None, dtype: str = "auto", registry=None, **engine_args: Any
+    ) -> None:
+        self.engine = LLMEngine(EngineArgs(model=model, dtype=dtype, **engine_args), registry)
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -7,16 +7,13 @@ or registered in-process from `--tokenmill-plugin`) next to the core's reference
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.util
 import inspect
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from unittest import mock
 
 from tokenmill.platforms import hookspecs
 from tokenmill.platforms.registry import ActivePlatform, PlatformRegistry
@@ -99,19 +96,6 @@ class Conformance:
         """The core's reference platform: reference attention and ops on the CPU."""
         assert self.registry is not None
         return self.registry.load_platform(REFERENCE_NAME)
-
-    @contextlib.contextmanager
-    def engine_platforms(self) -> Iterator[None]:
-        """Let `LLM(..., platform=NAME)` find this run's registry (in-process plugins and
-        the reference platform are not entry points)."""
-        registry = self.registry
-        assert registry is not None
-
-        def load(name: str | None = None, registry_arg: object = None) -> ActivePlatform:
-            return registry.load_platform(name)
-
-        with mock.patch("tokenmill.engine.load_platform", load):
-            yield
 
 
 def call_hook(plugin: object, hook: str, **kwargs: object) -> object:

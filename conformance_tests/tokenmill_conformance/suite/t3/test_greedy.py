@@ -40,9 +40,8 @@ def _greedy(conformance, path, platform: str, max_tokens: int = 8, **engine_args
     from tokenmill import LLM
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    with conformance.engine_platforms():
-        llm = LLM(str(path), platform=platform, **engine_args)
-        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    llm = LLM(str(path), platform=platform, registry=conformance.registry, **engine_args)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outputs]
 
 
@@ -96,13 +95,13 @@ def test_prefix_cache_hits_give_the_same_tokens(conformance, active, tiny_dirs):
     settings = _settings(active)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     shared = PROMPTS[1] + " " + PROMPTS[0] + " and"
-    with conformance.engine_platforms():
-        llm = LLM(str(tiny_dirs["llama"]), platform=active.name, **settings)
-        first = llm.generate([shared + " one"], params, use_tqdm=False)[0]
-        second = llm.generate([shared + " one", shared + " two"], params, use_tqdm=False)
-        ref = LLM(str(tiny_dirs["llama"]), platform=REFERENCE_NAME, enable_prefix_caching=False,
-                  **settings)
-        expected = ref.generate([shared + " one", shared + " two"], params, use_tqdm=False)
+    llm = LLM(str(tiny_dirs["llama"]), platform=active.name, registry=conformance.registry, **settings)
+    first = llm.generate([shared + " one"], params, use_tqdm=False)[0]
+    second = llm.generate([shared + " one", shared + " two"], params, use_tqdm=False)
+    ref = LLM(str(tiny_dirs["llama"]), platform=REFERENCE_NAME, registry=conformance.registry,
+              enable_prefix_caching=False,
+              **settings)
+    expected = ref.generate([shared + " one", shared + " two"], params, use_tqdm=False)
     assert second[0].num_cached_tokens > 0, "the repeated prompt did not hit the prefix cache"
     assert second[0].outputs[0].token_ids == first.outputs[0].token_ids
     for got, want in zip(second, expected):

@@ -86,10 +86,11 @@ def served(conformance, active, tmp_path_factory):
     path = make_tiny_model(tmp_path_factory.mktemp("serving") / "llama", "llama")
     args = _engine_args(active, path)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    with conformance.engine_platforms():
-        reference = LLM(platform=REFERENCE_NAME, **args)
-        expected = reference.chat(MESSAGES, params, use_tqdm=False)[0].outputs[0].text
-        engine = async_engine.AsyncLLM(EngineArgs(platform=active.name, **args))
+    reference = LLM(platform=REFERENCE_NAME, registry=conformance.registry, **args)
+    expected = reference.chat(MESSAGES, params, use_tqdm=False)[0].outputs[0].text
+    engine = async_engine.AsyncLLM(
+        EngineArgs(platform=active.name, **args), registry=conformance.registry
+    )
     with _serve(app_module.build_app(engine, [MODEL_NAME])) as url:
         yield url, expected
 
