@@ -194,3 +194,16 @@ def test_delta_text_never_sends_what_a_stop_cuts():
     assert sent == "abc"
     delta = DeltaText(max_stop_len=0)
     assert [delta.next(t, False) for t in ("a", "ab")] + [delta.next("abc", True)] == ["a", "b", "c"]
+
+
+def test_seeded_sampling_matches_offline(client, offline):
+    """Every sampling field reaches the engine as the offline API would pass it."""
+    fields = dict(temperature=0.8, top_p=0.9, top_k=20, min_p=0.01, repetition_penalty=1.1,
+                  presence_penalty=0.5, frequency_penalty=0.3, seed=123, n=2, max_tokens=10)
+    params = SamplingParams(ignore_eos=True, **fields)
+    expected = [o.text for o in offline.generate(PROMPT, params, use_tqdm=False)[0].outputs]
+    extra = {k: fields.pop(k) for k in ("top_k", "min_p", "repetition_penalty")}
+    r = client.completions.create(model=TINY_NAME, prompt=PROMPT, **fields,
+                                  extra_body={**extra, "ignore_eos": True})
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == expected
+    assert expected[0] != expected[1]
