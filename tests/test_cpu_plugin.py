@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from tokenmill_conformance.attention_harness import make_step, mixed_batch
 
 from tokenmill.ops.reference import paged_attention
 from tokenmill.platforms.interfaces import (
@@ -18,6 +17,7 @@ from tokenmill.platforms.interfaces import (
     OutOfMemoryError,
 )
 from tokenmill.platforms.registry import load_platform
+from tokenmill_conformance.attention_harness import make_step, mixed_batch
 from tokenmill_cpu import hardware
 from tokenmill_cpu.allocator import KVCACHE_ENV, make_allocator
 from tokenmill_cpu.attention import CpuPagedAttention

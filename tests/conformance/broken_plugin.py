@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pluggy
 import torch
-from tokenmill_conformance.host_allocator import HostAllocator
 
 from tokenmill.ops.reference import gather_kv, write_kv
 from tokenmill.platforms.interfaces import (
@@ -27,6 +26,7 @@ from tokenmill.platforms.interfaces import (
     MemoryInfo,
     Platform,
 )
+from tokenmill_conformance.host_allocator import HostAllocator
 
 hookimpl = pluggy.HookimplMarker("tokenmill")
 

@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from tokenmill_conformance.certificate import validate
-from tokenmill_conformance.tiers import parse_tiers
 
 from tokenmill.platforms.template import write_plugin
+from tokenmill_conformance.certificate import validate
+from tokenmill_conformance.tiers import parse_tiers
 
 HERE = Path(__file__).parent
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tokenmill_conformance import vendor_guide
-
 from tokenmill.platforms import hookspecs
+from tokenmill_conformance import vendor_guide
 
 GUIDE = Path(__file__).parents[2] / "docs" / "vendor-guide.md"
 

@@ -4,6 +4,8 @@ for a T5 test (applied: it still runs and reports XPASS), one matching no test."
 from __future__ import annotations
 
 import pluggy
+
+from tokenmill.platforms.interfaces import Platform
 from tokenmill_conformance.reference_platform import (  # noqa: F401 - hooks re-exported
     tokenmill_allocator,
     tokenmill_api_version,
@@ -12,8 +14,6 @@ from tokenmill_conformance.reference_platform import (  # noqa: F401 - hooks re-
     tokenmill_hardware_spec,
     tokenmill_platform,
 )
-
-from tokenmill.platforms.interfaces import Platform
 
 hookimpl = pluggy.HookimplMarker("tokenmill")
 
