@@ -33,17 +33,19 @@ async def stream_text(client: httpx.AsyncClient, prompt: str, max_tokens: int) -
     return text
 
 
+async def health_latencies(client: httpx.AsyncClient, done: asyncio.Event) -> list[float]:
+    """Probe /health every 20 ms until `done`; returns each probe's latency."""
+    latencies = []
+    while not done.is_set():
+        t0 = time.monotonic()
+        assert (await client.get("/health")).status_code == 200
+        latencies.append(time.monotonic() - t0)
+        await asyncio.sleep(0.02)
+    return latencies
+
+
 def test_concurrent_greedy_streams_equal_sequential(base_url):
     prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(32)]
-
-    async def health_latencies(client: httpx.AsyncClient, done: asyncio.Event) -> list[float]:
-        latencies = []
-        while not done.is_set():
-            t0 = time.monotonic()
-            assert (await client.get("/health")).status_code == 200
-            latencies.append(time.monotonic() - t0)
-            await asyncio.sleep(0.02)
-        return latencies
 
     async def main():
         async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
@@ -60,6 +62,24 @@ def test_concurrent_greedy_streams_equal_sequential(base_url):
     # the event loop stays responsive while the engine thread steps 32 streams
     print(f"/health under load: {len(latencies)} probes, max {max(latencies) * 1000:.0f} ms")
     assert max(latencies) < 1.0
+
+
+def test_tokenizing_a_huge_prompt_does_not_block_the_loop(base_url):
+    prompt = "héllo wörld naïve " * 50_000  # 900k tokens: a second or more to encode
+
+    async def main():
+        async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+            done = asyncio.Event()
+            probe = asyncio.ensure_future(health_latencies(client, done))
+            t0 = time.monotonic()
+            r = await client.post("/v1/completions", json={"model": TINY_NAME, "prompt": prompt})
+            duration = time.monotonic() - t0
+            done.set()
+            return r, duration, await probe
+
+    r, duration, latencies = asyncio.run(main())
+    assert r.status_code == 400 and "900000 tokens" in r.json()["error"]["message"]
+    assert max(latencies) < max(0.5 * duration, 0.2), (duration, max(latencies))
 
 
 def test_cancellation_storm_frees_everything(tiny_server):
