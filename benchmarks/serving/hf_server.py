@@ -7,7 +7,6 @@ transformers deployment does without a batching engine. bf16, greedy or sampled,
     python benchmarks/serving/hf_server.py HF_DIR --port 8003 --threads 2
 """
 
-from __future__ import annotations
 
 import argparse
 import asyncio

@@ -99,7 +99,7 @@ def trace_table(runs: dict, workload: str) -> str:
     lines = ["| engine | requests ok | prompt tokens sent | cached (reported) | computed | "
              "TTFT p50 / p90 ms | turn>0 TTFT p50 ms |", "|---|---|---|---|---|---|---|"]
     for engine in engines_in(runs):
-        for (w, point), rs in runs[engine].items():
+        for (w, _point), rs in runs[engine].items():
             if w != workload:
                 continue
             reqs = [q for q in rs[0].get("requests", []) if q["ok"]]

@@ -26,7 +26,7 @@ from stats import Slo, summarize
 
 log = logging.getLogger("serving-bench")
 TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
-SWEEP = (1, 4, 16, 64)
+SWEEP = {1: 3, 4: 8, 16: 32, 64: 64}  # concurrency: requests sent
 
 
 def points(name: str, words: wl.Words, args) -> list[tuple[str, list[Session], int | None, float]]:
@@ -38,8 +38,8 @@ def points(name: str, words: wl.Words, args) -> list[tuple[str, list[Session], i
     if name == "offline-mixed":
         return [("48 mixed", wl.mixed(words, 48), None, args.point_limit_s)]
     if name == "sweep":
-        return [(f"c={c}", wl.uniform(words, min(64, max(4, 2 * c)), 256, 128, tag=f"s{c}-"), c,
-                 args.point_limit_s) for c in SWEEP]
+        return [(f"c={c}", wl.uniform(words, n, 256, 128, tag=f"s{c}-"), c, args.point_limit_s)
+                for c, n in SWEEP.items()]
     if name == "shared-prefix":
         return [("32 req, 4 groups, 1024 shared + 64", wl.shared_prefix(words, 32, 4, 1024, 64, 32), 8,
                  args.point_limit_s)]
@@ -52,9 +52,11 @@ def points(name: str, words: wl.Words, args) -> list[tuple[str, list[Session], i
                            stagger_s=args.trace_stagger_s)
         return [(f"{len(s)} sessions, /{f}", s, None, args.trace_limit_s)]
     if name == "mooncake":
-        s = wl.mooncake(words, TRACES / "mooncake" / "conversation_trace.jsonl", 64, 1.0,
-                        args.mooncake_requests, args.max_model_len)
-        return [(f"{len(s)} requests, /64", s, None, args.trace_limit_s)]
+        f = args.mooncake_factor
+        s = wl.mooncake(words, TRACES / "mooncake" / "conversation_trace.jsonl", f,
+                        args.mooncake_time_factor, args.mooncake_requests, args.max_model_len)
+        return [(f"{len(s)} requests, /{f}, time /{args.mooncake_time_factor:g}", s, None,
+                 args.trace_limit_s)]
     raise ValueError(f"unknown workload {name!r}")
 
 
@@ -106,12 +108,16 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--port", type=int, default=8471)
     p.add_argument("--max-model-len", type=int, default=8192)
-    p.add_argument("--point-limit-s", type=float, default=120.0)
-    p.add_argument("--trace-limit-s", type=float, default=150.0)
+    p.add_argument("--point-limit-s", type=float, default=90.0)
+    p.add_argument("--trace-limit-s", type=float, default=120.0)
     p.add_argument("--trace-factor", type=int, default=32)
     p.add_argument("--trace-sessions", type=int, default=6)
     p.add_argument("--trace-stagger-s", type=float, default=5.0)
     p.add_argument("--mooncake-requests", type=int, default=60)
+    # 512 / 32 = 16-token blocks: as large as the engines' KV blocks, so shared blocks can hit
+    p.add_argument("--mooncake-factor", type=int, default=32)
+    p.add_argument("--mooncake-time-factor", type=float, default=0.5,
+                   help="arrival times are divided by this (0.5: twice as slow as recorded)")
     p.add_argument("--slo-ttft-s", type=float, default=2.0)
     p.add_argument("--slo-tpot-s", type=float, default=0.1)
     p.add_argument("--out", default="benchmarks/serving/results/run.json")
