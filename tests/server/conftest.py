@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -32,7 +33,7 @@ def running_server(app) -> Iterator[str]:
     """Serve `app` with uvicorn in a background thread; yields the base URL."""
     port = free_port()
     config = uvicorn.Config(
-        app, host="127.0.0.1", port=port, http="h11", log_level="warning",
+        app, host="127.0.0.1", port=port, http="h11", log_level=os.environ.get("TOKENMILL_TEST_UVICORN_LOG", "warning"),
         h11_max_incomplete_event_size=MAX_HEADER_BYTES, timeout_graceful_shutdown=5,
     )
     server = uvicorn.Server(config)

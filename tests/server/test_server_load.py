@@ -54,7 +54,7 @@ def test_concurrent_greedy_streams_equal_sequential(base_url):
             probe = asyncio.ensure_future(health_latencies(client, done))
             together = await asyncio.gather(*(stream_text(client, p, 16) for p in prompts))
             done.set()
-        return one_by_one, together, await probe
+            return one_by_one, together, await probe  # before the client closes
 
     one_by_one, together, latencies = asyncio.run(main())
     assert together == one_by_one
