@@ -114,6 +114,8 @@ class AsyncLLM:
         self.error: BaseException | None = None
         self._inbox: queue.Queue[_Add | _Abort] = queue.Queue()
         self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._closed = False  # set once by the engine thread as it exits; then no new request
         self._thread: threading.Thread | None = None
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
         self._next_id = 0
@@ -182,16 +184,19 @@ class AsyncLLM:
         When the consumer falls behind, intermediate outputs are skipped: each one holds
         everything before it, so only the newest matters.
         """
-        if self.is_dead:
-            raise EngineDeadError(f"the engine is dead: {self.error!r}")
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
         def deliver(item: RequestOutput | BaseException) -> None:
-            if not loop.is_closed():  # a loop torn down first has nobody left to tell
+            try:
                 loop.call_soon_threadsafe(outputs.put_nowait, item)
+            except RuntimeError:  # the loop is closed: nobody is left to tell
+                pass
 
-        self._inbox.put(_Add(request_id, prompt_token_ids, params, prompt, cache_salt, deliver))
+        with self._lock:  # the engine thread cannot stop between the check and the put
+            if self._closed:
+                raise EngineDeadError(f"the engine is dead: {self.error!r}")
+            self._inbox.put(_Add(request_id, prompt_token_ids, params, prompt, cache_salt, deliver))
         finished = False
         try:
             while not finished:
@@ -228,6 +233,8 @@ class AsyncLLM:
             self.error = e
         if self.error is None:
             self.error = EngineDeadError("the engine was shut down")
+        with self._lock:
+            self._closed = True
         self._fail_all(EngineDeadError(f"the engine stopped: {self.error!r}"))
 
     def _drain_inbox(self, wait_s: float) -> None:
@@ -300,7 +307,7 @@ class AsyncLLM:
         for tracked in self._tracked.values():
             tracked.deliver(error)
         self._tracked.clear()
-        while True:  # requests that arrived after the crash
+        while True:  # requests queued before `_closed` was set
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
