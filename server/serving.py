@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -26,7 +26,6 @@ class ServerState:
     metrics: Metrics
     api_key: str | None = None
     created: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def check_model(self, name: str | None) -> str:
         """The served name to answer with; 404 for a model this server does not serve."""
