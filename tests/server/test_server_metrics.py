@@ -53,3 +53,18 @@ def test_counters_match_requests(tiny_server):
     assert after[("tokenmill:kv_cache_usage_perc", ())] == 0
     assert ("tokenmill:num_preemptions_total", ()) in after
     assert ("tokenmill:prefix_cache_hits_total", ()) in after
+
+
+def test_prefix_cache_hits_match_cached_tokens(tiny_server):
+    base_url, engine = tiny_server
+    wait_idle(engine)
+    before = scrape(base_url)
+    body = {"model": TINY_NAME, "max_tokens": 2,
+            "prompt": "tokenmill turns any accelerator into tokens, one step at a time. " * 4}
+    with httpx.Client(base_url=base_url, timeout=60) as c:
+        cached = [c.post("/v1/completions", json=body).json()["usage"]["prompt_tokens_details"]
+                  ["cached_tokens"] for _ in range(2)]
+    wait_idle(engine)
+    after = scrape(base_url)
+    assert cached[0] == 0 and cached[1] > 0
+    assert delta(before, after, "tokenmill:prefix_cache_hits_total") == cached[1]
