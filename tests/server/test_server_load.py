@@ -137,12 +137,18 @@ def test_non_streaming_disconnect_aborts(tiny_server):
     assert engine.stats.kv_usage == 0.0
 
 
+CLI_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}>>"
+
+
 @pytest.fixture()
-def serve_process(tiny_model):
+def serve_process(tiny_model, tmp_path):
     port = free_port()
+    template = tmp_path / "template.jinja"
+    template.write_text(CLI_TEMPLATE)
     cmd = [sys.executable, "-m", "tokenmill.server.cli", "serve", str(tiny_model),
            "--port", str(port), "--dtype", "float32", "--block-size", "4",
-           "--served-model-name", TINY_NAME, "--log-level", "warning", "--shutdown-timeout", "20"]
+           "--served-model-name", TINY_NAME, "--log-level", "warning", "--shutdown-timeout", "20",
+           "--chat-template", str(template), "--max-model-len", "256"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env={**os.environ, "TOKENMILL_API_KEY": ""})
     url = f"http://127.0.0.1:{port}"
@@ -165,6 +171,12 @@ def serve_process(tiny_model):
 
 def test_cli_serve_and_sigterm_drains_in_flight(serve_process):
     proc, url = serve_process
+    models = httpx.get(f"{url}/v1/models").json()["data"]
+    assert [(m["id"], m["max_model_len"]) for m in models] == [(TINY_NAME, 256)]
+    ids = httpx.post(f"{url}/tokenize",
+                     json={"messages": [{"role": "user", "content": "hi"}]}).json()["tokens"]
+    text = httpx.post(f"{url}/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert text == "[user] hi\n>>"  # the --chat-template file, not the model's
     body = {"model": TINY_NAME, "prompt": "The quick brown fox", "max_tokens": 200,
             "ignore_eos": True, "stream": True, "temperature": 0}
     lines = []
