@@ -48,7 +48,7 @@ def engine_specs(port: int, threads: int, max_model_len: int) -> dict[str, Engin
     llama_py = str(PEERS / "llamacpp" / "bin" / "python")
     llama_args = ["--host", "127.0.0.1", "--port", str(port), "--n_threads", str(threads),
                   "--n_threads_batch", str(threads), "--n_ctx", str(max_model_len),
-                  "--model_alias", SERVED]
+                  "--model_alias", SERVED, "--interrupt_requests", "False"]
     # llama-cpp-python's server has no ignore_eos; a -100 logit bias on <|im_end|> (2) and
     # <|endoftext|> (0) does the same for this model.
     llama_body = {"logit_bias": {"0": -100, "2": -100}}

@@ -15,6 +15,8 @@ import asyncio
 import json
 import logging
 import platform
+import signal
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -73,8 +75,7 @@ def run_engine(spec: engines.EngineSpec, args, words: wl.Words) -> dict:
         warm_up(target, words)
         for workload in args.workloads:
             for label, sessions, conc, limit in points(workload, words, args):
-                for rep in range(args.repeats if workload not in ("claude-code", "mooncake")
-                                 else args.trace_repeats):
+                for rep in range(args.repeats if workload in args.repeated else args.trace_repeats):
                     salt = {"cache_salt": f"{time.time_ns()}"} if spec.name in ("tokenmill", "vllm") else {}
                     # a fresh salt per repeat keeps one repeat's prefix cache from serving the next
                     t = Target(target.base_url, target.model, {**target.extra_body, **salt})
@@ -104,6 +105,8 @@ def main() -> None:
                                                     "llamacpp-bf16", "llamacpp-q4_1"])
     p.add_argument("--workloads", nargs="+", default=["sweep"])
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeated", nargs="+", default=["sweep", "smoke"],
+                   help="workloads run --repeats times; the others run --trace-repeats times")
     p.add_argument("--trace-repeats", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--port", type=int, default=8471)
@@ -123,6 +126,8 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/serving/results/run.json")
     p.add_argument("--log-dir", default="/work/peers/logs")
     args = p.parse_args()
+    # SIGTERM unwinds like Ctrl-C, so the engine under test is stopped with the harness
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     words = wl.Words(wl.one_token_words(engines.HF_DIR / "tokenizer.json"))
