@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+
 import httpx
 from conftest import TINY_NAME, scrape, wait_idle
 
@@ -60,11 +62,11 @@ def test_prefix_cache_hits_match_cached_tokens(tiny_server):
     wait_idle(engine)
     before = scrape(base_url)
     body = {"model": TINY_NAME, "max_tokens": 2,
-            "prompt": "tokenmill turns any accelerator into tokens, one step at a time. " * 4}
+            "prompt": f"{uuid.uuid4().hex}: " + "one step at a time. " * 8}  # never seen before
     with httpx.Client(base_url=base_url, timeout=60) as c:
         cached = [c.post("/v1/completions", json=body).json()["usage"]["prompt_tokens_details"]
                   ["cached_tokens"] for _ in range(2)]
     wait_idle(engine)
     after = scrape(base_url)
     assert cached[0] == 0 and cached[1] > 0
-    assert delta(before, after, "tokenmill:prefix_cache_hits_total") == cached[1]
+    assert delta(before, after, "tokenmill:prefix_cache_hits_total") == sum(cached)
