@@ -82,6 +82,13 @@ def test_tokenizing_a_huge_prompt_does_not_block_the_loop(base_url):
     assert max(latencies) < max(0.5 * duration, 0.2), (duration, max(latencies))
 
 
+def finish_counts(base_url: str) -> dict[str, float]:
+    """Finished requests so far, by finish reason, from /metrics."""
+    samples = scrape(base_url)
+    return {r: samples.get(("tokenmill:request_success_total", (("finished_reason", r),)), 0)
+            for r in ("abort", "length", "stop")}
+
+
 def test_cancellation_storm_frees_everything(tiny_server):
     base_url, engine = tiny_server
 
@@ -103,15 +110,10 @@ def test_cancellation_storm_frees_everything(tiny_server):
         async with httpx.AsyncClient(base_url=base_url, timeout=60, limits=limits) as client:
             await asyncio.gather(*(cut_off(client, i) for i in range(100)))
 
-    def finishes() -> dict[str, float]:
-        samples = scrape(base_url)
-        return {r: samples.get(("tokenmill:request_success_total", (("finished_reason", r),)), 0)
-                for r in ("abort", "length", "stop")}
-
-    before = finishes()
+    before = finish_counts(base_url)
     asyncio.run(storm())
     wait_idle(engine, timeout_s=15)
-    after = finishes()
+    after = finish_counts(base_url)
     moved = {r: after[r] - before[r] for r in after}
     # all cut off, none ran to max_tokens (a random model may end a few with EOS first)
     assert sum(moved.values()) == 100 and moved["length"] == 0 and moved["abort"] >= 90
@@ -132,8 +134,15 @@ def test_non_streaming_disconnect_aborts(tiny_server):
             with pytest.raises(httpx.TimeoutException):
                 await client.post("/v1/completions", json=body, timeout=0.5)
 
+    before = finish_counts(base_url)
     asyncio.run(give_up())
+    deadline = time.monotonic() + 10
+    while finish_counts(base_url)["abort"] == before["abort"]:  # the server may lag behind
+        assert time.monotonic() < deadline, "the request was not aborted"
+        time.sleep(0.05)
     wait_idle(engine, timeout_s=5)
+    after = finish_counts(base_url)
+    assert after["abort"] - before["abort"] == 1 and after["length"] == before["length"]
     assert engine.stats.kv_usage == 0.0
 
 
