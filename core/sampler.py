@@ -70,6 +70,11 @@ class Sampler:
             )
         raw_logits = logits.float()
         logits = apply_penalties(raw_logits, rows)
+        if logits is not raw_logits:
+            # an extreme penalty (e.g. repetition_penalty=1e-300) overflows a logit to +inf,
+            # and inf - inf is NaN in the softmax: keep penalised logits finite
+            big = torch.finfo(logits.dtype).max
+            logits.clamp_(min=-big, max=big)
         logits = apply_min_tokens(logits, rows, owned=logits is not raw_logits)
 
         greedy_idx = [i for i, row in enumerate(rows) if row.params.greedy]

@@ -252,3 +252,16 @@ def test_make_generator():
     assert make_generator(None, "cpu") is None
     a = torch.rand(3, generator=make_generator(7, "cpu"))
     assert torch.equal(a, torch.rand(3, generator=make_generator(7, "cpu")))
+
+
+def test_extreme_penalties_do_not_break_sampling():
+    """A repetition penalty near 0 or huge overflows logits; sampling must still work."""
+    from tokenmill.sampler import Sampler, SamplingRow
+
+    logits = torch.randn(3, 300)
+    rows = [
+        SamplingRow(SamplingParams(temperature=t, repetition_penalty=rp, seed=1), [1, 2], [3], None)
+        for t, rp in ((1.0, 5e-324), (0.7, 1e300), (0.0, 1e-300))
+    ]
+    out = Sampler()(logits, rows)
+    assert all(0 <= t < 300 for t in out.token_ids)
