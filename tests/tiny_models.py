@@ -1,98 +1,23 @@
-"""Tiny randomly initialised HF models (with a real tokenizer) built in code, no hub."""
+"""Tiny randomly initialised HF models (with a real tokenizer) built in code, no hub.
+
+The recipe lives in the conformance suite (tier T3 runs the same models on every plugin);
+the core's tests use it from there and add a transformers loader.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (
-    AutoModelForCausalLM,
-    LlamaConfig,
-    PreTrainedTokenizerFast,
-    Qwen2Config,
-    Qwen3Config,
+from transformers import AutoModelForCausalLM
+
+from tokenmill_conformance.tiny_models import (  # noqa: F401 (re-exported)
+    CHAT_TEMPLATE,
+    CORPUS,
+    make_config,
+    make_tiny_model,
+    make_tokenizer,
 )
-
-CORPUS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Paris is the capital of France; Berlin is the capital of Germany.",
-    "héllo wörld, naïve café, 你好世界 🙂",
-    "def main():\n    return 42\n",
-    "tokenmill turns any accelerator into tokens, one step at a time.",
-]
-
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def make_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS * 20, trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", bos_token=None, pad_token="<|endoftext|>"
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
-
-
-def make_config(arch: str, vocab_size: int):
-    common = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=arch != "qwen2",
-        eos_token_id=2,
-        bos_token_id=None,
-        pad_token_id=0,
-    )
-    if arch == "llama":
-        return LlamaConfig(**common)
-    if arch == "llama3":
-        return LlamaConfig(
-            **common,
-            rope_scaling={
-                "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
-            },
-        )
-    if arch == "qwen2":
-        return Qwen2Config(**common)
-    if arch == "qwen3":
-        return Qwen3Config(**common, head_dim=32)
-    raise ValueError(arch)
-
-
-def make_tiny_model(path: Path, arch: str, seed: int = 0) -> Path:
-    """Save a tiny random `arch` model with a trained byte-level BPE tokenizer in `path`."""
-    tokenizer = make_tokenizer(300)
-    config = make_config(arch, len(tokenizer))
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # Larger weights than the default init give peaked distributions, so greedy
-    # comparisons are not decided by float noise between near-equal logits.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.15)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 def load_hf(path: Path):

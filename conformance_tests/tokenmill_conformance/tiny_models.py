@@ -1,7 +1,7 @@
 """Tiny randomly initialised HF models (with a real tokenizer) built in code, no hub.
 
 One per architecture variant the core supports; tier T3 runs them on the plugin and on
-the reference platform. (Same recipe as the core's tests/tiny_models.py.)
+the reference platform. The core's tests/tiny_models.py uses them too.
 """
 
 from __future__ import annotations
