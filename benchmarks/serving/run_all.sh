@@ -10,7 +10,7 @@ case "${1:-sweep}" in
     "$PY" benchmarks/serving/run.py --engines tokenmill vllm --workloads sweep --repeats 3 \
       --out $R/sweep-batching.json
     "$PY" benchmarks/serving/run.py --engines llamacpp-q4_1 llamacpp-bf16 transformers \
-      --workloads sweep --repeats 1 --point-limit-s 40 --out $R/sweep-serial.json ;;
+      --workloads sweep --repeats 1 --point-limit-s 30 --out $R/sweep-serial.json ;;
   workloads)
     "$PY" benchmarks/serving/run.py --engines tokenmill vllm transformers llamacpp-q4_1 llamacpp-bf16 \
       --workloads offline-uniform offline-mixed shared-prefix multi-turn claude-code mooncake \
