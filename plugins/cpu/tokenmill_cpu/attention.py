@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from tokenmill.ops.reference import write_kv
 from tokenmill.platforms.interfaces import (
     AttentionBackend,
     AttentionKind,
@@ -103,11 +104,7 @@ class CpuPagedAttention(AttentionBackend):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """Writes key/value into `kv_cache`, then attends; does not modify the inputs."""
-        num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
-        flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
-        flat[0].index_copy_(0, metadata.slot_mapping, key.to(kv_cache.dtype))
-        flat[1].index_copy_(0, metadata.slot_mapping, value.to(kv_cache.dtype))
-
+        write_kv(key, value, kv_cache, metadata.slot_mapping)
         plan = self._plan(metadata, spec.sliding_window)
         gathered = _gather(plan, kv_cache)
         scale = spec.scale if spec.scale is not None else spec.head_size**-0.5
