@@ -26,9 +26,12 @@ from tokenmill_cpu.communicator import SingleProcessCommunicator
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
-def check_against_reference(spec: AttentionSpec, seqs, seed: int = 0, num_layers: int = 2):
-    """Runs `num_layers` layers on one step's metadata, as the model runner does."""
-    backend = CpuPagedAttention(spec.kind)
+def check_against_reference(
+    spec: AttentionSpec, seqs, seed: int = 0, num_layers: int = 2, use_kernels: bool = True
+):
+    """Runs `num_layers` layers on one step's metadata, as the model runner does; decode rows
+    go to the C++ kernel (when built) or, with use_kernels=False, to SDPA."""
+    backend = CpuPagedAttention(spec.kind, use_kernels=use_kernels)
     assert backend.supports(spec)
     steps = [make_step(seqs, spec, seed + layer, table_seed=seed) for layer in range(num_layers)]
     metadata = steps[0].metadata
@@ -48,26 +51,28 @@ def check_against_reference(spec: AttentionSpec, seqs, seed: int = 0, num_layers
 # -- attention ---------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("use_kernels", [True, False], ids=["kernel", "sdpa"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (9, 3), (8, 2)])
 @pytest.mark.parametrize("block_size", [8, 16, 64])
 def test_full_attention_matches_reference_on_mixed_batches(
-    dtype, num_heads, num_kv_heads, block_size
+    dtype, num_heads, num_kv_heads, block_size, use_kernels
 ):
     spec = AttentionSpec(AttentionKind.FULL, num_heads, num_kv_heads, 64, dtype, block_size)
     for seed in range(2):
-        check_against_reference(spec, mixed_batch(seed), seed)
+        check_against_reference(spec, mixed_batch(seed), seed, use_kernels=use_kernels)
 
 
+@pytest.mark.parametrize("use_kernels", [True, False], ids=["kernel", "sdpa"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("window", [1, 5, 24, 500])
 @pytest.mark.parametrize("block_size", [8, 32])
-def test_sliding_window_matches_reference(dtype, window, block_size):
+def test_sliding_window_matches_reference(dtype, window, block_size, use_kernels):
     spec = AttentionSpec(
         AttentionKind.SLIDING_WINDOW, 6, 2, 32, dtype, block_size, sliding_window=window
     )
     for seed in range(2):
-        check_against_reference(spec, mixed_batch(seed + 10), seed)
+        check_against_reference(spec, mixed_batch(seed + 10), seed, use_kernels=use_kernels)
 
 
 @pytest.mark.parametrize("head_size", [32, 80, 128, 256])
@@ -86,10 +91,11 @@ def test_head_sizes_and_custom_scale(head_size):
         [(16, 16), (31, 33)],  # chunks on and off block boundaries
     ],
 )
-def test_edge_shapes(seqs):
+@pytest.mark.parametrize("use_kernels", [True, False], ids=["kernel", "sdpa"])
+def test_edge_shapes(seqs, use_kernels):
     for kind, window in ((AttentionKind.FULL, None), (AttentionKind.SLIDING_WINDOW, 9)):
         spec = AttentionSpec(kind, 6, 3, 64, torch.float32, 16, sliding_window=window)
-        check_against_reference(spec, seqs)
+        check_against_reference(spec, seqs, use_kernels=use_kernels)
 
 
 def test_layers_with_different_windows_share_one_step():

@@ -6,9 +6,11 @@ each sequence needs (only those inside its sliding window) and the masks. Per la
 gathers every needed block with one `index_select` each for K and V into a buffer that
 all layers of the step reuse, then runs SDPA:
 
-- decode rows (query_len 1) in a few batched calls, rows bucketed by span so padding
-  stays small; the query heads of one KV head are packed into SDPA's query-length
-  dimension, so grouped-query attention needs no expanded keys;
+- decode rows (query_len 1) in one call of the plugin's C++ decode kernel, which reads
+  the paged cache in place (no gather); without the kernels, in a few batched SDPA calls,
+  rows bucketed by span so padding stays small, with the query heads of one KV head
+  packed into SDPA's query-length dimension so grouped-query attention needs no
+  expanded keys;
 - prefill / chunk rows one call per sequence with a bottom-right causal mask (query i
   of a chunk sits at position seq_len - query_len + i); a fresh prompt attends to the
   step's own keys without a gather.
@@ -28,6 +30,7 @@ from tokenmill.platforms.interfaces import (
     AttentionMetadata,
     AttentionSpec,
 )
+from tokenmill_cpu import kernels
 
 SUPPORTED_DTYPES = frozenset({torch.float32, torch.bfloat16})
 # A decode bucket takes rows while their span is at least this fraction of the bucket's
@@ -64,6 +67,9 @@ class _StepPlan:
     stale_slots: torch.Tensor
     decode: list[_DecodeBucket]
     prefill: list[_PrefillSeq]
+    # For the C++ decode kernel (then `decode` is empty): the decode rows' query row, int64
+    # [d]; their block table rows, int32 [d, max_blocks]; their sequence lengths, int32 [d].
+    kernel_decode: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # (dtype, num_kv_heads, head_size) -> [2, total_blocks, block_size, kv heads, head size];
     # the gather buffer, allocated by the first layer and reused by the others.
     buffers: dict[tuple[torch.dtype, int, int], torch.Tensor] = field(default_factory=dict)
@@ -72,11 +78,13 @@ class _StepPlan:
 class CpuPagedAttention(AttentionBackend):
     """FULL or SLIDING_WINDOW paged attention for fp32/bf16, any block and head size."""
 
-    def __init__(self, kind: AttentionKind = AttentionKind.FULL) -> None:
+    def __init__(self, kind: AttentionKind = AttentionKind.FULL, use_kernels: bool = True) -> None:
         if kind not in (AttentionKind.FULL, AttentionKind.SLIDING_WINDOW):
             raise ValueError(f"CpuPagedAttention implements full and sliding window, not {kind}")
         self.kind = kind
         self.name = f"cpu_sdpa_{kind.value}"
+        # the C++ decode kernel when built (see tokenmill_cpu.kernels), else SDPA for all rows
+        self._kernels = kernels.load() if use_kernels else None
 
     def supports(self, spec: AttentionSpec) -> bool:
         windowed = spec.sliding_window is not None
@@ -110,6 +118,10 @@ class CpuPagedAttention(AttentionBackend):
         scale = spec.scale if spec.scale is not None else spec.head_size**-0.5
         q = query.to(kv_cache.dtype)
         out = torch.empty_like(q)
+        if plan.kernel_decode is not None:
+            rows, tables, seq_lens = plan.kernel_decode
+            window = spec.sliding_window or 0
+            self._kernels.decode_attention(q, kv_cache, tables, seq_lens, rows, window, scale, out)
         for bucket in plan.decode:
             _decode(bucket, q, gathered, scale, out)
         own_keys = (key.to(kv_cache.dtype), value.to(kv_cache.dtype))
@@ -121,7 +133,7 @@ class CpuPagedAttention(AttentionBackend):
         plans = metadata.backend_state.setdefault(self.name, {})
         assert isinstance(plans, dict)
         if window not in plans:
-            plans[window] = _build_plan(metadata, window)
+            plans[window] = _build_plan(metadata, window, self._kernels is not None)
         return plans[window]
 
 
@@ -193,8 +205,9 @@ def _additive_mask(item: _DecodeBucket | _PrefillSeq, dtype: torch.dtype) -> tor
     return item.additive_masks[dtype]
 
 
-def _build_plan(metadata: AttentionMetadata, window: int | None) -> _StepPlan:
-    """Which blocks each sequence reads and with which mask, for one window size."""
+def _build_plan(metadata: AttentionMetadata, window: int | None, decode_kernel: bool) -> _StepPlan:
+    """Which blocks each sequence reads and with which mask, for one window size; with
+    `decode_kernel`, decode rows are left to the C++ kernel, which reads the cache itself."""
     block_size = metadata.block_size
     starts = metadata.query_start_loc.tolist()
     tables = metadata.block_tables.long()
@@ -224,13 +237,22 @@ def _build_plan(metadata: AttentionMetadata, window: int | None) -> _StepPlan:
         block_ids.append(tables[i, first_block : first_block + num_blocks])
         stale.append(num_gathered * block_size + torch.nonzero(k_pos[0] >= seq_len)[:, 0])
         num_gathered += num_blocks
+    kernel_decode = None
+    if decode_kernel and decode_rows:
+        rows = torch.tensor(decode_rows)
+        kernel_decode = (
+            torch.tensor([starts[r] for r in decode_rows]),
+            metadata.block_tables.index_select(0, rows),
+            metadata.seq_lens.index_select(0, rows),
+        )
+        decode_rows = []
     decode, decode_ids, decode_stale = _decode_buckets(
         metadata, decode_rows, window, starts, num_gathered
     )
     empty = torch.zeros(0, dtype=torch.long)
     gather_ids = torch.cat(block_ids + decode_ids) if block_ids or decode_ids else empty
     stale_slots = torch.cat(stale + decode_stale) if stale or decode_stale else empty
-    return _StepPlan(gather_ids, stale_slots, decode, prefill)
+    return _StepPlan(gather_ids, stale_slots, decode, prefill, kernel_decode)
 
 
 def _decode_buckets(

@@ -1,4 +1,9 @@
-"""CPU overrides of the core's reference ops."""
+"""CPU overrides of the core's reference ops.
+
+Two implementations of each: the fused C++ kernels of `tokenmill_cpu.kernels` when they are
+built (one call per op, the big win at batch 1), and ATen compositions otherwise.
+`kernel_ops()` picks once per process.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from tokenmill_cpu import kernels
 
 # oneDNN's own blocked weight layout streams weights about 1.3-2x faster than F.linear's
 # MKL path at small batch (measured on torch 2.13, 2 cores: a 3072x576 bf16 matmul at
@@ -19,10 +26,17 @@ def onednn_linear_available() -> bool:
     )
 
 
+# At or below this many rows a bf16 linear is a weight-streaming GEMV: the kernels' AVX512-BF16
+# GEMV beats oneDNN there (measured over SmolLM2's 120 layer matmuls at batch 1, 2 threads:
+# 11 vs 12.5 ms); above it oneDNN's blocked GEMM wins.
+_GEMV_MAX_ROWS = 4
+
+
 def prepack_linear(
     weight: torch.Tensor, bias: torch.Tensor | None
 ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Repack `weight` for oneDNN once; the returned function computes x @ W.T + b."""
+    """Repack `weight` for oneDNN once; the returned function computes x @ W.T + b (through the
+    kernels' GEMV for a few rows of bf16, when built)."""
     if weight.device.type != "cpu" or weight.dtype not in _PACKED_DTYPES:
         return lambda x: F.linear(x, weight, bias)
     if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
@@ -34,7 +48,25 @@ def prepack_linear(
     def apply(x: torch.Tensor) -> torch.Tensor:
         return linear_pointwise(x, packed, bias, "none", [], "")
 
-    return apply
+    k = kernels.load()
+    out_features, in_features = weight.shape
+    if (
+        k is None
+        or weight.dtype != torch.bfloat16
+        or not k.has_bf16_dot()
+        or in_features % 32
+        or out_features % 16
+    ):
+        return apply
+    natural = weight.detach().contiguous()
+    linear_bf16 = k.linear_bf16
+
+    def apply_small_m(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= _GEMV_MAX_ROWS and x.dim() == 2 and x.dtype == torch.bfloat16:
+            return linear_bf16(x, natural, bias)
+        return linear_pointwise(x, packed, bias, "none", [], "")
+
+    return apply_small_m
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -68,3 +100,33 @@ def rotary_embedding(
         return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
 
     return apply(query), apply(key)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]
+
+
+def kernel_ops() -> dict[str, Callable]:
+    """The fused C++ versions of the element-wise ops, or {} when the kernels are not built.
+
+    Each is one call where the ATen version is 3-10 kernels; same signatures and rounding as
+    the core's references (the conformance suite checks them against those)."""
+    k = kernels.load()
+    if k is None:
+        return {}
+
+    def fused_add_rms_norm_kernel(x, residual, weight, eps):
+        out, summed = k.fused_add_rms_norm(x, residual, weight, eps)
+        return out, summed
+
+    def rotary_kernel(positions, query, key, cos_sin_cache):
+        q, k_out = k.rotary_embedding(positions, query, key, cos_sin_cache)
+        return q, k_out
+
+    return {
+        "rms_norm": k.rms_norm,
+        "fused_add_rms_norm": fused_add_rms_norm_kernel,
+        "rotary_embedding": rotary_kernel,
+        "silu_and_mul": k.silu_and_mul,
+    }

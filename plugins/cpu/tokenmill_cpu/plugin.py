@@ -102,6 +102,7 @@ def tokenmill_ops(platform: Platform) -> dict[str, Callable]:
         "rms_norm": ops.rms_norm,
         "fused_add_rms_norm": ops.fused_add_rms_norm,
         "rotary_embedding": ops.rotary_embedding,
+        **ops.kernel_ops(),
     }
     if ops.onednn_linear_available():
         overrides["prepack_linear"] = ops.prepack_linear

@@ -1,0 +1,359 @@
+// Fused CPU kernels for the small, latency-bound ops of a decode step.
+//
+// At batch 1 a decode step of a small model is hundreds of tiny ATen calls: each norm,
+// rotary and activation is several kernels and allocations, and paged attention is a
+// gather plus SDPA. Each kernel here does one of those ops in one pass over its data,
+// computing in float32 and rounding where the core's reference ops round, so outputs
+// match them to within the last bit of the activation dtype.
+//
+// Built on first use by tokenmill_cpu.kernels (torch.utils.cpp_extension, -march=native);
+// every entry point has an ATen fallback in tokenmill_cpu.ops.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <vector>
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define TM_HAS_BF16_DOT 1
+#else
+#define TM_HAS_BF16_DOT 0
+#endif
+
+namespace {
+
+inline float to_f(float x) { return x; }
+inline float to_f(c10::BFloat16 x) { return static_cast<float>(x); }
+template <typename T> inline T from_f(float x) { return static_cast<T>(x); }
+// Round through the activation dtype, as an ATen op producing `T` would.
+template <typename T> inline float round_to(float x) { return to_f(from_f<T>(x)); }
+
+void check_last_dim_contiguous(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.stride(-1) == 1, name, " must be contiguous in its last dim");
+}
+
+// ---------------------------------------------------------------------------------------
+// RMS norm: y = w * round(x / sqrt(mean(x^2) + eps)); with a residual, x = round(x + r)
+// first and that sum is returned too.
+
+template <typename T>
+void rms_norm_rows(const T* x, const T* res, const T* w, T* out, T* sum_out, int64_t rows,
+                   int64_t hidden, int64_t x_stride, int64_t res_stride, float eps) {
+  std::vector<float> buf(hidden);
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * x_stride;
+    float ss = 0.f;
+    if (res != nullptr) {
+      const T* rr = res + r * res_stride;
+      T* sr = sum_out + r * hidden;
+      for (int64_t i = 0; i < hidden; ++i) {
+        T s = from_f<T>(to_f(xr[i]) + to_f(rr[i]));
+        sr[i] = s;
+        buf[i] = to_f(s);
+      }
+    } else {
+      for (int64_t i = 0; i < hidden; ++i) buf[i] = to_f(xr[i]);
+    }
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < hidden; ++i) ss += buf[i] * buf[i];
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(hidden) + eps);
+    T* o = out + r * hidden;
+    for (int64_t i = 0; i < hidden; ++i) o[i] = from_f<T>(to_f(w[i]) * round_to<T>(buf[i] * inv));
+  }
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  check_last_dim_contiguous(x, "x");
+  const int64_t hidden = x.size(-1);
+  auto x2 = x.reshape({-1, hidden});
+  auto out = torch::empty(x2.sizes(), x.options());
+  auto wc = w.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_rows<scalar_t>(x2.data_ptr<scalar_t>(), nullptr, wc.data_ptr<scalar_t>(),
+                            out.data_ptr<scalar_t>(), nullptr, x2.size(0), hidden,
+                            x2.stride(0), 0, static_cast<float>(eps));
+  });
+  return out.view(x.sizes());
+}
+
+std::vector<torch::Tensor> fused_add_rms_norm(torch::Tensor x, torch::Tensor residual,
+                                              torch::Tensor w, double eps) {
+  check_last_dim_contiguous(x, "x");
+  check_last_dim_contiguous(residual, "residual");
+  TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(),
+              "x and residual must have the same shape and dtype");
+  const int64_t hidden = x.size(-1);
+  auto x2 = x.reshape({-1, hidden});
+  auto r2 = residual.reshape({-1, hidden});
+  auto out = torch::empty(x2.sizes(), x.options());
+  auto summed = torch::empty(x2.sizes(), x.options());
+  auto wc = w.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "fused_add_rms_norm", [&] {
+    rms_norm_rows<scalar_t>(x2.data_ptr<scalar_t>(), r2.data_ptr<scalar_t>(),
+                            wc.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                            summed.data_ptr<scalar_t>(), x2.size(0), hidden, x2.stride(0),
+                            r2.stride(0), static_cast<float>(eps));
+  });
+  return {out.view(x.sizes()), summed.view(x.sizes())};
+}
+
+// ---------------------------------------------------------------------------------------
+// Neox rotary on the first rotary_dim channels of each head, in the activations' dtype as
+// transformers computes it: cos/sin rounded to T, each product rounded, then the sum.
+
+template <typename T>
+void rotary_heads(const int64_t* positions, const T* src, T* dst, const float* cache,
+                  int64_t tokens, int64_t heads, int64_t head_size, int64_t rotary_dim,
+                  int64_t src_token_stride, int64_t src_head_stride) {
+  const int64_t half = rotary_dim / 2;
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* cos = cache + positions[t] * rotary_dim;
+    const float* sin = cos + half;
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* s = src + t * src_token_stride + h * src_head_stride;
+      T* d = dst + (t * heads + h) * head_size;
+      for (int64_t i = 0; i < half; ++i) {
+        const float c = round_to<T>(cos[i]), sn = round_to<T>(sin[i]);
+        const float x1 = to_f(s[i]), x2 = to_f(s[i + half]);
+        d[i] = from_f<T>(round_to<T>(x1 * c) - round_to<T>(x2 * sn));
+        d[i + half] = from_f<T>(round_to<T>(x2 * c) + round_to<T>(x1 * sn));
+      }
+      for (int64_t i = rotary_dim; i < head_size; ++i) d[i] = s[i];
+    }
+  }
+}
+
+torch::Tensor rotary_one(const torch::Tensor& positions, const torch::Tensor& x,
+                         const torch::Tensor& cache) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rotary input must be [tokens, heads, head_size]"
+              " with contiguous head_size");
+  auto out = torch::empty(x.sizes(), x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rotary", [&] {
+    rotary_heads<scalar_t>(positions.data_ptr<int64_t>(), x.data_ptr<scalar_t>(),
+                           out.data_ptr<scalar_t>(), cache.data_ptr<float>(), x.size(0),
+                           x.size(1), x.size(2), cache.size(1), x.stride(0), x.stride(1));
+  });
+  return out;
+}
+
+std::vector<torch::Tensor> rotary_embedding(torch::Tensor positions, torch::Tensor query,
+                                            torch::Tensor key, torch::Tensor cos_sin_cache) {
+  TORCH_CHECK(cos_sin_cache.scalar_type() == at::kFloat && cos_sin_cache.is_contiguous(),
+              "cos_sin_cache must be contiguous float32");
+  auto pos = positions.to(at::kLong).contiguous();
+  return {rotary_one(pos, query, cos_sin_cache), rotary_one(pos, key, cos_sin_cache)};
+}
+
+// ---------------------------------------------------------------------------------------
+// silu(gate) * up over [rows, 2d] -> [rows, d]; silu rounded to T as ATen's silu would be.
+
+torch::Tensor silu_and_mul(torch::Tensor x) {
+  check_last_dim_contiguous(x, "x");
+  const int64_t d = x.size(-1) / 2;
+  auto x2 = x.reshape({-1, 2 * d});
+  auto out_sizes = x.sizes().vec();
+  out_sizes.back() = d;
+  auto out = torch::empty({x2.size(0), d}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "silu_and_mul", [&] {
+    const int64_t rows = x2.size(0), stride = x2.stride(0);
+    const scalar_t* src = x2.data_ptr<scalar_t>();
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const scalar_t* g = src + r * stride;
+        const scalar_t* u = g + d;
+        scalar_t* o = dst + r * d;
+        for (int64_t i = 0; i < d; ++i) {
+          const float gf = to_f(g[i]);
+          o[i] = from_f<scalar_t>(round_to<scalar_t>(gf / (1.f + std::exp(-gf))) * to_f(u[i]));
+        }
+      }
+    });
+  });
+  return out.view(out_sizes);
+}
+
+// ---------------------------------------------------------------------------------------
+// y[M, N] = x[M, K] @ w[N, K]^T (+ b) in bf16 for small M (decode), float32 accumulation.
+// Weights stay in their natural row-major layout: each thread streams a contiguous band of
+// rows, 16 at a time, and every x row reuses them from L1. Memory-bound by design.
+
+bool has_bf16_dot() { return TM_HAS_BF16_DOT; }
+
+#if TM_HAS_BF16_DOT
+template <int R>
+inline void dot_rows(const uint16_t* x, const uint16_t* w, int64_t K, float* r) {
+  __m512 acc[R];
+  for (int j = 0; j < R; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + k);
+    for (int j = 0; j < R; ++j)
+      acc[j] = _mm512_dpbf16_ps(acc[j], xv, (__m512bh)_mm512_loadu_si512(w + j * K + k));
+  }
+  for (int j = 0; j < R; ++j) r[j] = _mm512_reduce_add_ps(acc[j]);
+}
+#endif
+
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+#if TM_HAS_BF16_DOT
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,
+              "linear_bf16 takes bfloat16 x and w");
+  TORCH_CHECK(w.is_contiguous() && w.size(1) % 32 == 0 && w.size(0) % 16 == 0,
+              "linear_bf16 needs a contiguous weight with in_features % 32 == 0 and "
+              "out_features % 16 == 0");
+  const int64_t K = w.size(1), N = w.size(0);
+  auto x2 = x.reshape({-1, K}).contiguous();
+  const int64_t M = x2.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x2.data_ptr());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  const float* bp = nullptr;
+  torch::Tensor bias_f;
+  if (bias.has_value() && bias->defined()) {
+    bias_f = bias->to(at::kFloat).contiguous();
+    bp = bias_f.data_ptr<float>();
+  }
+  constexpr int R = 16;
+  at::parallel_for(0, N / R, 1, [&](int64_t b0, int64_t b1) {
+    float r[R];
+    for (int64_t b = b0; b < b1; ++b) {
+      for (int64_t m = 0; m < M; ++m) {
+        dot_rows<R>(xp + m * K, wp + b * R * K, K, r);
+        for (int j = 0; j < R; ++j) {
+          const float v = r[j] + (bp != nullptr ? bp[b * R + j] : 0.f);
+          yp[m * N + b * R + j] = c10::BFloat16(v).x;
+        }
+      }
+    }
+  });
+  auto out_sizes = x.sizes().vec();
+  out_sizes.back() = N;
+  return y.view(out_sizes);
+#else
+  TORCH_CHECK(false, "linear_bf16 needs a CPU with AVX512-BF16");
+#endif
+}
+
+// ---------------------------------------------------------------------------------------
+// Paged attention for decode rows (one query token per sequence), reading keys and values
+// straight from the paged cache: no gather, no padding, no mask tensors.
+//   query    [T, Hq, D] (token stride free, heads contiguous)
+//   kv_cache [2, num_blocks, block_size, Hk, D]
+//   block_tables int32 [S, max_blocks]; seq_lens int32 [S] (context incl. the new token)
+//   rows     int64 [S]: the query row of each sequence; out [T, Hq, D] written at those rows
+// A sequence attends to positions [max(0, seq_len - window), seq_len) (window <= 0: all).
+// Softmax in float32 over all of a sequence's scores at once.
+
+template <typename T>
+void decode_attention_impl(const torch::Tensor& query, const torch::Tensor& kv_cache,
+                           const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                           const torch::Tensor& rows, int64_t window, float scale,
+                           torch::Tensor& out) {
+  const int64_t S = rows.size(0), Hq = query.size(1), D = query.size(2);
+  const int64_t Hk = kv_cache.size(3), block_size = kv_cache.size(2);
+  const int64_t G = Hq / Hk;
+  const int64_t q_stride = query.stride(0), o_stride = out.stride(0);
+  const int64_t kv_half = kv_cache.stride(0), block_stride = kv_cache.stride(1);
+  const int64_t slot_stride = kv_cache.stride(2);
+  const int64_t table_stride = block_tables.stride(0);
+  const T* qp = query.data_ptr<T>();
+  const T* cache = kv_cache.data_ptr<T>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t* row_ids = rows.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, S * Hk, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> q(G * D), acc(G * D), kf(D), scores;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t s = i / Hk, h = i % Hk;
+      const int64_t len = lens[s];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t n = len - first;
+      const int64_t row = row_ids[s];
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d)
+          q[g * D + d] = to_f(qp[row * q_stride + (h * G + g) * D + d]) * scale;
+      scores.assign(G * n, 0.f);
+      const int32_t* table = tables + s * table_stride;
+      for (int64_t p = first; p < len; ++p) {
+        const T* k = cache + table[p / block_size] * block_stride + (p % block_size) * slot_stride
+                     + h * D;
+        for (int64_t d = 0; d < D; ++d) kf[d] = to_f(k[d]);
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = q.data() + g * D;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < D; ++d) dot += qg[d] * kf[d];
+          scores[g * n + (p - first)] = dot;
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = scores.data() + g * n;
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sg[j]);
+        float total = 0.f;
+        for (int64_t j = 0; j < n; ++j) {
+          sg[j] = std::exp(sg[j] - mx);
+          total += sg[j];
+        }
+        const float inv = 1.f / total;
+        for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t p = first; p < len; ++p) {
+        const T* v = cache + kv_half + table[p / block_size] * block_stride
+                     + (p % block_size) * slot_stride + h * D;
+        for (int64_t d = 0; d < D; ++d) kf[d] = to_f(v[d]);
+        for (int64_t g = 0; g < G; ++g) {
+          const float w = scores[g * n + (p - first)];
+          float* a = acc.data() + g * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) a[d] += w * kf[d];
+        }
+      }
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d)
+          op[row * o_stride + (h * G + g) * D + d] = from_f<T>(acc[g * D + d]);
+    }
+  });
+}
+
+void decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
+                      torch::Tensor seq_lens, torch::Tensor rows, int64_t window, double scale,
+                      torch::Tensor out) {
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
+              "query must be [tokens, heads, head_size] with contiguous heads");
+  TORCH_CHECK(out.dim() == 3 && out.stride(2) == 1 && out.stride(1) == out.size(2),
+              "out must be [tokens, heads, head_size] with contiguous heads");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.stride(4) == 1 && kv_cache.stride(3) == kv_cache.size(4),
+              "kv_cache must be [2, blocks, block_size, kv_heads, head_size], heads contiguous");
+  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() &&
+                  out.scalar_type() == kv_cache.scalar_type(),
+              "query, out and kv_cache must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  rows.scalar_type() == at::kLong,
+              "block_tables and seq_lens must be int32, rows int64");
+  TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0, "query heads must be a multiple of kv heads");
+  auto tables = block_tables.stride(1) == 1 ? block_tables : block_tables.contiguous();
+  auto lens = seq_lens.contiguous();
+  auto rws = rows.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, query.scalar_type(), "decode_attention", [&] {
+    decode_attention_impl<scalar_t>(query, kv_cache, tables, lens, rws, window,
+                                    static_cast<float>(scale), out);
+  });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm);
+  m.def("fused_add_rms_norm", &fused_add_rms_norm);
+  m.def("rotary_embedding", &rotary_embedding);
+  m.def("silu_and_mul", &silu_and_mul);
+  m.def("has_bf16_dot", &has_bf16_dot);
+  m.def("linear_bf16", &linear_bf16);
+  m.def("decode_attention", &decode_attention);
+}

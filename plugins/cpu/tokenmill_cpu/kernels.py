@@ -1,0 +1,66 @@
+"""The plugin's fused C++ kernels (csrc/kernels.cpp), compiled on first use.
+
+`load()` builds the extension with `torch.utils.cpp_extension` (g++ and ninja, `-O3
+-march=native`, OpenMP) into a cache folder keyed by the source's hash and the torch
+version, so a rebuild happens only when either changes; later processes just import it
+(about 0.1 s). The first build takes 30-60 s.
+
+When the build is impossible (no compiler, say) `load()` logs why once and returns None;
+the ops then run their ATen versions. `TOKENMILL_CPU_KERNELS=0` turns the kernels off (to
+compare against, or to rule them out); `TOKENMILL_CPU_KERNEL_CACHE` moves the build folder
+(default: ~/.cache/tokenmill/cpu_kernels).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "kernels.cpp"
+
+
+def enabled() -> bool:
+    return os.environ.get("TOKENMILL_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no")
+
+
+def _build_dir(tag: str) -> Path:
+    root = os.environ.get("TOKENMILL_CPU_KERNEL_CACHE")
+    base = Path(root) if root else Path.home() / ".cache" / "tokenmill" / "cpu_kernels"
+    path = base / tag
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@functools.cache
+def load() -> ModuleType | None:
+    """The compiled kernels module, or None when disabled or the build failed (logged)."""
+    if not enabled():
+        return None
+    from torch.utils import cpp_extension
+
+    digest = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
+    name = f"tokenmill_cpu_kernels_{digest}"
+    try:
+        return cpp_extension.load(
+            name=name,
+            sources=[str(_SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(_build_dir(name)),
+            verbose=False,
+        )
+    except (OSError, RuntimeError, ImportError, FileNotFoundError) as e:
+        logger.warning(
+            "tokenmill-cpu: building the fused CPU kernels failed, using ATen ops instead "
+            "(slower at small batch). Install g++ and ninja to enable them. Cause: %s",
+            str(e).splitlines()[-1] if str(e) else type(e).__name__,
+        )
+        return None
