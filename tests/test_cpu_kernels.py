@@ -101,3 +101,20 @@ def test_kernels_off_falls_back_to_aten(monkeypatch):
         monkeypatch.delenv("TOKENMILL_CPU_KERNELS")
         kernels.load.cache_clear()
     assert kernels.load() is not None
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_write_kv_matches_the_reference_on_strided_keys(dtype):
+    gen = torch.Generator().manual_seed(3)
+    tokens, kv_heads, head_size, block_size = 6, 2, 32, 8
+    qkv = torch.randn(tokens, 4 * kv_heads * head_size, generator=gen).to(dtype)
+    key = qkv[:, : kv_heads * head_size].view(tokens, kv_heads, head_size)
+    value = qkv[:, 2 * kv_heads * head_size : 3 * kv_heads * head_size].view(tokens, kv_heads, -1)
+    cache = torch.randn(2, 5, block_size, kv_heads, head_size, generator=gen).to(dtype)
+    slots = torch.tensor([3, 17, 8, 39, 0, 21])
+    expected = cache.clone()
+    reference.write_kv(key, value, expected, slots)
+    kernels.load().write_kv(key, value, cache, slots)
+    assert torch.equal(cache, expected)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernels.load().write_kv(key, value, cache, torch.tensor([0, 1, 2, 3, 4, 40]))

@@ -112,7 +112,10 @@ class CpuPagedAttention(AttentionBackend):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """Writes key/value into `kv_cache`, then attends; does not modify the inputs."""
-        write_kv(key, value, kv_cache, metadata.slot_mapping)
+        if self._kernels is not None and key.dtype == kv_cache.dtype:
+            self._kernels.write_kv(key, value, kv_cache, metadata.slot_mapping)
+        else:
+            write_kv(key, value, kv_cache, metadata.slot_mapping)
         plan = self._plan(metadata, spec.sliding_window)
         gathered = _gather(plan, kv_cache)
         scale = spec.scale if spec.scale is not None else spec.head_size**-0.5
@@ -124,7 +127,7 @@ class CpuPagedAttention(AttentionBackend):
             self._kernels.decode_attention(q, kv_cache, tables, seq_lens, rows, window, scale, out)
         for bucket in plan.decode:
             _decode(bucket, q, gathered, scale, out)
-        own_keys = (key.to(kv_cache.dtype), value.to(kv_cache.dtype))
+        own_keys = (key.to(kv_cache.dtype), value.to(kv_cache.dtype)) if plan.prefill else None
         for seq in plan.prefill:
             _prefill(seq, q, own_keys, gathered, scale, out)
         return out.to(query.dtype)

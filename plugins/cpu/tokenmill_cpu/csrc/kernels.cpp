@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -346,6 +347,43 @@ void decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor
   });
 }
 
+// ---------------------------------------------------------------------------------------
+// The step's keys and values into their cache slots (the core's write_kv in one call):
+// key/value [T, Hk, D] (token stride free, heads contiguous), slot_mapping int64 [T].
+
+void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cache,
+              torch::Tensor slot_mapping) {
+  TORCH_CHECK(key.scalar_type() == kv_cache.scalar_type() &&
+                  value.scalar_type() == kv_cache.scalar_type(),
+              "key, value and kv_cache must share a dtype");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.stride(4) == 1 &&
+                  kv_cache.stride(3) == kv_cache.size(4),
+              "kv_cache must be [2, blocks, block_size, kv_heads, head_size], heads contiguous");
+  const int64_t T = key.size(0), row = kv_cache.size(3) * kv_cache.size(4);
+  const int64_t block_size = kv_cache.size(2), num_slots = kv_cache.size(1) * block_size;
+  TORCH_CHECK(key.numel() == T * row && value.numel() == T * row,
+              "key and value must be [tokens, kv_heads, head_size] of the cache's shape");
+  TORCH_CHECK(key.stride(-1) == 1 && key.stride(-2) == key.size(-1) && value.stride(-1) == 1 &&
+                  value.stride(-2) == value.size(-1),
+              "key and value need contiguous heads");
+  auto slots = slot_mapping.to(at::kLong).contiguous();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t elem = kv_cache.element_size();
+  char* k_dst = static_cast<char*>(kv_cache.data_ptr());
+  char* v_dst = k_dst + kv_cache.stride(0) * elem;
+  const int64_t block_bytes = kv_cache.stride(1) * elem, slot_bytes = kv_cache.stride(2) * elem;
+  const char* k_src = static_cast<const char*>(key.data_ptr());
+  const char* v_src = static_cast<const char*>(value.data_ptr());
+  const int64_t k_stride = key.stride(0) * elem, v_stride = value.stride(0) * elem;
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t slot = sp[t];
+    TORCH_CHECK(slot >= 0 && slot < num_slots, "slot ", slot, " is outside the cache");
+    const int64_t at = (slot / block_size) * block_bytes + (slot % block_size) * slot_bytes;
+    std::memcpy(k_dst + at, k_src + t * k_stride, row * elem);
+    std::memcpy(v_dst + at, v_src + t * v_stride, row * elem);
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -356,4 +394,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_bf16_dot", &has_bf16_dot);
   m.def("linear_bf16", &linear_bf16);
   m.def("decode_attention", &decode_attention);
+  m.def("write_kv", &write_kv);
 }
