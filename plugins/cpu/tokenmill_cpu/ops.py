@@ -49,13 +49,12 @@ def prepack_linear(
         return linear_pointwise(x, packed, bias, "none", [], "")
 
     k = kernels.load()
-    out_features, in_features = weight.shape
+    in_features = weight.shape[1]
     if (
         k is None
         or weight.dtype != torch.bfloat16
         or not k.has_bf16_dot()
         or in_features % 32
-        or out_features % 16
     ):
         return apply
     natural = weight.detach().contiguous()

@@ -178,32 +178,18 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
 
 // ---------------------------------------------------------------------------------------
 // y[M, N] = x[M, K] @ w[N, K]^T (+ b) in bf16 for small M (decode), float32 accumulation.
-// Weights stay in their natural row-major layout: each thread streams a contiguous band of
-// rows, 16 at a time, and every x row reuses them from L1. Memory-bound by design.
+// Weights stay in their natural row-major layout and each thread reads its band of rows
+// front to back: one sequential stream, which the hardware prefetchers follow best
+// (interleaving 16 rows at a time was ~10% slower). Each row serves every x row from L1.
 
 bool has_bf16_dot() { return TM_HAS_BF16_DOT; }
-
-#if TM_HAS_BF16_DOT
-template <int R>
-inline void dot_rows(const uint16_t* x, const uint16_t* w, int64_t K, float* r) {
-  __m512 acc[R];
-  for (int j = 0; j < R; ++j) acc[j] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 32) {
-    const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + k);
-    for (int j = 0; j < R; ++j)
-      acc[j] = _mm512_dpbf16_ps(acc[j], xv, (__m512bh)_mm512_loadu_si512(w + j * K + k));
-  }
-  for (int j = 0; j < R; ++j) r[j] = _mm512_reduce_add_ps(acc[j]);
-}
-#endif
 
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
 #if TM_HAS_BF16_DOT
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,
               "linear_bf16 takes bfloat16 x and w");
-  TORCH_CHECK(w.is_contiguous() && w.size(1) % 32 == 0 && w.size(0) % 16 == 0,
-              "linear_bf16 needs a contiguous weight with in_features % 32 == 0 and "
-              "out_features % 16 == 0");
+  TORCH_CHECK(w.is_contiguous() && w.size(1) % 32 == 0,
+              "linear_bf16 needs a contiguous weight with in_features % 32 == 0");
   const int64_t K = w.size(1), N = w.size(0);
   auto x2 = x.reshape({-1, K}).contiguous();
   const int64_t M = x2.size(0);
@@ -217,16 +203,25 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch:
     bias_f = bias->to(at::kFloat).contiguous();
     bp = bias_f.data_ptr<float>();
   }
-  constexpr int R = 16;
-  at::parallel_for(0, N / R, 1, [&](int64_t b0, int64_t b1) {
-    float r[R];
-    for (int64_t b = b0; b < b1; ++b) {
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint16_t* row = wp + n * K;
       for (int64_t m = 0; m < M; ++m) {
-        dot_rows<R>(xp + m * K, wp + b * R * K, K, r);
-        for (int j = 0; j < R; ++j) {
-          const float v = r[j] + (bp != nullptr ? bp[b * R + j] : 0.f);
-          yp[m * N + b * R + j] = c10::BFloat16(v).x;
+        const uint16_t* xr = xp + m * K;
+        // two accumulators: the adds of one chain would otherwise wait on each other
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+        int64_t k = 0;
+        for (; k + 64 <= K; k += 64) {
+          a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(xr + k),
+                                (__m512bh)_mm512_loadu_si512(row + k));
+          a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(xr + k + 32),
+                                (__m512bh)_mm512_loadu_si512(row + k + 32));
         }
+        if (k < K)
+          a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(xr + k),
+                                (__m512bh)_mm512_loadu_si512(row + k));
+        const float v = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) + (bp ? bp[n] : 0.f);
+        yp[m * N + n] = c10::BFloat16(v).x;
       }
     }
   });
