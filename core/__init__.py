@@ -2,10 +2,14 @@
 
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured import StructuredOutputError, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+__all__ = [
+    "LLM", "SamplingParams", "StructuredOutputsParams", "StructuredOutputError",
+    "RequestOutput", "CompletionOutput", "Logprob", "__version__",
+]
 
 
 def __getattr__(name: str):

@@ -9,7 +9,9 @@ Contract:
 - `generate` yields cumulative `RequestOutput`s; the last has `finished=True`. Leaving the
   iterator early (client disconnect, `aclose`, cancellation) aborts the request and frees
   its KV blocks in the engine thread.
-- A bad request raises `ValueError` from `generate` before any output.
+- A bad request raises `ValueError` from `generate` before any output; an invalid
+  structured output constraint raises its subclass `StructuredOutputError`, compiled in a
+  worker thread before the request reaches the engine thread.
 - If the engine thread crashes, the engine is dead: every in-flight and later request
   raises `EngineDeadError` instead of hanging, and `is_dead` turns true.
 """
@@ -184,6 +186,10 @@ class AsyncLLM:
         When the consumer falls behind, intermediate outputs are skipped: each one holds
         everything before it, so only the newest matters.
         """
+        if params.structured_outputs is not None:
+            # compile (or fail) off the event loop and off the engine thread; the engine's
+            # add_request then finds the grammar in the cache
+            await asyncio.to_thread(self.engine.structured.compile, params.structured_outputs)
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 

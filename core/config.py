@@ -27,6 +27,12 @@ class EngineArgs(BaseModel):
     seed: int = 0
     tokenizer: str | None = None
     chat_template: str | None = None
+    structured_output_cache_size: int = Field(
+        256, ge=1, description="compiled grammars kept for reuse (LRU)"
+    )
+    structured_output_compile_timeout_s: float = Field(
+        5.0, gt=0, description="a constraint that takes longer to compile is refused"
+    )
 
     @field_validator("block_size")
     @classmethod

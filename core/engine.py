@@ -24,6 +24,7 @@ from tokenmill.runner import ModelRunner
 from tokenmill.sampler import make_generator
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler import Scheduler, SchedulerConfig
+from tokenmill.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +90,20 @@ class LLMEngine:
             self.kv,
         )
         backends = list({id(b): b for b in model.attention_backends}.values())
-        self.runner = ModelRunner(model, self.arena.layer_caches, backends, args.block_size, self.device)
-        self.outputs = OutputProcessor(self.tokenizer, self.scheduler, self.max_model_len)
+        self.runner = ModelRunner(
+            model, self.arena.layer_caches, backends, args.block_size, self.device,
+            apply_token_bitmask=self.platform.ops.apply_token_bitmask,
+        )
+        self.structured = StructuredOutputManager(
+            self.tokenizer,
+            vocab_size=self.loaded.hf_config.vocab_size,
+            eos_token_ids=self.loaded.eos_token_ids,
+            cache_size=args.structured_output_cache_size,
+            compile_timeout_s=args.structured_output_compile_timeout_s,
+        )
+        self.outputs = OutputProcessor(
+            self.tokenizer, self.scheduler, self.max_model_len, self.structured
+        )
         self._ids = itertools.count()
         logger.info(
             "engine ready: platform=%s dtype=%s kv_blocks=%d (%d tokens) max_model_len=%d",
@@ -109,10 +122,15 @@ class LLMEngine:
         prompt: str | None = None,
         cache_salt: str | None = None,
     ) -> None:
-        """Queue a request. Raises ValueError naming the problem if it can never run."""
+        """Queue a request. Raises ValueError naming the problem if it can never run, and
+        its subclass StructuredOutputError if its structured output constraint is invalid or
+        takes too long to compile; nothing is queued then."""
         if request_id in self.outputs.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._check_prompt(prompt_token_ids, params)
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.structured.compile(params.structured_outputs)
         params = dataclasses.replace(
             params, eos_token_ids=frozenset(self.loaded.eos_token_ids) | params.eos_token_ids
         )
@@ -127,6 +145,8 @@ class LLMEngine:
                 generator=make_generator(seed, self.device),
             )
             children.append(child)
+            if grammar is not None:
+                self.structured.add_request(child.request_id, grammar)
         self.outputs.add(request_id, prompt, children)
         for child in children:
             self.scheduler.add_request(child)
@@ -161,6 +181,9 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
-        result = self.runner.execute(plan, self.scheduler.requests)
+        masks = None
+        if self.structured.num_requests:
+            masks = self.structured.step_masks([s.request_id for s in plan.scheduled if s.sample])
+        result = self.runner.execute(plan, self.scheduler.requests, masks)
         self.scheduler.update_computed(plan)
         return self.outputs.process(result)

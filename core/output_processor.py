@@ -10,6 +10,7 @@ from tokenmill.request import Request, RequestStatus
 from tokenmill.runner import RunnerOutput
 from tokenmill.sampler import Logprobs
 from tokenmill.scheduler import Scheduler
+from tokenmill.structured.manager import StructuredOutputManager
 
 
 @dataclass(slots=True)
@@ -41,9 +42,16 @@ class _ParentState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, scheduler: Scheduler, max_model_len: int) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        scheduler: Scheduler,
+        max_model_len: int,
+        structured: StructuredOutputManager | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.scheduler = scheduler
+        self.structured = structured
         self.max_model_len = max_model_len
         self.parents: dict[str, _ParentState] = {}
         self.child_to_parent: dict[str, str] = {}
@@ -101,8 +109,16 @@ class OutputProcessor:
                 lp = self._convert(result.logprobs[rid])
                 seq.logprobs.append(lp)
                 seq.cumulative_logprob += lp[token_id].logprob
-            self._check_stop(request, seq, token_id)
             touched[parent.request_id] = parent
+            grammar_ended = False
+            if self.structured is not None and rid in self.structured:
+                error = self.structured.accept(rid, token_id)
+                if error is not None:
+                    seq.stop_reason = f"structured output: {error}"
+                    self._finish(request, seq, RequestStatus.FINISHED_ERROR)
+                    continue
+                grammar_ended = self.structured.is_ended(rid)
+            self._check_stop(request, seq, token_id, grammar_ended)
         return [self._build(p) for p in touched.values()]
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -114,14 +130,22 @@ class OutputProcessor:
             if seq.finish_reason is None:
                 self.scheduler.finish(rid, RequestStatus.FINISHED_ABORTED)
                 seq.finish_reason = "abort"
+                if self.structured is not None:
+                    self.structured.remove_request(rid)
         return self._build(parent)
 
-    def _check_stop(self, request: Request, seq: _SeqState, token_id: int) -> None:
+    def _check_stop(
+        self, request: Request, seq: _SeqState, token_id: int, grammar_ended: bool = False
+    ) -> None:
+        """`grammar_ended`: the request's structured output constraint is complete after
+        this token; an EOS then stops it even with ignore_eos or below min_tokens."""
         params = request.sampling_params
         new_text = seq.detokenizer.append([token_id])
         seq.text += new_text
         status = None
-        if request.num_output_tokens >= params.min_tokens:
+        if grammar_ended and token_id in params.eos_token_ids:
+            status = RequestStatus.FINISHED_STOPPED
+        elif request.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token_id in params.eos_token_ids:
                 status = RequestStatus.FINISHED_STOPPED
             elif token_id in params.stop_token_ids:
@@ -140,8 +164,13 @@ class OutputProcessor:
         ):
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
-            seq.finish_reason = status.value
-            self.scheduler.finish(request.request_id, status)
+            self._finish(request, seq, status)
+
+    def _finish(self, request: Request, seq: _SeqState, status: RequestStatus) -> None:
+        seq.finish_reason = status.value
+        self.scheduler.finish(request.request_id, status)
+        if self.structured is not None:
+            self.structured.remove_request(request.request_id)
 
     def _convert(self, lp: Logprobs) -> PositionLogprobs:
         return {

@@ -6,15 +6,18 @@ comes from the platform, attention from the platform's backend.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
+from tokenmill.ops.reference import apply_token_bitmask as reference_apply_token_bitmask
 from tokenmill.platforms.interfaces import AttentionMetadata, token_positions
 from tokenmill.request import Request
 from tokenmill.sampler import Logprobs, Sampler, SamplingRow, prompt_logprobs
 from tokenmill.scheduler import SchedulerOutput
+from tokenmill.structured.manager import StructuredStep
 
 
 @dataclass(slots=True)
@@ -35,6 +38,7 @@ class ModelRunner:
         attention_backends: list,
         block_size: int,
         device: torch.device,
+        apply_token_bitmask: Callable = reference_apply_token_bitmask,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -42,9 +46,18 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler()
+        self.apply_token_bitmask = apply_token_bitmask  # the platform's op (or the reference)
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput, requests: Mapping[str, Request]) -> RunnerOutput:
+    def execute(
+        self,
+        step: SchedulerOutput,
+        requests: Mapping[str, Request],
+        masks: StructuredStep | None = None,
+    ) -> RunnerOutput:
+        """Run one step. `masks`: structured output's token masks for some sampling rows,
+        applied to their logits before sampling (so logprobs are of the masked
+        distribution)."""
         inputs = self._prepare_inputs(step)
         for backend in self.backends:
             backend.prepare(inputs.metadata)
@@ -62,6 +75,8 @@ class ModelRunner:
                 )
                 for rid in inputs.sample_rows
             ]
+            if masks is not None:
+                self._apply_masks(logits, rows, masks)
             sampled = self.sampler(logits, rows)
             for rid, token_id, lp in zip(inputs.sample_rows, sampled.token_ids, sampled.logprobs):
                 out.sampled[rid] = token_id
@@ -75,6 +90,18 @@ class ModelRunner:
             k = request.sampling_params.prompt_logprobs
             out.prompt_logprobs[rid] = (lo, prompt_logprobs(logits, next_ids, k))
         return out
+
+    def _apply_masks(self, logits: torch.Tensor, rows: list[SamplingRow], masks: StructuredStep) -> None:
+        self.apply_token_bitmask(
+            logits,
+            masks.bitmask.to(logits.device),
+            torch.tensor(masks.row_indices, dtype=torch.int64, device=logits.device),
+        )
+        for i in masks.ended_rows:
+            # a complete constraint allows only EOS: it wins over min_tokens, which would
+            # otherwise mask EOS too and leave nothing to sample
+            if rows[i].params.min_tokens:
+                rows[i].params = dataclasses.replace(rows[i].params, min_tokens=0)
 
     def _prepare_inputs(self, step: SchedulerOutput) -> _StepInputs:
         token_ids: list[int] = []

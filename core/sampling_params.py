@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from tokenmill.structured.params import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 
 
@@ -33,6 +35,8 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per sampled token (+ the sampled one)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # constrained decoding: the output must match this schema / regex / choice / grammar
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine from the tokenizer, not by users.
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
 
@@ -89,6 +93,10 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise bad(name, "must be None or a non-negative integer")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams or None")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "must be an integer or None")
         for s in self.stop:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-PLUGIN_API_VERSION = "1.0"
+PLUGIN_API_VERSION = "1.1"  # 1.1: op apply_token_bitmask
 
 
 class AttentionKind(str, enum.Enum):
@@ -286,5 +286,6 @@ OP_NAMES = frozenset(
         "prepack_linear",
         "copy_blocks",  # KV blocks within each layer's cache (conformance tier T2)
         "swap_blocks",  # KV blocks between two caches, e.g. device <-> host (tier T2)
+        "apply_token_bitmask",  # structured output's grammar mask on the logits (tier T1)
     }
 )

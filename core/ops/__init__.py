@@ -19,6 +19,7 @@ class Ops:
     prepack_linear: Callable
     copy_blocks: Callable
     swap_blocks: Callable
+    apply_token_bitmask: Callable
 
 
 def resolve_ops(overrides: Mapping[str, Callable] | None = None, source: str = "platform") -> Ops:

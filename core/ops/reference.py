@@ -126,6 +126,29 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     dst[:, dst_ids.to(dst.device)] = blocks.to(dst.device)
 
 
+def apply_token_bitmask(
+    logits: torch.Tensor, bitmask: torch.Tensor, row_indices: torch.Tensor
+) -> None:
+    """Structured output's token mask: in place, sets to -inf the logits of the tokens a
+    row's grammar does not allow.
+
+    `logits` is float [num_rows, vocab]; `bitmask` int32 [k, num_words] where bit j (LSB
+    first) of word w allows token 32 * w + j; `row_indices` int64 [k] names the logits row
+    each mask row applies to (distinct). Bits beyond `vocab` are ignored; columns beyond
+    32 * num_words are disallowed. Rows not named are untouched; does not modify `bitmask`.
+    """
+    if row_indices.numel() == 0:
+        return
+    vocab = logits.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)  # [k, 32 * num_words]
+    if allowed.shape[1] < vocab:
+        allowed = F.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    allowed = allowed[:, :vocab].to(logits.device)
+    rows = row_indices.to(logits.device)
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
 def paged_attention(
     spec: AttentionSpec,
     query: torch.Tensor,
@@ -184,4 +207,5 @@ REFERENCE_OPS = {
     "prepack_linear": prepack_linear,
     "copy_blocks": copy_blocks,
     "swap_blocks": swap_blocks,
+    "apply_token_bitmask": apply_token_bitmask,
 }
