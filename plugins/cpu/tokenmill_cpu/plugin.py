@@ -45,7 +45,7 @@ def memory_info() -> MemoryInfo:
 
 @hookimpl
 def tokenmill_api_version() -> str:
-    return "1.0"  # the plugin API this plugin was written against
+    return "1.1"  # the plugin API this plugin was written against (1.1: apply_token_bitmask)
 
 
 @hookimpl
@@ -102,6 +102,7 @@ def tokenmill_ops(platform: Platform) -> dict[str, Callable]:
         "rms_norm": ops.rms_norm,
         "fused_add_rms_norm": ops.fused_add_rms_norm,
         "rotary_embedding": ops.rotary_embedding,
+        "apply_token_bitmask": ops.apply_token_bitmask,
         **ops.kernel_ops(),
     }
     if ops.onednn_linear_available():

@@ -21,8 +21,9 @@ LINEAR_TOLERANCE = {
     torch.float16: dict(atol=1e-2, rtol=1e-2),
     torch.bfloat16: dict(atol=5e-2, rtol=3e-2),
 }
-# copy_blocks / swap_blocks are KV movement: tier T2.
-T1_OPS = sorted(OP_NAMES - {"copy_blocks", "swap_blocks"})
+# copy_blocks / swap_blocks are KV movement: tier T2. apply_token_bitmask works in place and
+# has its own test below.
+T1_OPS = sorted(OP_NAMES - {"copy_blocks", "swap_blocks", "apply_token_bitmask"})
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -32,6 +33,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         cases = [(op, d) for op in T1_OPS for d in dtypes]
         ids = [f"{op}-{str(d).removeprefix('torch.')}" for op, d in cases]
         metafunc.parametrize("op_case", cases, ids=ids)
+    if "dtype" in metafunc.fixturenames:
+        caps = capabilities_of(metafunc.config)
+        dtypes = [] if caps is None else sorted(caps.dtypes, key=str)
+        metafunc.parametrize("dtype", dtypes, ids=[str(d).removeprefix("torch.") for d in dtypes])
 
 
 def _inputs(op: str, dtype: torch.dtype, device: torch.device, seed: int):
@@ -101,3 +106,42 @@ def test_prepack_linear_owns_its_weights(active):
     first = fn(x)
     torch.testing.assert_close(first.cpu(), F.linear(x.cpu(), weight.cpu()), **LINEAR_TOLERANCE[dtype])
     torch.testing.assert_close(fn(x), first)  # deterministic across calls
+
+
+def _bitmask_case(seed: int, dtype: torch.dtype, device: torch.device):
+    """(logits, bitmask, row_indices): vocab sizes on and off a multiple of 32, masks
+    narrower than the vocabulary, all-allowed and all-forbidden words, and row subsets in
+    and out of order."""
+    g = torch.Generator().manual_seed(seed)
+    num_rows, vocab, num_words, rows = [
+        (1, 96, 3, [0]),
+        (6, 1000, 32, [5, 0, 3]),
+        (4, 130, 4, [1, 2]),
+        (5, 200, 6, [0, 1, 2, 3, 4]),  # 6 words cover 192 tokens: the last 8 are disallowed
+    ][seed]
+    logits = (torch.randn(num_rows, vocab, generator=g) * 4).to(dtype).to(device)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (len(rows), num_words), generator=g,
+                            dtype=torch.int64).to(torch.int32)
+    bitmask[0, 0] = -1
+    bitmask[-1, -1] = 0
+    return logits, bitmask.to(device), torch.tensor(rows, dtype=torch.int64, device=device)
+
+
+def test_apply_token_bitmask_matches_reference(active, dtype):
+    """The grammar mask of structured output: exactly the reference's -inf pattern, the
+    other values untouched (no tolerance), rows not named untouched, the mask unmodified."""
+    override = active.ops.apply_token_bitmask
+    if override is reference.apply_token_bitmask:
+        pytest.skip("apply_token_bitmask is not overridden: the core's reference is used")
+    device = active.platform.device
+    for seed in range(4):
+        logits, bitmask, rows = _bitmask_case(seed, dtype, device)
+        expected = logits.cpu().clone()
+        reference.apply_token_bitmask(expected, bitmask.cpu(), rows.cpu())
+        mask_before = bitmask.clone()
+        got = logits.clone()
+        result = override(got, bitmask, rows)
+        assert result is None, "apply_token_bitmask works in place and returns None"
+        assert got.dtype == logits.dtype and got.shape == logits.shape
+        assert torch.equal(got.cpu(), expected), f"case {seed}: the masked logits differ"
+        assert torch.equal(bitmask, mask_before), "apply_token_bitmask modified the bitmask"
