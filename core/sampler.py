@@ -2,7 +2,8 @@
 
 Order of stages (each skipped when no row uses it): penalties -> min_tokens -> greedy
 argmax | temperature -> min_p -> top_k -> top_p -> draw. Logprobs are taken from the raw
-logits, before any stage (vLLM's default "raw_logprobs").
+logits, before any stage (vLLM's default "raw_logprobs"); for a request with structured
+output the runner has already applied the grammar's mask to those logits.
 
 A seeded request draws exactly one uniform number per step from its own generator and
 picks its token by inverse CDF over its candidates in token-id order, so its tokens do

@@ -123,9 +123,16 @@ class StructuredOutputManager:
         """llguidance's view of the vocabulary, built on first use (about 0.5 s)."""
         with self._lock:
             if self._tokenizer is None:
-                self._tokenizer = llguidance.hf.from_tokenizer(
-                    self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids
-                )
+                try:
+                    self._tokenizer = llguidance.hf.from_tokenizer(
+                        self.hf_tokenizer, n_vocab=self.vocab_size,
+                        eos_token=self.eos_token_ids or None,
+                    )
+                except ValueError as e:  # "Only fast tokenizers are supported"
+                    raise StructuredOutputError(
+                        f"structured output needs a fast (Rust) tokenizer; this model's "
+                        f"{type(self.hf_tokenizer).__name__} cannot be used: {e}"
+                    ) from e
             return self._tokenizer
 
     @property
@@ -137,8 +144,8 @@ class StructuredOutputManager:
 
         Raises StructuredOutputError naming the problem when the constraint is invalid or
         compiling takes longer than `compile_timeout_s`. Invalid constraints are cached too,
-        so a repeated bad request fails fast. Never modifies the returned template's state
-        the caller should `deep_copy` it (as `add_request` does).
+        so a repeated bad request fails fast. The template is shared: callers must not
+        advance it, only `deep_copy` it (as `add_request` does).
         """
         key, grammar = grammar_for(params)
         with self._lock:
