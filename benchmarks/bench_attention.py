@@ -56,15 +56,22 @@ def best_ms(fn: Callable[[], object], iters: int) -> float:
     return min(times) * 1e3
 
 
-def measure(spec: AttentionSpec, step: tuple, iters: int) -> tuple[float, float, float]:
-    """(reference ms, cpu forward ms, cpu prepare ms) for one layer call on `step`."""
+def measure(
+    spec: AttentionSpec, step: tuple, iters: int
+) -> tuple[float, float, float, float]:
+    """(reference ms, cpu SDPA-only forward ms, cpu forward ms with the C++ decode kernel,
+    cpu prepare ms) for one layer call on `step`."""
     query, key, value, kv_cache, metadata = step
-    backend = CpuPagedAttention(spec.kind)
     ref_ms = best_ms(lambda: paged_attention(spec, query, key, value, kv_cache, metadata), iters)
-    prepare_ms = best_ms(lambda: backend.prepare(metadata), iters)
-    backend.prepare(metadata)
-    cpu_ms = best_ms(lambda: backend.forward(spec, query, key, value, kv_cache, metadata), iters)
-    return ref_ms, cpu_ms, prepare_ms
+    times = []
+    for use_kernels in (False, True):
+        backend = CpuPagedAttention(spec.kind, use_kernels=use_kernels)
+        prepare_ms = best_ms(lambda b=backend: b.prepare(metadata), iters)
+        backend.prepare(metadata)
+        times.append(
+            best_ms(lambda b=backend: b.forward(spec, query, key, value, kv_cache, metadata), iters)
+        )
+    return ref_ms, times[0], times[1], prepare_ms
 
 
 def cases(rng: random.Random) -> dict[str, list[tuple[int, int]]]:
@@ -87,7 +94,10 @@ def main() -> None:
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, block size {args.block_size}"
     )
-    header = f"{'case':<40} {'dtype':<9} {'reference ms':>12} {'cpu ms':>8} {'speedup':>8} {'prepare ms':>10}"
+    header = (
+        f"{'case':<40} {'dtype':<9} {'reference ms':>12} {'sdpa ms':>8} {'kernel ms':>9} "
+        f"{'speedup':>8} {'prepare ms':>10}"
+    )
     print(header)
     print("-" * len(header))
     for name, seqs in cases(random.Random(0)).items():
@@ -95,13 +105,13 @@ def main() -> None:
             spec = AttentionSpec(
                 AttentionKind.FULL, NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, dtype, args.block_size
             )
-            ref_ms, cpu_ms, prepare_ms = measure(
+            ref_ms, sdpa_ms, kernel_ms, prepare_ms = measure(
                 spec, make_step(seqs, args.block_size, dtype), args.iters
             )
             dtype_name = str(dtype).removeprefix("torch.")
             print(
-                f"{name:<40} {dtype_name:<9} {ref_ms:>12.2f} {cpu_ms:>8.2f} "
-                f"{ref_ms / cpu_ms:>7.1f}x {prepare_ms:>10.2f}"
+                f"{name:<40} {dtype_name:<9} {ref_ms:>12.2f} {sdpa_ms:>8.2f} {kernel_ms:>9.2f} "
+                f"{ref_ms / kernel_ms:>7.1f}x {prepare_ms:>10.2f}"
             )
 
 

@@ -16,8 +16,10 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define TM_HAS_BF16_DOT 1
 #else
 #define TM_HAS_BF16_DOT 0
@@ -243,6 +245,93 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch:
 // A sequence attends to positions [max(0, seq_len - window), seq_len) (window <= 0: all).
 // Softmax in float32 over all of a sequence's scores at once.
 
+// Row loaders for the vectorised path: 16 channels as float32, from float or bf16 storage.
+#if defined(__AVX512F__)
+#define TM_HAS_AVX512 1
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+#else
+#define TM_HAS_AVX512 0
+#endif
+
+// One (sequence, kv head) pair: scores of its G query heads against every visible key,
+// softmax, weighted sum of values. `q` holds the G scaled query rows as float32 [G, D];
+// `scores` has room for G * n floats, `acc` for G * D.
+template <typename T, bool Vec>
+void attend_one(const float* q, const T* k_base, const T* v_base, const int32_t* table,
+                int64_t first, int64_t len, int64_t block_size, int64_t block_stride,
+                int64_t slot_stride, int64_t G, int64_t D, float* scores, float* acc,
+                float* kf) {
+  const int64_t n = len - first;
+  for (int64_t p = first; p < len; ++p) {
+    const int64_t at = table[p / block_size] * block_stride + (p % block_size) * slot_stride;
+    const T* k = k_base + at;
+#if TM_HAS_AVX512
+    if constexpr (Vec) {
+      __m512 kv[16];  // D <= 256
+      const int64_t chunks = D / 16;
+      for (int64_t c = 0; c < chunks; ++c) kv[c] = load16(k + 16 * c);
+      for (int64_t g = 0; g < G; ++g) {
+        __m512 dot = _mm512_setzero_ps();
+        for (int64_t c = 0; c < chunks; ++c)
+          dot = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + 16 * c), kv[c], dot);
+        scores[g * n + (p - first)] = _mm512_reduce_add_ps(dot);
+      }
+      continue;
+    }
+#endif
+    for (int64_t d = 0; d < D; ++d) kf[d] = to_f(k[d]);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * D;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < D; ++d) dot += qg[d] * kf[d];
+      scores[g * n + (p - first)] = dot;
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores + g * n;
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sg[j]);
+    float total = 0.f;
+    for (int64_t j = 0; j < n; ++j) {
+      sg[j] = std::exp(sg[j] - mx);
+      total += sg[j];
+    }
+    const float inv = 1.f / total;
+    for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
+  }
+  std::fill(acc, acc + G * D, 0.f);
+  for (int64_t p = first; p < len; ++p) {
+    const int64_t at = table[p / block_size] * block_stride + (p % block_size) * slot_stride;
+    const T* v = v_base + at;
+#if TM_HAS_AVX512
+    if constexpr (Vec) {
+      const int64_t chunks = D / 16;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const __m512 vv = load16(v + 16 * c);
+        for (int64_t g = 0; g < G; ++g) {
+          float* a = acc + g * D + 16 * c;
+          const __m512 w = _mm512_set1_ps(scores[g * n + (p - first)]);
+          _mm512_storeu_ps(a, _mm512_fmadd_ps(w, vv, _mm512_loadu_ps(a)));
+        }
+      }
+      continue;
+    }
+#endif
+    for (int64_t d = 0; d < D; ++d) kf[d] = to_f(v[d]);
+    for (int64_t g = 0; g < G; ++g) {
+      const float w = scores[g * n + (p - first)];
+      float* a = acc + g * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) a[d] += w * kf[d];
+    }
+  }
+}
+
 template <typename T>
 void decode_attention_impl(const torch::Tensor& query, const torch::Tensor& kv_cache,
                            const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
@@ -261,55 +350,29 @@ void decode_attention_impl(const torch::Tensor& query, const torch::Tensor& kv_c
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int64_t* row_ids = rows.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
+  const bool vec = TM_HAS_AVX512 && D % 16 == 0 && D <= 256;
   at::parallel_for(0, S * Hk, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> q(G * D), acc(G * D), kf(D), scores;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t s = i / Hk, h = i % Hk;
       const int64_t len = lens[s];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t n = len - first;
       const int64_t row = row_ids[s];
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d)
           q[g * D + d] = to_f(qp[row * q_stride + (h * G + g) * D + d]) * scale;
-      scores.assign(G * n, 0.f);
+      scores.resize(G * (len - first));
       const int32_t* table = tables + s * table_stride;
-      for (int64_t p = first; p < len; ++p) {
-        const T* k = cache + table[p / block_size] * block_stride + (p % block_size) * slot_stride
-                     + h * D;
-        for (int64_t d = 0; d < D; ++d) kf[d] = to_f(k[d]);
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = q.data() + g * D;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < D; ++d) dot += qg[d] * kf[d];
-          scores[g * n + (p - first)] = dot;
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * n;
-        float mx = -INFINITY;
-        for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sg[j]);
-        float total = 0.f;
-        for (int64_t j = 0; j < n; ++j) {
-          sg[j] = std::exp(sg[j] - mx);
-          total += sg[j];
-        }
-        const float inv = 1.f / total;
-        for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t p = first; p < len; ++p) {
-        const T* v = cache + kv_half + table[p / block_size] * block_stride
-                     + (p % block_size) * slot_stride + h * D;
-        for (int64_t d = 0; d < D; ++d) kf[d] = to_f(v[d]);
-        for (int64_t g = 0; g < G; ++g) {
-          const float w = scores[g * n + (p - first)];
-          float* a = acc.data() + g * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) a[d] += w * kf[d];
-        }
-      }
+      const T* k_base = cache + h * D;
+      const T* v_base = cache + kv_half + h * D;
+      if (vec)
+        attend_one<T, true>(q.data(), k_base, v_base, table, first, len, block_size,
+                            block_stride, slot_stride, G, D, scores.data(), acc.data(),
+                            kf.data());
+      else
+        attend_one<T, false>(q.data(), k_base, v_base, table, first, len, block_size,
+                             block_stride, slot_stride, G, D, scores.data(), acc.data(),
+                             kf.data());
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d)
           op[row * o_stride + (h * G + g) * D + d] = from_f<T>(acc[g * D + d]);
