@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from tokenmill.detokenizer import IncrementalDetokenizer, find_stop
@@ -11,6 +12,8 @@ from tokenmill.runner import RunnerOutput
 from tokenmill.sampler import Logprobs
 from tokenmill.scheduler import Scheduler
 from tokenmill.structured.manager import StructuredOutputManager
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -101,25 +104,45 @@ class OutputProcessor:
                 continue
             parent = self.parents[self.child_to_parent[rid]]
             seq = parent.children[rid]
-            if parent.num_cached_tokens == 0 and request.num_cached_tokens > 0:
-                parent.num_cached_tokens = request.num_cached_tokens
-            request.append_output_token(token_id)
-            seq.token_ids.append(token_id)
-            if seq.logprobs is not None and rid in result.logprobs:
-                lp = self._convert(result.logprobs[rid])
-                seq.logprobs.append(lp)
-                seq.cumulative_logprob += lp[token_id].logprob
             touched[parent.request_id] = parent
-            grammar_ended = False
-            if self.structured is not None and rid in self.structured:
-                error = self.structured.accept(rid, token_id)
-                if error is not None:
-                    seq.stop_reason = f"structured output: {error}"
+            try:
+                self._append(request, parent, seq, token_id, result.logprobs.get(rid))
+            except Exception as e:  # noqa: BLE001 - one request's failure must not stop the others
+                # A bug or a pathological output (the detokenizer, stop strings, logprobs)
+                # ends this request with an error; the step and every other request go on.
+                logger.exception("request %s failed while processing its output", rid)
+                seq.stop_reason = f"internal error: {type(e).__name__}: {e}"
+                if seq.finish_reason is None:
                     self._finish(request, seq, RequestStatus.FINISHED_ERROR)
-                    continue
-                grammar_ended = self.structured.is_ended(rid)
-            self._check_stop(request, seq, token_id, grammar_ended)
         return [self._build(p) for p in touched.values()]
+
+    def _append(
+        self,
+        request: Request,
+        parent: _ParentState,
+        seq: _SeqState,
+        token_id: int,
+        logprobs: Logprobs | None,
+    ) -> None:
+        """One sampled token of one sequence: record it, then check its stop conditions."""
+        rid = request.request_id
+        if parent.num_cached_tokens == 0 and request.num_cached_tokens > 0:
+            parent.num_cached_tokens = request.num_cached_tokens
+        request.append_output_token(token_id)
+        seq.token_ids.append(token_id)
+        if seq.logprobs is not None and logprobs is not None:
+            lp = self._convert(logprobs)
+            seq.logprobs.append(lp)
+            seq.cumulative_logprob += lp[token_id].logprob
+        grammar_ended = False
+        if self.structured is not None and rid in self.structured:
+            error = self.structured.accept(rid, token_id)
+            if error is not None:
+                seq.stop_reason = f"structured output: {error}"
+                self._finish(request, seq, RequestStatus.FINISHED_ERROR)
+                return
+            grammar_ended = self.structured.is_ended(rid)
+        self._check_stop(request, seq, token_id, grammar_ended)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Finish every child of a parent as aborted; returns its final output."""

@@ -197,3 +197,37 @@ def test_bad_arguments_name_the_value(tiny_dirs, llama):
     # the engine still works after rejected requests
     assert llama.generate("hi", greedy(2), use_tqdm=False)[0].outputs[0].token_ids
     assert not llama.engine.has_unfinished_requests()
+
+
+def test_a_request_that_fails_ends_alone_with_an_error(llama, caplog):
+    """A failure while processing one request's output (here its detokenizer raises) ends
+    that request with finish_reason "error"; the others finish with the same tokens as
+    when they run alone, and the engine keeps serving."""
+    engine = llama.engine
+    tok = llama.get_tokenizer()
+    alone = {
+        p: llama.generate(p, greedy(10), use_tqdm=False)[0].outputs[0].token_ids
+        for p in PROMPTS[:3]
+    }
+    for i, prompt in enumerate(PROMPTS[:3]):
+        engine.add_request(f"iso-{i}", tok.encode(prompt), greedy(10), prompt=prompt)
+
+    def broken(token_ids):
+        raise RuntimeError("detokenizer exploded")
+
+    engine.outputs.parents["iso-1"].seqs[0].detokenizer.append = broken
+    finished = {}
+    with caplog.at_level("ERROR"):
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out.outputs[0]
+    assert finished["iso-1"].finish_reason == "error"
+    assert "detokenizer exploded" in finished["iso-1"].stop_reason
+    assert "iso-1" in caplog.text
+    for i in (0, 2):
+        assert finished[f"iso-{i}"].finish_reason == "length"
+        assert finished[f"iso-{i}"].token_ids == alone[PROMPTS[i]]
+    again = llama.generate(PROMPTS[1], greedy(10), use_tqdm=False)[0].outputs[0]
+    assert again.token_ids == alone[PROMPTS[1]]
+    assert engine.scheduler.kv.usage == 0.0  # the failed request's blocks were freed too
