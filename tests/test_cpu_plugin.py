@@ -18,7 +18,7 @@ from tokenmill.platforms.interfaces import (
 )
 from tokenmill.platforms.registry import load_platform
 from tokenmill_conformance.attention_harness import make_step, mixed_batch
-from tokenmill_cpu import hardware
+from tokenmill_cpu import hardware, kernels
 from tokenmill_cpu.allocator import KVCACHE_ENV, make_allocator
 from tokenmill_cpu.attention import CpuPagedAttention
 from tokenmill_cpu.communicator import SingleProcessCommunicator
@@ -32,6 +32,8 @@ def check_against_reference(
     """Runs `num_layers` layers on one step's metadata, as the model runner does; decode rows
     go to the C++ kernel (when built) or, with use_kernels=False, to SDPA."""
     backend = CpuPagedAttention(spec.kind, use_kernels=use_kernels)
+    if use_kernels and kernels.enabled():
+        assert backend._kernels is not None, "the C++ kernels did not build"
     assert backend.supports(spec)
     steps = [make_step(seqs, spec, seed + layer, table_seed=seed) for layer in range(num_layers)]
     metadata = steps[0].metadata

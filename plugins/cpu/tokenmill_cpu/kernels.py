@@ -13,8 +13,10 @@ compare against, or to rule them out); `TOKENMILL_CPU_KERNEL_CACHE` moves the bu
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 from pathlib import Path
@@ -44,23 +46,48 @@ def load() -> ModuleType | None:
     """The compiled kernels module, or None when disabled or the build failed (logged)."""
     if not enabled():
         return None
-    from torch.utils import cpp_extension
-
     digest = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
     name = f"tokenmill_cpu_kernels_{digest}"
+    build_dir = _build_dir(name)
+    library = build_dir / f"{name}.so"
     try:
-        return cpp_extension.load(
-            name=name,
-            sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(_build_dir(name)),
-            verbose=False,
-        )
-    except (OSError, RuntimeError, ImportError, FileNotFoundError) as e:
+        if not library.exists():
+            # One process builds; others (a server's workers, parallel test runs) wait here
+            # and then import its result, never running ninja in the same folder at once.
+            with open(build_dir / "build.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not library.exists():
+                    _build(name, build_dir)
+        return _import(name, library)
+    except (OSError, RuntimeError, ImportError) as e:
+        lines = str(e).splitlines() or [type(e).__name__]
+        cause = next((line for line in lines if "error" in line.lower()), lines[-1])
         logger.warning(
-            "tokenmill-cpu: building the fused CPU kernels failed, using ATen ops instead "
-            "(slower at small batch). Install g++ and ninja to enable them. Cause: %s",
-            str(e).splitlines()[-1] if str(e) else type(e).__name__,
+            "tokenmill-cpu: building the fused CPU kernels in %s failed, using ATen ops "
+            "instead (slower at small batch). Install g++ and ninja to enable them. Cause: %s",
+            build_dir, cause.strip(),
         )
         return None
+
+
+def _build(name: str, build_dir: Path) -> None:
+    from torch.utils import cpp_extension
+
+    logger.info("tokenmill-cpu: building the fused CPU kernels (once; about a minute)")
+    cpp_extension.load(
+        name=name,
+        sources=[str(_SOURCE)],
+        extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(build_dir),
+        verbose=False,
+    )
+
+
+def _import(name: str, library: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, library)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import the kernels from {library}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -14,6 +14,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -332,6 +333,14 @@ void attend_one(const float* q, const T* k_base, const T* v_base, const int32_t*
   }
 }
 
+// The G heads' float32 results into the output row, in T.
+template <typename T>
+inline void write_heads(T* op, const float* acc, int64_t row, int64_t o_stride, int64_t h,
+                            int64_t G, int64_t D) {
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d) op[row * o_stride + (h * G + g) * D + d] = from_f<T>(acc[g * D + d]);
+}
+
 template <typename T>
 void decode_attention_impl(const torch::Tensor& query, const torch::Tensor& kv_cache,
                            const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
@@ -365,17 +374,20 @@ void decode_attention_impl(const torch::Tensor& query, const torch::Tensor& kv_c
       const int32_t* table = tables + s * table_stride;
       const T* k_base = cache + h * D;
       const T* v_base = cache + kv_half + h * D;
-      if (vec)
-        attend_one<T, true>(q.data(), k_base, v_base, table, first, len, block_size,
-                            block_stride, slot_stride, G, D, scores.data(), acc.data(),
-                            kf.data());
-      else
-        attend_one<T, false>(q.data(), k_base, v_base, table, first, len, block_size,
-                             block_stride, slot_stride, G, D, scores.data(), acc.data(),
-                             kf.data());
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d)
-          op[row * o_stride + (h * G + g) * D + d] = from_f<T>(acc[g * D + d]);
+      constexpr bool kVecType = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+      if constexpr (kVecType) {
+        if (vec) {
+          attend_one<T, true>(q.data(), k_base, v_base, table, first, len, block_size,
+                              block_stride, slot_stride, G, D, scores.data(), acc.data(),
+                              kf.data());
+          write_heads(op, acc.data(), row, o_stride, h, G, D);
+          continue;
+        }
+      }
+      attend_one<T, false>(q.data(), k_base, v_base, table, first, len, block_size,
+                           block_stride, slot_stride, G, D, scores.data(), acc.data(),
+                           kf.data());
+      write_heads(op, acc.data(), row, o_stride, h, G, D);
     }
   });
 }
