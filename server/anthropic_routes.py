@@ -9,23 +9,21 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.server.chat import anthropic_messages, anthropic_tools, render_chat
 from tokenmill.server.generation import SeqStream, Started, params_or_400, start
 from tokenmill.server.protocol import CountTokensRequest, MessagesRequest
 from tokenmill.server.responses import ANTHROPIC_ERRORS, CountTokensResponse, MessageResponse
-from tokenmill.server.serving import (
-    APIError,
-    DeltaText,
-    event_stream,
-    sse,
-    state_of,
-    unless_disconnected,
-)
+from tokenmill.server.serving import DeltaText, event_stream, sse, state_of, unless_disconnected
+from tokenmill.server.tool_parsers import ContentDelta, ToolCallDelta
+from tokenmill.server.tools import ToolPlan, plan_tools, structured_outputs
 
 router = APIRouter()
 
 
-def _stop(out: CompletionOutput) -> tuple[str, str | None]:
+def _stop(out: CompletionOutput, tools_called: bool = False) -> tuple[str, str | None]:
     """Anthropic's stop_reason and stop_sequence for a finished sequence."""
+    if tools_called and out.finish_reason == "stop":
+        return "tool_use", None
     if out.finish_reason == "length":
         return "max_tokens", None
     if isinstance(out.stop_reason, str):
@@ -42,19 +40,27 @@ def _usage(out: RequestOutput) -> dict[str, int]:
     }
 
 
-async def _render(request: Request, body) -> tuple[str, list[int]]:
-    try:
-        return await state_of(request).engine.render_chat(body.chat_messages())
-    except ValueError as e:
-        raise APIError(400, str(e), param="messages") from e
+def _plan(body, state) -> ToolPlan:
+    choice = body.tool_choice
+    kind = None if choice is None else _CHOICES[choice.type]
+    return plan_tools(
+        anthropic_tools(body), kind, state.tools,
+        named=getattr(choice, "name", None),
+        single=bool(getattr(choice, "disable_parallel_tool_use", False)),
+        id_prefix="toolu_",
+    )
+
+
+_CHOICES = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}
 
 
 @router.post(
     "/v1/messages/count_tokens", response_model=CountTokensResponse, responses=ANTHROPIC_ERRORS
 )
 async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, int]:
-    state_of(request).check_model(body.model)
-    _, ids = await _render(request, body)
+    state = state_of(request)
+    state.check_model(body.model)
+    _, ids = await render_chat(state.engine, anthropic_messages(body), tools=anthropic_tools(body))
     return {"input_tokens": len(ids)}
 
 
@@ -66,49 +72,111 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, 
 async def create_message(body: MessagesRequest, request: Request):
     state = state_of(request)
     model = state.check_model(body.model)
-    text, ids = await _render(request, body)
+    plan = _plan(body, state)
+    structured = structured_outputs(plan)
+    text, ids = await render_chat(state.engine, anthropic_messages(body), tools=plan.tools)
     params = params_or_400(
         max_tokens=body.max_tokens,
         temperature=body.temperature,
         top_p=body.top_p,
         top_k=body.top_k,
         stop=body.stop_sequences,
+        structured_outputs=structured,
     )
     rid = state.engine.new_request_id("msg")
-    started = await start(request, state.engine, [(text, ids)], params, rid)
+    started = await start(request, state.engine, [(text, ids)], params, rid, error_param="tools")
     head = {"id": rid, "type": "message", "role": "assistant", "model": model}
     if body.stream:
-        return event_stream(_stream(started, head, params.max_stop_len()), request.url.path)
+        return event_stream(_stream(started, head, params.max_stop_len(), plan), request.url.path)
     (final,) = await unless_disconnected(request, started.finals())
     out = final.outputs[0]
-    stop_reason, stop_sequence = _stop(out)
+    found = plan.extract(out.text)
+    content: list[dict[str, Any]] = []
+    if not found.tools_called or found.content:
+        content.append({"type": "text", "text": found.content or ""})
+    content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments_dict()}
+                for c in found.tool_calls]
+    stop_reason, stop_sequence = _stop(out, found.tools_called)
     return JSONResponse({
         **head,
-        "content": [{"type": "text", "text": out.text}],
+        "content": content,
         "stop_reason": stop_reason,
         "stop_sequence": stop_sequence,
         "usage": _usage(final),
     })
 
 
-async def _stream(started: Started, head: dict[str, Any], max_stop_len: int) -> AsyncIterator[str]:
+class _Blocks:
+    """Anthropic content blocks of a stream: opened as events need them, closed in turn."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.open: str | None = None  # "text" or "tool_use"
+
+    def start(self, block: dict[str, Any]) -> list[str]:
+        events = self.stop()
+        self.index += 1
+        self.open = block["type"]
+        events.append(sse({"type": "content_block_start", "index": self.index,
+                           "content_block": block}, "content_block_start"))
+        return events
+
+    def stop(self) -> list[str]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [sse({"type": "content_block_stop", "index": self.index}, "content_block_stop")]
+
+    def events(self, event: ContentDelta | ToolCallDelta) -> list[str]:
+        out: list[str] = []
+        if isinstance(event, ContentDelta):
+            if self.open != "text":
+                out += self.start({"type": "text", "text": ""})
+            delta = {"type": "text_delta", "text": event.text}
+        else:
+            if event.name is not None:
+                out += self.start({"type": "tool_use", "id": event.id, "name": event.name,
+                                   "input": {}})
+            if not event.arguments:
+                return out
+            delta = {"type": "input_json_delta", "partial_json": event.arguments}
+        out.append(sse({"type": "content_block_delta", "index": self.index, "delta": delta},
+                       "content_block_delta"))
+        return out
+
+
+async def _stream(
+    started: Started, head: dict[str, Any], max_stop_len: int, plan: ToolPlan
+) -> AsyncIterator[str]:
     first = started.firsts[0]
     usage = {**_usage(first), "output_tokens": 0}
     message = {**head, "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}
     yield sse({"type": "message_start", "message": message}, "message_start")
-    yield sse({"type": "content_block_start", "index": 0,
-               "content_block": {"type": "text", "text": ""}}, "content_block_start")
+    blocks = _Blocks()
+    if plan.mode == "none":  # plain text: the text block opens at once, as before tools
+        for event in blocks.start({"type": "text", "text": ""}):
+            yield event
     yield sse({"type": "ping"}, "ping")
     stream = SeqStream(DeltaText(max_stop_len))
+    tool_events = plan.stream()
     final = first
     async for _, out in started.merged():
         final = out
         step = stream.advance(out.outputs[0])
-        if step is not None and step[0]:
-            yield sse({"type": "content_block_delta", "index": 0,
-                       "delta": {"type": "text_delta", "text": step[0]}}, "content_block_delta")
-    yield sse({"type": "content_block_stop", "index": 0}, "content_block_stop")
-    stop_reason, stop_sequence = _stop(final.outputs[0])
+        if step is None:
+            continue
+        events = tool_events.feed(step[0]) if step[0] else []
+        if stream.done:
+            events += tool_events.finish()
+        for event in events:
+            for line in blocks.events(event):
+                yield line
+    if blocks.index < 0:  # nothing at all was said
+        for event in blocks.start({"type": "text", "text": ""}):
+            yield event
+    for event in blocks.stop():
+        yield event
+    stop_reason, stop_sequence = _stop(final.outputs[0], tool_events.called)
     yield sse({
         "type": "message_delta",
         "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},

@@ -35,10 +35,12 @@ from tokenmill.server.serving import (
     APIError,
     ClientDisconnected,
     ServerState,
+    ToolConfig,
     error_body,
     error_response,
     state_of,
 )
+from tokenmill.server.tool_parsers import get_tool_parser
 
 # Paths answered without an API key, compared with the raw request path byte for byte, so
 # no spelling of another path ("//v1/models", "/health/../v1/...", %-escapes) slips through.
@@ -203,8 +205,20 @@ def build_app(
     served_model_names: list[str],
     api_key: str | None = None,
     metrics: Metrics | None = None,
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
-    """An app serving `engine`; the engine thread starts and stops with the app's lifespan."""
+    """An app serving `engine`; the engine thread starts and stops with the app's lifespan.
+
+    `tool_choice: auto` is served only with `enable_auto_tool_choice`, reading the model's
+    calls with `tool_call_parser` (a registry name; default `hermes`, the format the chat
+    rendering writes for templates that know no tools). An unknown name is a ValueError.
+    """
+    if tool_call_parser is not None:
+        get_tool_parser(tool_call_parser)
+    elif enable_auto_tool_choice:
+        tool_call_parser = "hermes"
+    tools = ToolConfig(enable_auto_tool_choice, tool_call_parser)
     metrics = metrics or Metrics(served_model_names[0])
     metrics.bind_engine(lambda: engine.stats)
     if engine.observer is None:
@@ -219,7 +233,9 @@ def build_app(
             await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(title="tokenmill", version=_version(), lifespan=lifespan)
-    app.state.server = ServerState(engine, served_model_names, metrics, api_key, int(time.time()))
+    app.state.server = ServerState(
+        engine, served_model_names, metrics, api_key, int(time.time()), tools
+    )
     _install_error_handlers(app)
     app.openapi = lambda: _openapi(app)
     app.include_router(openai_routes.router)

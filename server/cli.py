@@ -66,10 +66,15 @@ def _serve(args: argparse.Namespace) -> int:
     from tokenmill.config import EngineArgs
     from tokenmill.server.app import build_app
     from tokenmill.server.protocol import MAX_HEADER_BYTES
+    from tokenmill.server.tool_parsers import tool_parser_names
 
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()), format="%(levelname)s %(name)s: %(message)s"
     )
+    if args.tool_call_parser is not None and args.tool_call_parser not in tool_parser_names():
+        print(f"tokenmill serve: unknown --tool-call-parser {args.tool_call_parser!r}; "
+              f"choose one of {tool_parser_names()}", file=sys.stderr)
+        return 2
     chat_template = Path(args.chat_template).read_text() if args.chat_template else None
     engine_kw = {
         "model": args.model, "dtype": args.dtype, "platform": args.platform,
@@ -84,7 +89,10 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
     api_key = args.api_key or os.environ.get("TOKENMILL_API_KEY") or None
-    app = build_app(AsyncLLM(engine_args), names, api_key=api_key)
+    app = build_app(
+        AsyncLLM(engine_args), names, api_key=api_key,
+        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+    )
     uvicorn.run(
         app,
         host=args.host,
@@ -116,6 +124,11 @@ def _add_serve_parser(sub) -> None:
                    choices=["auto", "bfloat16", "bf16", "float32", "fp32", "float16", "fp16"])
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--chat-template", default=None, help="a file holding a jinja chat template")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='serve tool_choice "auto": parse the model\'s own tool calls')
+    p.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="the model's tool-call format for auto tool choice: hermes (the default, "
+                        "also what templates without tool support are given) or llama3_json")
     p.add_argument("--shutdown-timeout", type=int, default=30,
                    help="seconds in-flight requests get to finish after SIGTERM")
     p.add_argument("--log-level", default="info",

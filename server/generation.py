@@ -100,11 +100,13 @@ async def start(
     params: SamplingParams,
     request_id: str,
     cache_salt: str | None = None,
+    error_param: str | None = None,
 ) -> Started:
     """Submit one engine request per prompt and wait for each one's first output.
 
-    A prompt the engine refuses becomes a 400, a dead engine a 503; a client that leaves
-    meanwhile aborts them all.
+    A prompt the engine refuses becomes a 400 (naming `error_param` if the refusal is a
+    bad structured-output schema), a dead engine a 503; a client that leaves meanwhile
+    aborts them all.
     """
     gens = [
         engine.generate(
@@ -124,7 +126,8 @@ async def start(
         if isinstance(e, EngineDeadError):
             raise APIError(503, str(e)) from e
         if isinstance(e, ValueError):
-            raise APIError(400, str(e)) from e
+            param = error_param if type(e).__name__ == "StructuredOutputError" else None
+            raise APIError(400, str(e), param) from e
         raise
     return Started(gens, list(firsts))
 

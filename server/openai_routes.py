@@ -10,8 +10,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.server.chat import openai_messages, openai_tools, render_chat
 from tokenmill.server.generation import SeqStream, Started, params_or_400, start
-from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
+from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from tokenmill.server.responses import (
     OPENAI_ERRORS,
     ChatCompletionResponse,
@@ -28,6 +29,8 @@ from tokenmill.server.serving import (
     unless_disconnected,
     usage_dict,
 )
+from tokenmill.server.tool_parsers import ContentDelta, ToolCall, ToolCallDelta
+from tokenmill.server.tools import ToolEvents, ToolPlan, plan_tools, structured_outputs
 
 router = APIRouter()
 
@@ -38,8 +41,9 @@ def _lp(value: float) -> float:
     return max(value, _MIN_LOGPROB)
 
 
-def _sampling(body, max_tokens: int, logprobs: int | None):
+def _sampling(body, max_tokens: int, logprobs: int | None, structured=None):
     return params_or_400(
+        structured_outputs=structured,
         n=body.n,
         max_tokens=max_tokens,
         temperature=body.temperature,
@@ -218,49 +222,84 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     model = state.check_model(body.model)
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-    messages = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-        for m in body.messages
-    ]
-    try:
-        text, ids = await state.engine.render_chat(messages, body.chat_template)
-    except ValueError as e:
-        raise APIError(400, str(e), param="messages") from e
+    choice = body.tool_choice
+    plan = plan_tools(
+        openai_tools(body),
+        "named" if isinstance(choice, NamedToolChoice) else choice,
+        state.tools,
+        named=choice.function.name if isinstance(choice, NamedToolChoice) else None,
+        single=body.parallel_tool_calls is False,
+    )
+    structured = structured_outputs(plan, body.response_format)
+    if structured is not None and plan.mode == "auto":  # JSON was asked for, not tool calls
+        plan = ToolPlan("none", plan.tools)
+    text, ids = await render_chat(state.engine, openai_messages(body), body.chat_template,
+                                  plan.tools)
     max_tokens = body.max_completion_tokens or body.max_tokens
     if max_tokens is None:
         max_tokens = max(state.engine.max_model_len - len(ids), 1)
     top_k = (body.top_logprobs or 0) if body.logprobs else None
-    params = _sampling(body, max_tokens, top_k)
+    params = _sampling(body, max_tokens, top_k, structured)
     rid = state.engine.new_request_id("chatcmpl")
-    started = await start(request, state.engine, [(text, ids)], params, rid, body.cache_salt)
+    started = await start(request, state.engine, [(text, ids)], params, rid, body.cache_salt,
+                          error_param="tools" if plan.schema() else "response_format")
     head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model}
 
     if body.stream:
         return event_stream(
             _stream_chat(started, {**head, "object": "chat.completion.chunk"}, top_k,
-                         params.max_stop_len(), _include_usage(body)),
+                         params.max_stop_len(), _include_usage(body), plan),
             request.url.path,
         )
     (final,) = await unless_disconnected(request, started.finals())
-    choices = [
-        {
+    choices = []
+    for o in final.outputs:
+        found = plan.extract(o.text)
+        message: dict[str, Any] = {"role": "assistant", "content": o.text}
+        if found.tools_called:
+            message = {"role": "assistant", "content": found.content,
+                       "tool_calls": [_tool_call(c) for c in found.tool_calls]}
+        choices.append({
             "index": o.index,
-            "message": {"role": "assistant", "content": o.text},
+            "message": message,
             "logprobs": None if top_k is None else _chat_logprobs(o, 0, len(o.token_ids), top_k),
-            "finish_reason": o.finish_reason,
+            "finish_reason": _finish_reason(o, found.tools_called),
             "stop_reason": o.stop_reason,
-        }
-        for o in final.outputs
-    ]
+        })
     return JSONResponse({**head, "choices": choices, "usage": _usage([final])})
 
 
+def _tool_call(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def _finish_reason(out: CompletionOutput, tools_called: bool) -> str | None:
+    return "tool_calls" if tools_called and out.finish_reason == "stop" else out.finish_reason
+
+
+def _delta(event: ContentDelta | ToolCallDelta) -> dict[str, Any]:
+    if isinstance(event, ContentDelta):
+        return {"content": event.text}
+    call: dict[str, Any] = {"index": event.index}
+    function: dict[str, Any] = {"arguments": event.arguments}
+    if event.id is not None:
+        call.update(id=event.id, type="function")
+    if event.name is not None:
+        function["name"] = event.name
+    call["function"] = function
+    return {"tool_calls": [call]}
+
+
 async def _stream_chat(
-    started: Started, head: dict, top_k: int | None, max_stop_len: int, include_usage: bool
+    started: Started, head: dict, top_k: int | None, max_stop_len: int, include_usage: bool,
+    plan: ToolPlan,
 ) -> AsyncIterator[str]:
     streams = _streams(started, max_stop_len)
+    tool_events: dict[int, ToolEvents] = {}
     extra = {"usage": None} if include_usage else {}
     for o in started.firsts[0].outputs:
+        tool_events[o.index] = plan.stream()
         choice = {"index": o.index, "delta": {"role": "assistant", "content": ""},
                   "logprobs": None, "finish_reason": None}
         yield sse({**head, "choices": [choice], **extra})
@@ -268,20 +307,26 @@ async def _stream_chat(
     async for _, out in started.merged():
         final = out
         for o in out.outputs:
-            s = streams[(0, o.index)]
+            s, events = streams[(0, o.index)], tool_events[o.index]
             step = s.advance(o)
             if step is None:
                 continue
             text, lo, hi = step
-            choice = {
-                "index": o.index,
-                "delta": {"content": text} if text else {},
-                "logprobs": None if top_k is None else _chat_logprobs(o, lo, hi, top_k),
-                "finish_reason": o.finish_reason if s.done else None,
-            }
+            deltas = [_delta(e) for e in (events.feed(text) if text else [])]
             if s.done:
-                choice["stop_reason"] = o.stop_reason
-            yield sse({**head, "choices": [choice], **extra})
+                deltas += [_delta(e) for e in events.finish()]
+            deltas = deltas or [{}]
+            for j, delta in enumerate(deltas):
+                last = s.done and j == len(deltas) - 1
+                choice = {
+                    "index": o.index,
+                    "delta": delta,
+                    "logprobs": None if top_k is None or j else _chat_logprobs(o, lo, hi, top_k),
+                    "finish_reason": _finish_reason(o, events.called) if last else None,
+                }
+                if last:
+                    choice["stop_reason"] = o.stop_reason
+                yield sse({**head, "choices": [choice], **extra})
     if include_usage:
         yield sse({**head, "choices": [], "usage": _usage([final])})
     yield sse("[DONE]")

@@ -16,12 +16,14 @@ MAX_LOGPROBS = 20  # top logprobs per token
 MAX_STOP = 16  # stop strings per request
 MAX_STOP_LEN = 256  # characters per stop string
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
+MAX_TOOLS = 128  # tools per request
 MAX_BODY_BYTES = 4 << 20
 MAX_HEADER_BYTES = 16 << 10
 _SEED_MAX = (1 << 63) - 1 - MAX_N  # seed + i (i < n) must stay a valid torch seed
 _TOKEN_ID_MAX = (1 << 31) - 1
 
 StopStr = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LEN)]
+ToolName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_.:-]{1,128}$")]
 TokenId = Annotated[int, Field(ge=0, le=_TOKEN_ID_MAX)]
 
 
@@ -77,10 +79,57 @@ class TextPart(_Body):
     text: str
 
 
+# ---- OpenAI tools -----------------------------------------------------------------------
+class FunctionDefinition(_Body):
+    name: ToolName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none means no arguments
+    strict: bool | None = None
+
+
+class ChatTool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text, as the API sends it
+
+
+class ToolCallParam(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class JsonSchemaFormat(_Body):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
 
     def text(self) -> str:
         if self.content is None:
@@ -96,6 +145,10 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     chat_template: str | None = Field(None, max_length=1 << 16)
+    tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
 
 
 class TokenizeRequest(_Body):
@@ -116,14 +169,72 @@ class AnthropicText(_Body):
     text: str
 
 
+class AnthropicToolUse(_Body):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class AnthropicToolResult(_Body):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[AnthropicText] | None = None
+    is_error: bool | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(b.text for b in self.content)
+
+
+AnthropicBlock = Annotated[
+    AnthropicText | AnthropicToolUse | AnthropicToolResult, Field(discriminator="type")
+]
+
+
 class AnthropicMessage(_Body):
     role: Literal["user", "assistant"]
-    content: str | list[AnthropicText]
+    content: str | list[AnthropicBlock]
 
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        return "".join(b.text for b in self.content)
+        return "".join(b.text for b in self.content if isinstance(b, AnthropicText))
+
+
+class AnthropicTool(_Body):
+    name: ToolName
+    description: str | None = None
+    input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None
+
+
+class AnthropicToolChoiceAuto(_Body):
+    type: Literal["auto"]
+    disable_parallel_tool_use: bool | None = None
+
+
+class AnthropicToolChoiceAny(_Body):
+    type: Literal["any"]
+    disable_parallel_tool_use: bool | None = None
+
+
+class AnthropicToolChoiceTool(_Body):
+    type: Literal["tool"]
+    name: str
+    disable_parallel_tool_use: bool | None = None
+
+
+class AnthropicToolChoiceNone(_Body):
+    type: Literal["none"]
+
+
+AnthropicToolChoice = Annotated[
+    AnthropicToolChoiceAuto | AnthropicToolChoiceAny | AnthropicToolChoiceTool
+    | AnthropicToolChoiceNone,
+    Field(discriminator="type"),
+]
 
 
 class AnthropicMetadata(_Body):
@@ -134,19 +245,13 @@ class _AnthropicPrompt(_Body):
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[AnthropicText] | None = None
+    tools: list[AnthropicTool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: AnthropicToolChoice | None = None
 
     def system_text(self) -> str | None:
         if self.system is None or isinstance(self.system, str):
             return self.system or None
         return "".join(b.text for b in self.system) or None
-
-    def chat_messages(self) -> list[dict[str, Any]]:
-        conv = []
-        system = self.system_text()
-        if system:
-            conv.append({"role": "system", "content": system})
-        conv.extend({"role": m.role, "content": m.text()} for m in self.messages)
-        return conv
 
 
 class MessagesRequest(_AnthropicPrompt):

@@ -73,16 +73,28 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None
     stop_reason: int | str | None
 
 
@@ -100,6 +112,13 @@ class TextBlock(BaseModel):
     text: str
 
 
+class ToolUseBlock(BaseModel):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
 class AnthropicUsage(BaseModel):
     input_tokens: int
     output_tokens: int
@@ -112,8 +131,8 @@ class MessageResponse(BaseModel):
     type: Literal["message"]
     role: Literal["assistant"]
     model: str
-    content: list[TextBlock]
-    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence"]
+    content: list[TextBlock | ToolUseBlock]
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
     stop_sequence: str | None
     usage: AnthropicUsage
 

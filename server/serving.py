@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -17,6 +17,14 @@ from tokenmill.server.metrics import Metrics
 T = TypeVar("T")
 
 
+@dataclass(frozen=True, slots=True)
+class ToolConfig:
+    """Whether `tool_choice: auto` is served, and which parser reads the model's calls."""
+
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+
+
 @dataclass(slots=True)
 class ServerState:
     """Everything a route needs, hung on `app.state.server`."""
@@ -26,6 +34,7 @@ class ServerState:
     metrics: Metrics
     api_key: str | None = None
     created: int = 0
+    tools: ToolConfig = field(default_factory=ToolConfig)
 
     def check_model(self, name: str | None) -> str:
         """The served name to answer with; 404 for a model this server does not serve."""

@@ -1,0 +1,143 @@
+"""Conversations from the OpenAI and Anthropic request shapes into HF chat messages (the
+form chat templates read), and their rendering with tools.
+
+Both APIs land on one form: assistant messages carry `tool_calls` with `arguments` as a
+dict (what HF templates index into), tool results are `{"role": "tool", "tool_call_id",
+"content"}` messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import jinja2
+
+from tokenmill.async_engine import AsyncLLM
+from tokenmill.server.protocol import (
+    AnthropicText,
+    AnthropicToolResult,
+    AnthropicToolUse,
+    ChatCompletionRequest,
+    ChatMessage,
+)
+from tokenmill.server.serving import APIError
+from tokenmill.tokenizing import apply_chat_template
+
+Message = dict[str, Any]
+
+
+def _arguments(text: str, where: str) -> dict[str, Any]:
+    try:
+        args = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as e:
+        raise APIError(400, f"{where}.function.arguments is not valid JSON: {e}", "messages") from e
+    if not isinstance(args, dict):
+        raise APIError(400, f"{where}.function.arguments must be a JSON object, got {text!r:.80}",
+                       "messages")
+    return args
+
+
+def _openai_message(i: int, m: ChatMessage) -> Message:
+    msg: Message = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+    if m.name is not None:
+        msg["name"] = m.name
+    if m.role == "assistant" and m.tool_calls:
+        msg["tool_calls"] = [
+            {"id": c.id, "type": "function",
+             "function": {"name": c.function.name,
+                          "arguments": _arguments(c.function.arguments, f"messages.{i}.tool_calls.{j}")}}
+            for j, c in enumerate(m.tool_calls)
+        ]
+    if m.role == "tool":
+        if not m.tool_call_id:
+            raise APIError(400, f"messages.{i}: a tool message needs tool_call_id", "messages")
+        msg["tool_call_id"] = m.tool_call_id
+    return msg
+
+
+def openai_messages(body: ChatCompletionRequest) -> list[Message]:
+    return [_openai_message(i, m) for i, m in enumerate(body.messages)]
+
+
+def openai_tools(body: ChatCompletionRequest) -> list[Message] | None:
+    if not body.tools:
+        return None
+    return [
+        {"type": "function", "function": {
+            "name": t.function.name,
+            "description": t.function.description or "",
+            "parameters": t.function.parameters or {"type": "object", "properties": {}},
+        }}
+        for t in body.tools
+    ]
+
+
+def anthropic_messages(body) -> list[Message]:
+    """The conversation of a Messages request: tool_use blocks become assistant tool_calls,
+    tool_result blocks `tool` messages (ahead of the user's text in the same turn)."""
+    conv: list[Message] = []
+    system = body.system_text()
+    if system:
+        conv.append({"role": "system", "content": system})
+    for m in body.messages:
+        if isinstance(m.content, str):
+            conv.append({"role": m.role, "content": m.content})
+            continue
+        text = "".join(b.text for b in m.content if isinstance(b, AnthropicText))
+        if m.role == "assistant":
+            msg: Message = {"role": "assistant", "content": text}
+            calls = [
+                {"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}}
+                for b in m.content if isinstance(b, AnthropicToolUse)
+            ]
+            if calls:
+                msg["tool_calls"] = calls
+            conv.append(msg)
+            continue
+        for b in m.content:
+            if isinstance(b, AnthropicToolResult):
+                result = b.text()
+                conv.append({"role": "tool", "tool_call_id": b.tool_use_id,
+                             "content": f"Error: {result}" if b.is_error else result})
+        if text or not any(isinstance(b, AnthropicToolResult) for b in m.content):
+            conv.append({"role": "user", "content": text})
+    return conv
+
+
+def anthropic_tools(body) -> list[Message] | None:
+    if not body.tools:
+        return None
+    return [
+        {"type": "function", "function": {
+            "name": t.name, "description": t.description or "", "parameters": t.input_schema,
+        }}
+        for t in body.tools
+    ]
+
+
+async def render_chat(
+    engine: AsyncLLM,
+    messages: list[Message],
+    chat_template: str | None = None,
+    tools: list[Message] | None = None,
+) -> tuple[str, list[int]]:
+    """(prompt text, token ids), in a worker thread; a template that refuses the
+    conversation is a 400.
+
+    `AsyncLLM.render_chat` without `tools`; it moves there once the core takes `tools=`.
+    """
+    template = chat_template or engine.args.chat_template or engine.engine.loaded.chat_template
+
+    def render() -> tuple[str, list[int]]:
+        try:
+            text = apply_chat_template(engine.tokenizer, messages, template, True, tools)
+        except (jinja2.TemplateError, TypeError) as e:
+            raise ValueError(f"the chat template failed on these messages: {e}") from e
+        return text, engine.tokenizer.encode(text, add_special_tokens=False)
+
+    try:
+        return await asyncio.to_thread(render)
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages") from e
