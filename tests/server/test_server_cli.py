@@ -5,7 +5,8 @@ from __future__ import annotations
 from tokenmill.server.cli import build_parser, main
 
 FLAGS = ["--host", "--port", "--served-model-name", "--api-key", "--platform", "--max-model-len",
-         "--max-num-seqs", "--max-num-batched-tokens", "--dtype", "--chat-template"]
+         "--max-num-seqs", "--max-num-batched-tokens", "--dtype", "--chat-template",
+         "--enable-auto-tool-choice", "--tool-call-parser"]
 
 
 def test_serve_has_the_flags():
@@ -22,3 +23,9 @@ def test_bad_engine_arguments_exit_2(capsys):
     assert "max_num_seqs" in err
     assert main(["serve", "--block-size", "3", "--port", "1"]) == 2
     assert "block_size=3 must be a power of two" in capsys.readouterr().err
+
+
+def test_unknown_tool_call_parser_lists_the_choices(capsys):
+    assert main(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "nope", "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "'nope'" in err and "hermes" in err and "llama3_json" in err

@@ -285,3 +285,79 @@ def test_anthropic_tool_errors(scripted, no_auto):
     client = anthropic.Anthropic(base_url=no_auto, api_key="x", max_retries=0)
     with pytest.raises(anthropic.BadRequestError, match="enable-auto-tool-choice"):
         client.messages.create(model=NAME, max_tokens=8, messages=ASK, tools=[ANTHROPIC_WEATHER])
+
+
+# ---- forced calls (the output is constrained by the core; here it is scripted) -------------
+def _has_structured_outputs() -> bool:
+    import tokenmill
+
+    return hasattr(tokenmill, "StructuredOutputsParams")
+
+
+needs_structured = pytest.mark.skipif(
+    not _has_structured_outputs(),
+    reason="tokenmill.StructuredOutputsParams (branch structured-output) is not in this build",
+)
+
+
+@needs_structured
+def test_openai_named_call_streams_arguments_live(scripted, oa):
+    engine = say(scripted, '{"city": "Paris"}')
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = oa.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER, CLOCK],
+                                   tool_choice=named)
+    assert engine.params.structured_outputs.json == WEATHER["function"]["parameters"]
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments == '{"city": "Paris"}'
+    assert r.choices[0].message.content is None and r.choices[0].finish_reason == "tool_calls"
+    chunks = list(oa.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER],
+                                             tool_choice=named, stream=True))
+    deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+    assert deltas[0].function.name == "get_weather" and deltas[0].id.startswith("call_")
+    assert len(deltas) > 3  # the arguments came in pieces as they were generated
+    assert "".join(d.function.arguments or "" for d in deltas) == '{"city": "Paris"}'
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@needs_structured
+def test_openai_required_call(scripted, oa):
+    engine = say(scripted, '{"name": "get_time", "arguments": {"tz": "UTC"}}')
+    r = oa.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER, CLOCK],
+                                   tool_choice="required")
+    schema = engine.params.structured_outputs.json
+    assert [s["properties"]["name"]["const"] for s in schema["anyOf"]] == ["get_weather", "get_time"]
+    (call,) = r.choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_time", {"tz": "UTC"})
+
+
+@needs_structured
+def test_openai_response_format(scripted, oa):
+    engine = say(scripted, '{"a": 1}')
+    r = oa.chat.completions.create(model=NAME, messages=ASK,
+                                   response_format={"type": "json_object"})
+    assert engine.params.structured_outputs.json_object and r.choices[0].message.content == '{"a": 1}'
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    oa.chat.completions.create(model=NAME, messages=ASK, response_format={
+        "type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}})
+    assert engine.params.structured_outputs.json == schema
+    # with auto tools, JSON output is not read as a tool call
+    say(scripted, '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>')
+    r = oa.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER],
+                                   response_format={"type": "json_object"})
+    assert not r.choices[0].message.tool_calls
+
+
+@needs_structured
+def test_anthropic_forced_tool_and_any(scripted, an):
+    engine = say(scripted, '{"city": "Paris"}')
+    with an.messages.stream(model=NAME, max_tokens=64, messages=ASK, tools=[ANTHROPIC_WEATHER],
+                            tool_choice={"type": "tool", "name": "get_weather"}) as stream:
+        final = stream.get_final_message()
+    assert engine.params.structured_outputs.json == ANTHROPIC_WEATHER["input_schema"]
+    (use,) = final.content
+    assert use.type == "tool_use" and use.input == {"city": "Paris"}
+    assert final.stop_reason == "tool_use"
+    say(scripted, '{"name": "get_weather", "arguments": {"city": "Oslo"}}')
+    m = an.messages.create(model=NAME, max_tokens=64, messages=ASK, tools=[ANTHROPIC_WEATHER],
+                           tool_choice={"type": "any"})
+    assert [(b.type, b.input) for b in m.content] == [("tool_use", {"city": "Oslo"})]
