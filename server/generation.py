@@ -13,6 +13,7 @@ from tokenmill.async_engine import AsyncLLM, EngineDeadError
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.serving import APIError, DeltaText, unless_disconnected
+from tokenmill.structured import StructuredOutputError
 
 _DONE = object()
 
@@ -126,7 +127,7 @@ async def start(
         if isinstance(e, EngineDeadError):
             raise APIError(503, str(e)) from e
         if isinstance(e, ValueError):
-            param = error_param if type(e).__name__ == "StructuredOutputError" else None
+            param = error_param if isinstance(e, StructuredOutputError) else None
             raise APIError(400, str(e), param) from e
         raise
     return Started(gens, list(firsts))

@@ -29,6 +29,7 @@ from tokenmill.server.tool_parsers import (
     new_tool_call_id,
 )
 from tokenmill.server.tool_parsers.base import StreamEvent, not_called, parse_call
+from tokenmill.structured import StructuredOutputsParams
 
 Mode = Literal["none", "auto", "named", "required"]
 _EMPTY_PARAMS = {"type": "object", "properties": {}}
@@ -232,11 +233,6 @@ def structured_outputs(plan: ToolPlan, response_format=None, param: str = "respo
         kw = {"json": spec.schema_}
     if kw is None:
         return None
-    try:
-        from tokenmill import StructuredOutputsParams
-    except ImportError as e:  # the core's constrained decoding is not in this build
-        raise APIError(400, "constrained decoding (tool_choice required or named, "
-                       "response_format) is not available in this build", param) from e
     try:
         return StructuredOutputsParams(**kw)
     except ValueError as e:  # StructuredOutputError included: a bad schema

@@ -288,19 +288,6 @@ def test_anthropic_tool_errors(scripted, no_auto):
 
 
 # ---- forced calls (the output is constrained by the core; here it is scripted) -------------
-def _has_structured_outputs() -> bool:
-    import tokenmill
-
-    return hasattr(tokenmill, "StructuredOutputsParams")
-
-
-needs_structured = pytest.mark.skipif(
-    not _has_structured_outputs(),
-    reason="tokenmill.StructuredOutputsParams (branch structured-output) is not in this build",
-)
-
-
-@needs_structured
 def test_openai_named_call_streams_arguments_live(scripted, oa):
     engine = say(scripted, '{"city": "Paris"}')
     named = {"type": "function", "function": {"name": "get_weather"}}
@@ -319,7 +306,6 @@ def test_openai_named_call_streams_arguments_live(scripted, oa):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
-@needs_structured
 def test_openai_required_call(scripted, oa):
     engine = say(scripted, '{"name": "get_time", "arguments": {"tz": "UTC"}}')
     r = oa.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER, CLOCK],
@@ -330,7 +316,6 @@ def test_openai_required_call(scripted, oa):
     assert (call.function.name, json.loads(call.function.arguments)) == ("get_time", {"tz": "UTC"})
 
 
-@needs_structured
 def test_openai_response_format(scripted, oa):
     engine = say(scripted, '{"a": 1}')
     r = oa.chat.completions.create(model=NAME, messages=ASK,
@@ -347,7 +332,6 @@ def test_openai_response_format(scripted, oa):
     assert not r.choices[0].message.tool_calls
 
 
-@needs_structured
 def test_anthropic_forced_tool_and_any(scripted, an):
     engine = say(scripted, '{"city": "Paris"}')
     with an.messages.stream(model=NAME, max_tokens=64, messages=ASK, tools=[ANTHROPIC_WEATHER],
