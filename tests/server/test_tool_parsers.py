@@ -92,6 +92,17 @@ LLAMA_OK = {
     ),
 }
 
+# Recorded: SmolLM2-135M-Instruct, greedy, with tools in the Hermes system message (it
+# answers in prose, or writes JSON in a code block, never a call)
+SMOLLM2_RECORDED = [
+    "The weather in Paris is described as a mix of warm and cool. Paris is known for its "
+    "beautiful Parisian culture, with a wide range of outdoor activities",
+    'Here\'s a Python function that uses the `get_weather` tool to find the weather in Tokyo:'
+    '\n\n```python\ndef get_weather_tokyo():\n    return {\n        "type": "weather",\n'
+    '        "description": "Tokyo",\n        "location": "Tokyo",\n        "city": {\n'
+    '            "type": "string",\n            "name": "Tokyo",',
+]
+
 LLAMA_MALFORMED = {
     "plain_text": "Sure! The answer is 4.",
     "empty": "",
@@ -128,8 +139,8 @@ def test_llama3_json_finds_calls(case):
 
 @pytest.mark.parametrize(
     "name,text",
-    [("hermes", t) for t in HERMES_MALFORMED.values()]
-    + [("llama3_json", t) for t in LLAMA_MALFORMED.values()],
+    [("hermes", t) for t in [*HERMES_MALFORMED.values(), *SMOLLM2_RECORDED]]
+    + [("llama3_json", t) for t in [*LLAMA_MALFORMED.values(), *SMOLLM2_RECORDED]],
 )
 def test_malformed_output_is_all_content(name, text):
     result = get_tool_parser(name)().extract_tool_calls(text)
@@ -163,6 +174,7 @@ ALL_CASES = (
     [("hermes", t) for t, _, _ in HERMES_OK.values()] + [("hermes", t) for t in HERMES_MALFORMED.values()]
     + [("llama3_json", t) for t, _, _ in LLAMA_OK.values()]
     + [("llama3_json", t) for t in LLAMA_MALFORMED.values()]
+    + [(name, t) for name in ("hermes", "llama3_json") for t in SMOLLM2_RECORDED]
 )
 
 
