@@ -4,7 +4,8 @@
 
 Each of `batch` sequences holds `context` cached tokens and decodes one more; the time is the
 model forward plus logits of the step (median over `steps`), excluding metadata building.
-Uses the CPU plugin's attention backend when it is installed, else the core's reference one.
+Runs on the active platform (the CPU plugin here) as the engine does: its ops, its attention
+backend, prepacked weights.
 """
 
 from __future__ import annotations
@@ -22,18 +23,9 @@ from model_harness import Sequence, build_metadata  # noqa: E402
 
 from tokenmill.model.llama import CausalLM  # noqa: E402
 from tokenmill.model.loader import default_model_path, load_model_and_tokenizer  # noqa: E402
-from tokenmill.ops import resolve_ops  # noqa: E402
-from tokenmill.ops.reference import ReferenceAttentionBackend  # noqa: E402
+from tokenmill.platforms.registry import load_platform  # noqa: E402
 
 BLOCK_SIZE = 16
-
-
-def _backend():
-    try:
-        from tokenmill_cpu.attention import CpuPagedAttention
-    except ImportError:
-        return ReferenceAttentionBackend()
-    return CpuPagedAttention()
 
 
 @torch.inference_mode()
@@ -74,16 +66,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
 
-    backend = _backend()
-    ops = resolve_ops()
+    platform = load_platform()
+    ops = platform.ops
     fp32 = load_model_and_tokenizer(
-        default_model_path(), torch.float32, "cpu", ops, backend, BLOCK_SIZE
+        default_model_path(), torch.float32, "cpu", ops, platform.attention_backend, BLOCK_SIZE
     ).model
     # bf16 copy of the same weights, without reading the GGUF twice
     bf16 = CausalLM(
-        fp32.hf_config, ops=ops, attention_backend=backend, dtype=torch.bfloat16, block_size=16
+        fp32.hf_config,
+        ops=ops,
+        attention_backend=platform.attention_backend,
+        dtype=torch.bfloat16,
+        block_size=BLOCK_SIZE,
     )
     bf16.load_state_dict(fp32.state_dict())
+    bf16.prepack()
+    backend = bf16.attention_backends[0]
     print(
         f"SmolLM2-135M decode step, context {args.context}, backend {backend.name}, "
         f"{torch.get_num_threads()} threads"
