@@ -34,6 +34,7 @@ from tokenmill.server.responses import (
 from tokenmill.server.serving import (
     APIError,
     ClientDisconnected,
+    RequestFailedError,
     ServerState,
     ToolConfig,
     error_body,
@@ -170,6 +171,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, exc: EngineDeadError) -> Response:
         return error_response(request.url.path, 503, str(exc))
+
+    @app.exception_handler(RequestFailedError)
+    async def _failed(request: Request, exc: RequestFailedError) -> Response:
+        return error_response(request.url.path, 500, str(exc))
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(request: Request, exc: ClientDisconnected) -> Response:

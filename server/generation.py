@@ -12,7 +12,7 @@ from fastapi import Request
 from tokenmill.async_engine import AsyncLLM, EngineDeadError
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.server.serving import APIError, DeltaText, unless_disconnected
+from tokenmill.server.serving import APIError, DeltaText, check_failed, unless_disconnected
 from tokenmill.structured import StructuredOutputError
 
 _DONE = object()
@@ -35,7 +35,7 @@ class Started:
             out = first
             async for newer in gen:
                 out = newer
-            return out
+            return check_failed(out)
 
         try:
             return list(await asyncio.gather(*(last(f, g) for f, g in zip(self.firsts, self.gens))))
@@ -46,17 +46,17 @@ class Started:
         """(prompt index, output) from all requests as they come, first outputs first."""
         try:
             for i, first in enumerate(self.firsts):
-                yield i, first
+                yield i, check_failed(first)
             running = [(i, g) for i, (g, f) in enumerate(zip(self.gens, self.firsts)) if not f.finished]
             if len(running) == 1:
                 i, gen = running[0]
                 async for out in gen:
-                    yield i, out
+                    yield i, check_failed(out)
             elif running:
                 interleaved = _interleave(running)
                 try:
-                    async for item in interleaved:
-                        yield item
+                    async for i, out in interleaved:
+                        yield i, check_failed(out)
                 finally:
                     await interleaved.aclose()
         finally:

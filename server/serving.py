@@ -12,6 +12,7 @@ from fastapi import Request
 from starlette.responses import Response, StreamingResponse
 
 from tokenmill.async_engine import AsyncLLM, EngineDeadError
+from tokenmill.outputs import RequestOutput
 from tokenmill.server.metrics import Metrics
 
 T = TypeVar("T")
@@ -65,7 +66,9 @@ class APIError(Exception):
         self.code = code
 
 
-_OPENAI_TYPES = {401: "authentication_error", 404: "invalid_request_error", 503: "server_error"}
+_OPENAI_TYPES = {
+    401: "authentication_error", 404: "invalid_request_error", 500: "server_error", 503: "server_error",
+}
 _ANTHROPIC_TYPES = {
     401: "authentication_error", 403: "permission_error", 404: "not_found_error",
     413: "request_too_large", 500: "api_error", 503: "overloaded_error",
@@ -99,16 +102,29 @@ def sse(data: dict[str, Any] | str, event: str | None = None) -> str:
     return f"{head}data: {payload}\n\n"
 
 
+class RequestFailedError(RuntimeError):
+    """The engine ended this request with an error (finish_reason "error", the cause in its
+    stop_reason); the engine and every other request go on. Answered as a 500."""
+
+
+def check_failed(out: RequestOutput) -> RequestOutput:
+    """`out`, unless one of its sequences failed in the engine: then RequestFailedError."""
+    for seq in out.outputs:
+        if seq.finish_reason == "error":
+            raise RequestFailedError(f"the engine could not finish this request: {seq.stop_reason}")
+    return out
+
+
 def event_stream(events: AsyncIterator[str], path: str) -> StreamingResponse:
-    """An SSE response; if the engine dies mid-stream, the stream ends with an error event
-    in the route's shape instead of a cut connection."""
+    """An SSE response; if the engine dies or fails the request mid-stream, the stream ends
+    with an error event in the route's shape instead of a cut connection."""
 
     async def guarded() -> AsyncIterator[str]:
         try:
             async for event in events:
                 yield event
-        except EngineDeadError as e:
-            body = error_body(path, 503, str(e))
+        except (EngineDeadError, RequestFailedError) as e:
+            body = error_body(path, 503 if isinstance(e, EngineDeadError) else 500, str(e))
             if is_anthropic_path(path):
                 yield sse(body, "error")
             else:
