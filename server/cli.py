@@ -65,7 +65,7 @@ def _serve(args: argparse.Namespace) -> int:
     from tokenmill.async_engine import AsyncLLM
     from tokenmill.config import EngineArgs
     from tokenmill.server.app import build_app
-    from tokenmill.server.protocol import MAX_HEADER_BYTES
+    from tokenmill.server.protocol import MAX_HTTP_HEAD_BYTES
     from tokenmill.server.tool_parsers import tool_parser_names
 
     logging.basicConfig(
@@ -98,7 +98,7 @@ def _serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         http="h11",  # its header-size limit is configurable
-        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+        h11_max_incomplete_event_size=MAX_HTTP_HEAD_BYTES,
         timeout_graceful_shutdown=args.shutdown_timeout,
         log_level=args.log_level,
     )

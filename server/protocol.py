@@ -19,6 +19,9 @@ MAX_PROMPTS = 64  # prompts in one /v1/completions request
 MAX_TOOLS = 128  # tools per request
 MAX_BODY_BYTES = 4 << 20
 MAX_HEADER_BYTES = 16 << 10
+# The HTTP parser's own bound on a request head it is still reading: above MAX_HEADER_BYTES,
+# so that heads up to it reach the app whole (and get its 431) however TCP splits them.
+MAX_HTTP_HEAD_BYTES = 4 * MAX_HEADER_BYTES
 _SEED_MAX = (1 << 63) - 1 - MAX_N  # seed + i (i < n) must stay a valid torch seed
 _TOKEN_ID_MAX = (1 << 31) - 1
 
