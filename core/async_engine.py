@@ -96,7 +96,10 @@ class _Abort:
 
 
 class AsyncLLM:
-    """Owns an `LLMEngine` and runs its step loop in a dedicated thread."""
+    """Owns an `LLMEngine` and runs its step loop in a dedicated thread, or, with
+    `own_thread=False`, on whichever thread calls `run_forever()` (`tokenmill serve` gives it
+    the process's main thread: on CPU, OpenMP regions started from a non-main thread ran
+    ~35% slower, see docs/benchmarks-peers.md)."""
 
     def __init__(
         self,
@@ -104,6 +107,7 @@ class AsyncLLM:
         engine: LLMEngine | None = None,
         observer: StatsObserver | None = None,
         registry=None,
+        own_thread: bool = True,
     ) -> None:
         if (args is None) == (engine is None):
             raise ValueError("give AsyncLLM either EngineArgs or an already built LLMEngine")
@@ -119,19 +123,34 @@ class AsyncLLM:
         self._lock = threading.Lock()
         self._closed = False  # set once by the engine thread as it exits; then no new request
         self._thread: threading.Thread | None = None
+        self._own_thread = own_thread
+        self._loop_done = threading.Event()  # set when the step loop has returned
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
         self._next_id = 0
 
     # ---- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
-        if self._thread is not None:
+        """Start the engine thread (a no-op with own_thread=False: see `run_forever`)."""
+        if self._thread is not None or not self._own_thread:
             return
         self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
         self._thread.start()
 
+    def run_forever(self) -> None:
+        """Run the step loop on the calling thread until `shutdown()` is called from another
+        thread. Only for AsyncLLM(own_thread=False)."""
+        if self._own_thread:
+            raise RuntimeError("run_forever() needs AsyncLLM(own_thread=False)")
+        self._thread = threading.current_thread()
+        self._run()
+
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Stop the engine thread; requests still in flight fail with EngineDeadError."""
+        """Stop the step loop; requests still in flight fail with EngineDeadError."""
         self._stop.set()
+        if not self._own_thread:  # the loop's thread is the caller's owner: wait, never join
+            if self._thread is not None:
+                self._loop_done.wait(timeout_s)
+            return
         if self._thread is not None:
             self._thread.join(timeout_s)
             self._thread = None
@@ -242,6 +261,7 @@ class AsyncLLM:
         with self._lock:
             self._closed = True
         self._fail_all(EngineDeadError(f"the engine stopped: {self.error!r}"))
+        self._loop_done.set()
 
     def _drain_inbox(self, wait_s: float) -> None:
         try:

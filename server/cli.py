@@ -6,7 +6,9 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from tokenmill.platforms import template
@@ -89,11 +91,12 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
     api_key = args.api_key or os.environ.get("TOKENMILL_API_KEY") or None
+    engine = AsyncLLM(engine_args, own_thread=False)
     app = build_app(
-        AsyncLLM(engine_args), names, api_key=api_key,
+        engine, names, api_key=api_key,
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
     )
-    uvicorn.run(
+    server = uvicorn.Server(uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
@@ -101,8 +104,33 @@ def _serve(args: argparse.Namespace) -> int:
         h11_max_incomplete_event_size=MAX_HTTP_HEAD_BYTES,
         timeout_graceful_shutdown=args.shutdown_timeout,
         log_level=args.log_level,
-    )
-    return 0
+    ))
+    return _run_with_engine_on_main_thread(server, engine)
+
+
+def _run_with_engine_on_main_thread(server, engine) -> int:
+    """uvicorn in a thread, the engine's step loop on this (main) thread.
+
+    The model step is the hot path and its OpenMP regions run fastest from the main thread.
+    SIGINT/SIGTERM go to uvicorn's own handler: it stops accepting, drains in-flight
+    requests (which still need the engine), then its lifespan shuts the engine down, which
+    ends `run_forever`. If uvicorn stops for any other reason (a port in use), the engine
+    loop is stopped too.
+    """
+
+    def serve_http() -> None:
+        try:
+            server.run()
+        finally:
+            engine.shutdown(timeout_s=0)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, server.handle_exit)
+    http = threading.Thread(target=serve_http, name="tokenmill-http")
+    http.start()
+    engine.run_forever()
+    http.join()
+    return 0 if server.started else 1
 
 
 def _add_serve_parser(sub) -> None:
