@@ -14,6 +14,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -82,7 +83,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   return out.view(x.sizes());
 }
 
-std::vector<torch::Tensor> fused_add_rms_norm(torch::Tensor x, torch::Tensor residual,
+std::tuple<torch::Tensor, torch::Tensor> fused_add_rms_norm(torch::Tensor x, torch::Tensor residual,
                                               torch::Tensor w, double eps) {
   check_last_dim_contiguous(x, "x");
   check_last_dim_contiguous(residual, "residual");
@@ -142,7 +143,7 @@ torch::Tensor rotary_one(const torch::Tensor& positions, const torch::Tensor& x,
   return out;
 }
 
-std::vector<torch::Tensor> rotary_embedding(torch::Tensor positions, torch::Tensor query,
+std::tuple<torch::Tensor, torch::Tensor> rotary_embedding(torch::Tensor positions, torch::Tensor query,
                                             torch::Tensor key, torch::Tensor cos_sin_cache) {
   TORCH_CHECK(cos_sin_cache.scalar_type() == at::kFloat && cos_sin_cache.is_contiguous(),
               "cos_sin_cache must be contiguous float32");
