@@ -77,10 +77,24 @@ def test_sliding_window_matches_reference(dtype, window, block_size, use_kernels
         check_against_reference(spec, mixed_batch(seed + 10), seed, use_kernels=use_kernels)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("head_size", [32, 80, 128, 256])
-def test_head_sizes_and_custom_scale(head_size):
-    spec = AttentionSpec(AttentionKind.FULL, 4, 1, head_size, torch.float32, 16, scale=0.3)
+def test_head_sizes_and_custom_scale(head_size, dtype):
+    spec = AttentionSpec(AttentionKind.FULL, 4, 1, head_size, dtype, 16, scale=0.3)
     check_against_reference(spec, mixed_batch(3))
+
+
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("window", [None, 5, 37])
+@pytest.mark.parametrize("num_decodes", [2, 12], ids=["per-head", "per-sequence"])
+def test_bf16_decode_kernel_tiles_windows_and_work_split(head_size, window, num_decodes):
+    """The kernel's bf16 path (head sizes 64 and 128): spans that end mid-tile, windows that
+    start mid-block, one or two positions, and both ways of splitting the work (a
+    (sequence, kv head) pair per item for few rows, whole sequences for many)."""
+    kind = AttentionKind.FULL if window is None else AttentionKind.SLIDING_WINDOW
+    spec = AttentionSpec(kind, 8, 2, head_size, torch.bfloat16, 16, sliding_window=window)
+    spans = [1, 2, 15, 16, 17, 33, 100, 250, 31, 64, 7, 129]
+    check_against_reference(spec, [(n - 1, 1) for n in spans[:num_decodes]], seed=num_decodes)
 
 
 @pytest.mark.parametrize(

@@ -39,6 +39,48 @@ void check_last_dim_contiguous(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.stride(-1) == 1, name, " must be contiguous in its last dim");
 }
 
+// Vector helpers: 16 channels as float32 from float or bf16 storage, and exp.
+#if defined(__AVX512F__)
+#define TM_HAS_AVX512 1
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// exp(x) for 16 floats: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by Cephes' expf
+// polynomial (about 1 ulp), times 2^n by scalef. Inputs below -87.3 (-inf included) give
+// ~1e-38, not 0: callers use it for softmax weights, where that is 0 to every sum.
+inline __m512 exp512(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+#else
+#define TM_HAS_AVX512 0
+#endif
+
+#if TM_HAS_BF16_DOT
+// 16 floats rounded to bf16 (nearest even, as c10::BFloat16) and back to float.
+inline __m512 round_bf16(__m512 x) {
+  const __m256i b = (__m256i)_mm512_cvtneps_pbh(x);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+inline void store_bf16(c10::BFloat16* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));
+}
+#endif
+
 // ---------------------------------------------------------------------------------------
 // RMS norm: y = w * round(x / sqrt(mean(x^2) + eps)); with a residual, x = round(x + r)
 // first and that sum is returned too.
@@ -154,6 +196,23 @@ std::tuple<torch::Tensor, torch::Tensor> rotary_embedding(torch::Tensor position
 // ---------------------------------------------------------------------------------------
 // silu(gate) * up over [rows, 2d] -> [rows, d]; silu rounded to T as ATen's silu would be.
 
+// The vectorised part of one row: returns how many leading channels it wrote.
+template <typename T>
+int64_t silu_and_mul_vec(const T* g, const T* u, T* o, int64_t d) {
+  int64_t i = 0;
+#if TM_HAS_BF16_DOT
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    for (; i + 16 <= d; i += 16) {
+      const __m512 gf = load16(g + i);
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gf));
+      const __m512 s = round_bf16(_mm512_div_ps(gf, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+      store_bf16(o + i, _mm512_mul_ps(s, load16(u + i)));
+    }
+  }
+#endif
+  return i;
+}
+
 torch::Tensor silu_and_mul(torch::Tensor x) {
   check_last_dim_contiguous(x, "x");
   const int64_t d = x.size(-1) / 2;
@@ -170,7 +229,7 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
         const scalar_t* g = src + r * stride;
         const scalar_t* u = g + d;
         scalar_t* o = dst + r * d;
-        for (int64_t i = 0; i < d; ++i) {
+        for (int64_t i = silu_and_mul_vec(g, u, o, d); i < d; ++i) {
           const float gf = to_f(g[i]);
           o[i] = from_f<scalar_t>(round_to<scalar_t>(gf / (1.f + std::exp(-gf))) * to_f(u[i]));
         }
@@ -247,18 +306,6 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch:
 // A sequence attends to positions [max(0, seq_len - window), seq_len) (window <= 0: all).
 // Softmax in float32 over all of a sequence's scores at once.
 
-// Row loaders for the vectorised path: 16 channels as float32, from float or bf16 storage.
-#if defined(__AVX512F__)
-#define TM_HAS_AVX512 1
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-#else
-#define TM_HAS_AVX512 0
-#endif
-
 // One (sequence, kv head) pair: scores of its G query heads against every visible key,
 // softmax, weighted sum of values. `q` holds the G scaled query rows as float32 [G, D];
 // `scores` has room for G * n floats, `acc` for G * D.
@@ -334,6 +381,134 @@ void attend_one(const float* q, const T* k_base, const T* v_base, const int32_t*
   }
 }
 
+#if TM_HAS_BF16_DOT
+// The 16 lanes of each of v[0..15] summed: result lane j = sum of v[j]. A tree of
+// in-lane unpacks, shuffles and 128-bit lane shuffles (45 instructions; 16 horizontal
+// reductions take about 130).
+inline __m512 sum16x16(__m512* v) {
+  __m512 t[8], u[4], w[2];
+  for (int k = 0; k < 8; ++k)  // per 128-bit lane: [a02, b02, a13, b13]
+    t[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]),
+                         _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+  for (int k = 0; k < 4; ++k)  // per 128-bit lane L: the lane-L sums of 4 vectors
+    u[k] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * k], t[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(t[2 * k], t[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int k = 0; k < 2; ++k)
+    w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], 0b10001000),
+                         _mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], 0b11011101));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0b10001000),
+                       _mm512_shuffle_f32x4(w[0], w[1], 0b11011101));
+}
+
+// The bf16 fast path, for head sizes of 64 and 128: one sequence's kv heads [h0, h1) and
+// their query heads, keys in tiles of 16 positions with an online softmax (running max
+// and sum, rescaled per tile).
+//  - Each position's keys (then values) of the item's heads are one contiguous read:
+//    walking one head's 128 bytes out of each slot made the prefetchers fetch the other
+//    heads' lines too.
+//  - q.k in bf16 pairs (vdpbf16ps) into float32, 16 positions at a time, reduced by
+//    sum16x16; the scale is applied to the float32 scores.
+//  - p.v in bf16 pairs too: the tile's value rows interleaved two positions at a time
+//    (once per tile, shared by the G query heads), the softmax weights rounded to bf16,
+//    float32 accumulation. The interleave permutes channels within each 32-channel chunk
+//    (lo/hi halves of 128-bit lanes); the final store puts them back in order.
+// `q` and `out` point at the sequence's query / output row (heads contiguous); `work` is
+// 64-byte aligned with room for attend_bf16_work(h1 - h0, G, D) floats.
+inline int64_t attend_bf16_work(int64_t heads, int64_t G, int64_t D) {
+  return heads * G * D + heads * 8 * D;  // accumulators + interleaved value tile
+}
+
+template <int D>
+void attend_bf16(const c10::BFloat16* q, const c10::BFloat16* k_cache,
+                 const c10::BFloat16* v_cache, const int32_t* table, int64_t first, int64_t len,
+                 int64_t block_size, int64_t block_stride, int64_t slot_stride, int64_t h0,
+                 int64_t h1, int64_t G, float scale, c10::BFloat16* out, float* work) {
+  constexpr int P = D / 32;  // 32-channel chunks per head row
+  const int64_t H = h1 - h0, NQ = H * G;  // kv heads and query heads of this item
+  float* acc = work;                      // [NQ][2P][16]: lo/hi halves per chunk
+  // [H][8 pairs][2P] vectors of interleaved bf16 values
+  __m512i* vi = reinterpret_cast<__m512i*>(acc + NQ * D);
+  std::vector<float> m(NQ, -INFINITY), l(NQ, 0.f);
+  std::fill(acc, acc + NQ * D, 0.f);
+  q += h0 * G * D;
+  out += h0 * G * D;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const c10::BFloat16* kp[16];
+  const c10::BFloat16* vp[16];
+  alignas(64) uint32_t pairs[8];
+  for (int64_t p0 = first; p0 < len; p0 += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, len - p0));
+    const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
+    for (int j = 0; j < n; ++j) {
+      const int64_t p = p0 + j;
+      const int64_t at =
+          table[p / block_size] * block_stride + (p % block_size) * slot_stride + h0 * D;
+      kp[j] = k_cache + at;
+      vp[j] = v_cache + at;
+    }
+    // values, two positions interleaved per pair (a missing last position reads as 0)
+    for (int64_t h = 0; h < H; ++h)
+      for (int t = 0; t < 8; ++t)
+        for (int c = 0; c < P; ++c) {
+          const int j = 2 * t;
+          const __m512i a = j < n ? _mm512_loadu_si512(vp[j] + h * D + 32 * c) : _mm512_setzero_si512();
+          const __m512i b =
+              j + 1 < n ? _mm512_loadu_si512(vp[j + 1] + h * D + 32 * c) : _mm512_setzero_si512();
+          __m512i* dst = vi + (h * 8 + t) * 2 * P + 2 * c;
+          _mm512_store_si512(dst, _mm512_unpacklo_epi16(a, b));
+          _mm512_store_si512(dst + 1, _mm512_unpackhi_epi16(a, b));
+        }
+    for (int64_t i = 0; i < NQ; ++i) {
+      const int64_t h = i / G;
+      __m512bh qv[P];
+      for (int c = 0; c < P; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + i * D + 32 * c);
+      __m512 dots[16];
+      for (int j = 0; j < 16; ++j) {
+        dots[j] = _mm512_setzero_ps();
+        if (j < n)
+          for (int c = 0; c < P; ++c)
+            dots[j] = _mm512_dpbf16_ps(
+                dots[j], qv[c], (__m512bh)_mm512_loadu_si512(kp[j] + h * D + 32 * c));
+      }
+      const __m512 sv = _mm512_mul_ps(sum16x16(dots), vscale);
+      const float m_new = std::max(m[i], _mm512_mask_reduce_max_ps(live, sv));
+      const float alpha = std::exp(m[i] - m_new);  // 0 on the first tile (m = -inf)
+      const __m512 pv =
+          _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
+      l[i] = l[i] * alpha + _mm512_reduce_add_ps(pv);
+      m[i] = m_new;
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pairs), (__m256i)_mm512_cvtneps_pbh(pv));
+      float* ai = acc + i * D;
+      __m512 a[2 * P];
+      const __m512 va = _mm512_set1_ps(alpha);
+      for (int c = 0; c < 2 * P; ++c) a[c] = _mm512_mul_ps(_mm512_load_ps(ai + 16 * c), va);
+      const __m512i* vh = vi + h * 8 * 2 * P;
+      for (int t = 0; 2 * t < n; ++t) {
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[t]));
+        for (int c = 0; c < 2 * P; ++c)
+          a[c] = _mm512_dpbf16_ps(a[c], w, (__m512bh)_mm512_load_si512(vh + t * 2 * P + c));
+      }
+      for (int c = 0; c < 2 * P; ++c) _mm512_store_ps(ai + 16 * c, a[c]);
+    }
+  }
+  // lo lane 4L + w holds channel 8L + w of its chunk, hi lane 4L + w channel 8L + 4 + w
+  alignas(64) static const int32_t kOrder[2][16] = {
+      {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23},
+      {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31}};
+  const __m512i order0 = _mm512_load_si512(kOrder[0]), order1 = _mm512_load_si512(kOrder[1]);
+  for (int64_t i = 0; i < NQ; ++i) {
+    const __m512 inv = _mm512_set1_ps(1.f / l[i]);
+    for (int c = 0; c < P; ++c) {
+      const __m512 lo = _mm512_load_ps(acc + i * D + 32 * c);
+      const __m512 hi = _mm512_load_ps(acc + i * D + 32 * c + 16);
+      store_bf16(out + i * D + 32 * c, _mm512_mul_ps(_mm512_permutex2var_ps(lo, order0, hi), inv));
+      store_bf16(out + i * D + 32 * c + 16,
+                 _mm512_mul_ps(_mm512_permutex2var_ps(lo, order1, hi), inv));
+    }
+  }
+}
+#endif
+
 // The G heads' float32 results into the output row, in T.
 template <typename T>
 inline void write_heads(T* op, const float* acc, int64_t row, int64_t o_stride, int64_t h,
@@ -361,6 +536,30 @@ void decode_attention_impl(const torch::Tensor& query, const torch::Tensor& kv_c
   const int64_t* row_ids = rows.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
   const bool vec = TM_HAS_AVX512 && D % 16 == 0 && D <= 256;
+#if TM_HAS_BF16_DOT
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (D == 64 || D == 128) {
+      // Whole sequences per work item (contiguous reads of every kv head) when there are
+      // enough of them to keep the threads busy; else one (sequence, kv head) pair each.
+      const int64_t split = S >= 4 * at::get_num_threads() ? 1 : Hk;
+      const int64_t H = Hk / split;
+      auto run = D == 64 ? attend_bf16<64> : attend_bf16<128>;
+      at::parallel_for(0, S * split, 1, [&](int64_t i0, int64_t i1) {
+        std::vector<float> work(attend_bf16_work(H, G, D) + 16);
+        float* w = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(work.data()) + 63) & ~uintptr_t(63));
+        for (int64_t i = i0; i < i1; ++i) {
+          const int64_t s = i / split, h0 = (i % split) * H;
+          const int64_t len = lens[s];
+          const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+          run(qp + row_ids[s] * q_stride, cache, cache + kv_half, tables + s * table_stride,
+              first, len, block_size, block_stride, slot_stride, h0, h0 + H, G, scale,
+              op + row_ids[s] * o_stride, w);
+        }
+      });
+      return;
+    }
+  }
+#endif
   at::parallel_for(0, S * Hk, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> q(G * D), acc(G * D), kf(D), scores;
     for (int64_t i = i0; i < i1; ++i) {
