@@ -1,19 +1,23 @@
-"""Paged attention on CPU, built on PyTorch's fused CPU SDPA kernel.
+"""Paged attention on CPU: the plugin's C++ kernels, with PyTorch's SDPA as the fallback.
 
-Per step (`prepare`, cached in `metadata.backend_state`), a plan lists which cache blocks
-each sequence needs (only those inside its sliding window) and the masks. Per layer
-(`forward`) the backend writes the step's keys/values with one `index_copy_` each,
-gathers every needed block with one `index_select` each for K and V into a buffer that
-all layers of the step reuse, then runs SDPA:
+Per layer (`forward`) the backend first writes the step's keys/values into the cache
+(the C++ `write_kv`, else the reference's `index_copy_`), then attends:
 
-- decode rows (query_len 1) in one call of the plugin's C++ decode kernel, which reads
-  the paged cache in place (no gather); without the kernels, in a few batched SDPA calls,
-  rows bucketed by span so padding stays small, with the query heads of one KV head
-  packed into SDPA's query-length dimension so grouped-query attention needs no
-  expanded keys;
-- prefill / chunk rows one call per sequence with a bottom-right causal mask (query i
-  of a chunk sits at position seq_len - query_len + i); a fresh prompt attends to the
-  step's own keys without a gather.
+- bf16 with head size 64 or 128 on a CPU with AVX512-BF16 (the default dtype there): one
+  call of the C++ `paged_attention_bf16` for every row of the step, prefill chunks and
+  decode rows alike, reading keys and values from the paged cache in place (flash-style
+  tiles, an online softmax, bf16 dot products; csrc/kernels.cpp);
+- otherwise a plan per step and window (cached in `metadata.backend_state` by the first
+  layer that needs it) lists which cache blocks each sequence needs (only those inside
+  its sliding window) and the masks; every needed block is gathered with one
+  `index_select` each for K and V into a buffer that all layers of the step reuse, and:
+  - decode rows (query_len 1) go in one call to the C++ decode kernel (float32 or other
+    head sizes; no gather); without the kernels, in a few batched SDPA calls, rows
+    bucketed by span so padding stays small, with the query heads of one KV head packed
+    into SDPA's query-length dimension so grouped-query attention needs no expanded keys;
+  - prefill / chunk rows one SDPA call per sequence with a bottom-right causal mask
+    (query i of a chunk sits at position seq_len - query_len + i); a fresh prompt
+    attends to the step's own keys without a gather.
 """
 
 from __future__ import annotations
@@ -85,6 +89,8 @@ class CpuPagedAttention(AttentionBackend):
         self.name = f"cpu_sdpa_{kind.value}"
         # the C++ decode kernel when built (see tokenmill_cpu.kernels), else SDPA for all rows
         self._kernels = kernels.load() if use_kernels else None
+        # bf16 with head sizes 64 and 128: the kernel for every row (needs AVX512-BF16)
+        self._bf16_kernel = self._kernels is not None and self._kernels.has_bf16_dot()
 
     def supports(self, spec: AttentionSpec) -> bool:
         windowed = spec.sliding_window is not None
@@ -97,10 +103,8 @@ class CpuPagedAttention(AttentionBackend):
         )
 
     def prepare(self, metadata: AttentionMetadata) -> None:
-        """Plans the step for full attention; window plans are built by the first layer."""
+        """Resets the step's plans; the first layer that needs one (per window) builds it."""
         metadata.backend_state[self.name] = {}
-        if self.kind == AttentionKind.FULL:
-            self._plan(metadata, None)
 
     def forward(
         self,
@@ -116,11 +120,18 @@ class CpuPagedAttention(AttentionBackend):
             self._kernels.write_kv(key, value, kv_cache, metadata.slot_mapping)
         else:
             write_kv(key, value, kv_cache, metadata.slot_mapping)
-        plan = self._plan(metadata, spec.sliding_window)
-        gathered = _gather(plan, kv_cache)
         scale = spec.scale if spec.scale is not None else spec.head_size**-0.5
         q = query.to(kv_cache.dtype)
         out = torch.empty_like(q)
+        if self._bf16_kernel and q.dtype == torch.bfloat16 and spec.head_size in (64, 128):
+            # every row, prefill and decode, read from the cache in place
+            self._kernels.paged_attention_bf16(
+                q, kv_cache, metadata.block_tables, metadata.seq_lens,
+                metadata.query_start_loc, spec.sliding_window or 0, scale, out,
+            )
+            return out.to(query.dtype)
+        plan = self._plan(metadata, spec.sliding_window)
+        gathered = _gather(plan, kv_cache)
         if plan.kernel_decode is not None:
             rows, tables, seq_lens = plan.kernel_decode
             window = spec.sliding_window or 0

@@ -12,6 +12,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <tuple>
@@ -400,95 +401,142 @@ inline __m512 sum16x16(__m512* v) {
                        _mm512_shuffle_f32x4(w[0], w[1], 0b11011101));
 }
 
-// The bf16 fast path, for head sizes of 64 and 128: one sequence's kv heads [h0, h1) and
-// their query heads, keys in tiles of 16 positions with an online softmax (running max
-// and sum, rescaled per tile).
+// Paged attention in bf16 for head sizes 64 and 128, any number of query rows per
+// sequence (prefill chunks and decode rows alike), reading keys and values from the cache
+// in place. One work item is a block of a sequence's query rows (row r at position
+// pos0 + r, seeing [max(0, pos + 1 - window), pos + 1)) times a range of its kv heads and
+// their query heads; keys go by in tiles of 16 positions with an online softmax (running
+// max and sum per query row and head, rescaled per tile).
 //  - Each position's keys (then values) of the item's heads are one contiguous read:
 //    walking one head's 128 bytes out of each slot made the prefetchers fetch the other
 //    heads' lines too.
 //  - q.k in bf16 pairs (vdpbf16ps) into float32, 16 positions at a time, reduced by
 //    sum16x16; the scale is applied to the float32 scores.
 //  - p.v in bf16 pairs too: the tile's value rows interleaved two positions at a time
-//    (once per tile, shared by the G query heads), the softmax weights rounded to bf16,
-//    float32 accumulation. The interleave permutes channels within each 32-channel chunk
-//    (lo/hi halves of 128-bit lanes); the final store puts them back in order.
-// `q` and `out` point at the sequence's query / output row (heads contiguous); `work` is
-// 64-byte aligned with room for attend_bf16_work(h1 - h0, G, D) floats.
-inline int64_t attend_bf16_work(int64_t heads, int64_t G, int64_t D) {
-  return heads * G * D + heads * 8 * D;  // accumulators + interleaved value tile
+//    (once per tile, shared by every row and query head of the item), the softmax
+//    weights rounded to bf16 (as PyTorch's flash attention does for bf16), float32
+//    accumulation. The interleave permutes channels within each 32-channel chunk (lo/hi
+//    halves of 128-bit lanes); the final store puts them back in order.
+struct RowBlock {
+  const c10::BFloat16* q;  // the block's first query row (heads contiguous)
+  c10::BFloat16* out;      // its first output row
+  int64_t q_stride, o_stride;
+  int64_t rows, pos0;      // number of rows, position of the first
+  const int32_t* table;    // the sequence's block table
+  int64_t h0, h1;          // kv heads
+};
+
+inline int64_t attend_bf16_work(int64_t rows, int64_t heads, int64_t G, int64_t D) {
+  // accumulators, running max and sum, interleaved value tile
+  return rows * heads * G * (D + 2) + heads * 8 * D;
 }
 
 template <int D>
-void attend_bf16(const c10::BFloat16* q, const c10::BFloat16* k_cache,
-                 const c10::BFloat16* v_cache, const int32_t* table, int64_t first, int64_t len,
-                 int64_t block_size, int64_t block_stride, int64_t slot_stride, int64_t h0,
-                 int64_t h1, int64_t G, float scale, c10::BFloat16* out, float* work) {
+void attend_bf16(const RowBlock& rb, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
+                 int64_t window, int64_t block_size, int64_t block_stride, int64_t slot_stride,
+                 int64_t G, float scale, float* work) {
   constexpr int P = D / 32;  // 32-channel chunks per head row
-  const int64_t H = h1 - h0, NQ = H * G;  // kv heads and query heads of this item
-  float* acc = work;                      // [NQ][2P][16]: lo/hi halves per chunk
-  // [H][8 pairs][2P] vectors of interleaved bf16 values
-  __m512i* vi = reinterpret_cast<__m512i*>(acc + NQ * D);
-  std::vector<float> m(NQ, -INFINITY), l(NQ, 0.f);
-  std::fill(acc, acc + NQ * D, 0.f);
-  q += h0 * G * D;
-  out += h0 * G * D;
+  const int64_t H = rb.h1 - rb.h0, NQ = H * G, R = rb.rows;
+  // [H][8 pairs][2P] vectors of interleaved bf16 values (64-byte aligned: first in work)
+  __m512i* vi = reinterpret_cast<__m512i*>(work);
+  float* acc = work + H * 8 * D;  // [R][NQ][2P][16]: lo/hi halves per chunk
+  float* mx = acc + R * NQ * D;   // [R][NQ] running max
+  float* sum = mx + R * NQ;       // [R][NQ] running sum
+  std::fill(acc, acc + R * NQ * D, 0.f);
+  std::fill(mx, mx + R * NQ, -INFINITY);
+  std::fill(sum, sum + R * NQ, 0.f);
+  auto first_of = [&](int64_t pos) { return window > 0 ? std::max<int64_t>(0, pos + 1 - window) : 0; };
+  const int64_t kstart = first_of(rb.pos0), kend = rb.pos0 + R;
   const __m512 vscale = _mm512_set1_ps(scale);
   const c10::BFloat16* kp[16];
   const c10::BFloat16* vp[16];
   alignas(64) uint32_t pairs[8];
-  for (int64_t p0 = first; p0 < len; p0 += 16) {
-    const int n = static_cast<int>(std::min<int64_t>(16, len - p0));
-    const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
-    for (int j = 0; j < n; ++j) {
-      const int64_t p = p0 + j;
-      const int64_t at =
-          table[p / block_size] * block_stride + (p % block_size) * slot_stride + h0 * D;
-      kp[j] = k_cache + at;
-      vp[j] = v_cache + at;
+  const int64_t row_bytes = H * D * 2;  // one position's keys (or values) of the item
+  // Cache offsets of the 16 positions from p0 (tiles start at multiples of 16), one
+  // block-table lookup per block rather than a division per position.
+  auto offsets = [&](int64_t p0, int64_t* at) {
+    for (int j = 0; j < 16;) {
+      const int64_t p = p0 + j, in_block = p % block_size;
+      const int64_t base = rb.table[p / block_size] * block_stride + rb.h0 * D;
+      const int n = static_cast<int>(std::min<int64_t>(16 - j, block_size - in_block));
+      for (int e = 0; e < n; ++e) at[j + e] = base + (in_block + e) * slot_stride;
+      j += n;
     }
-    // values, two positions interleaved per pair (a missing last position reads as 0)
-    for (int64_t h = 0; h < H; ++h)
-      for (int t = 0; t < 8; ++t)
-        for (int c = 0; c < P; ++c) {
-          const int j = 2 * t;
-          const __m512i a = j < n ? _mm512_loadu_si512(vp[j] + h * D + 32 * c) : _mm512_setzero_si512();
-          const __m512i b =
-              j + 1 < n ? _mm512_loadu_si512(vp[j + 1] + h * D + 32 * c) : _mm512_setzero_si512();
-          __m512i* dst = vi + (h * 8 + t) * 2 * P + 2 * c;
-          _mm512_store_si512(dst, _mm512_unpacklo_epi16(a, b));
-          _mm512_store_si512(dst + 1, _mm512_unpackhi_epi16(a, b));
+  };
+  int64_t at[16], next_at[16];
+  for (int64_t p0 = kstart & ~int64_t{15}; p0 < kend; p0 += 16) {
+    offsets(p0, at);  // entries past the sequence's last block are never dereferenced
+    for (int j = 0; j < 16; ++j) {
+      const int64_t p = p0 + j;
+      const bool inside = p >= kstart && p < kend;
+      kp[j] = inside ? k_cache + at[j] : nullptr;
+      vp[j] = inside ? v_cache + at[j] : nullptr;
+    }
+    // Prefetch: this tile's keys (the q.k loop reads them head by head, a strided walk
+    // the hardware prefetchers follow poorly) and the next tile's keys and values.
+    for (int j = 0; j < 16; ++j)
+      if (kp[j])
+        for (int64_t b = 0; b < row_bytes; b += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(kp[j]) + b, _MM_HINT_T0);
+    if (p0 + 16 < kend) {
+      offsets(p0 + 16, next_at);
+      for (int j = 0; j < std::min<int64_t>(16, kend - p0 - 16); ++j)
+        for (int64_t b = 0; b < row_bytes; b += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(k_cache + next_at[j]) + b, _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(v_cache + next_at[j]) + b, _MM_HINT_T1);
         }
-    for (int64_t i = 0; i < NQ; ++i) {
-      const int64_t h = i / G;
-      __m512bh qv[P];
-      for (int c = 0; c < P; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + i * D + 32 * c);
-      __m512 dots[16];
-      for (int j = 0; j < 16; ++j) {
-        dots[j] = _mm512_setzero_ps();
-        if (j < n)
-          for (int c = 0; c < P; ++c)
-            dots[j] = _mm512_dpbf16_ps(
-                dots[j], qv[c], (__m512bh)_mm512_loadu_si512(kp[j] + h * D + 32 * c));
+    }
+    // values, two positions interleaved per pair (positions outside the item read as 0);
+    // position by position, every head of a position being one contiguous read
+    for (int t = 0; t < 8; ++t)
+      for (int64_t h = 0; h < H; ++h)
+        for (int c = 0; c < P; ++c) {
+          const auto* a = vp[2 * t];
+          const auto* b = vp[2 * t + 1];
+          const __m512i va = a ? _mm512_loadu_si512(a + h * D + 32 * c) : _mm512_setzero_si512();
+          const __m512i vb = b ? _mm512_loadu_si512(b + h * D + 32 * c) : _mm512_setzero_si512();
+          __m512i* dst = vi + (h * 8 + t) * 2 * P + 2 * c;
+          _mm512_store_si512(dst, _mm512_unpacklo_epi16(va, vb));
+          _mm512_store_si512(dst + 1, _mm512_unpackhi_epi16(va, vb));
+        }
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t pos = rb.pos0 + r;
+      const int64_t lo = std::max(first_of(pos), p0) - p0, hi = std::min(pos + 1, p0 + 16) - p0;
+      if (lo >= hi) continue;
+      const __mmask16 live = static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
+      const c10::BFloat16* qr = rb.q + r * rb.q_stride + rb.h0 * G * D;
+      for (int64_t i = 0; i < NQ; ++i) {
+        const int64_t h = i / G, ri = r * NQ + i;
+        __m512bh qv[P];
+        for (int c = 0; c < P; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qr + i * D + 32 * c);
+        __m512 dots[16];
+        for (int j = 0; j < 16; ++j) {
+          dots[j] = _mm512_setzero_ps();
+          if (j >= lo && j < hi)
+            for (int c = 0; c < P; ++c)
+              dots[j] = _mm512_dpbf16_ps(
+                  dots[j], qv[c], (__m512bh)_mm512_loadu_si512(kp[j] + h * D + 32 * c));
+        }
+        const __m512 sv = _mm512_mul_ps(sum16x16(dots), vscale);
+        const float m_new = std::max(mx[ri], _mm512_mask_reduce_max_ps(live, sv));
+        const float alpha = std::exp(mx[ri] - m_new);  // 0 on the first tile (max = -inf)
+        const __m512 pv =
+            _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
+        sum[ri] = sum[ri] * alpha + _mm512_reduce_add_ps(pv);
+        mx[ri] = m_new;
+        _mm256_store_si256(reinterpret_cast<__m256i*>(pairs), (__m256i)_mm512_cvtneps_pbh(pv));
+        float* ai = acc + ri * D;
+        __m512 a[2 * P];
+        const __m512 valpha = _mm512_set1_ps(alpha);
+        for (int c = 0; c < 2 * P; ++c) a[c] = _mm512_mul_ps(_mm512_load_ps(ai + 16 * c), valpha);
+        const __m512i* vh = vi + h * 8 * 2 * P;
+        for (int64_t t = lo / 2; 2 * t < hi; ++t) {
+          const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[t]));
+          for (int c = 0; c < 2 * P; ++c)
+            a[c] = _mm512_dpbf16_ps(a[c], w, (__m512bh)_mm512_load_si512(vh + t * 2 * P + c));
+        }
+        for (int c = 0; c < 2 * P; ++c) _mm512_store_ps(ai + 16 * c, a[c]);
       }
-      const __m512 sv = _mm512_mul_ps(sum16x16(dots), vscale);
-      const float m_new = std::max(m[i], _mm512_mask_reduce_max_ps(live, sv));
-      const float alpha = std::exp(m[i] - m_new);  // 0 on the first tile (m = -inf)
-      const __m512 pv =
-          _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
-      l[i] = l[i] * alpha + _mm512_reduce_add_ps(pv);
-      m[i] = m_new;
-      _mm256_store_si256(reinterpret_cast<__m256i*>(pairs), (__m256i)_mm512_cvtneps_pbh(pv));
-      float* ai = acc + i * D;
-      __m512 a[2 * P];
-      const __m512 va = _mm512_set1_ps(alpha);
-      for (int c = 0; c < 2 * P; ++c) a[c] = _mm512_mul_ps(_mm512_load_ps(ai + 16 * c), va);
-      const __m512i* vh = vi + h * 8 * 2 * P;
-      for (int t = 0; 2 * t < n; ++t) {
-        const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[t]));
-        for (int c = 0; c < 2 * P; ++c)
-          a[c] = _mm512_dpbf16_ps(a[c], w, (__m512bh)_mm512_load_si512(vh + t * 2 * P + c));
-      }
-      for (int c = 0; c < 2 * P; ++c) _mm512_store_ps(ai + 16 * c, a[c]);
     }
   }
   // lo lane 4L + w holds channel 8L + w of its chunk, hi lane 4L + w channel 8L + 4 + w
@@ -496,14 +544,18 @@ void attend_bf16(const c10::BFloat16* q, const c10::BFloat16* k_cache,
       {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23},
       {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31}};
   const __m512i order0 = _mm512_load_si512(kOrder[0]), order1 = _mm512_load_si512(kOrder[1]);
-  for (int64_t i = 0; i < NQ; ++i) {
-    const __m512 inv = _mm512_set1_ps(1.f / l[i]);
-    for (int c = 0; c < P; ++c) {
-      const __m512 lo = _mm512_load_ps(acc + i * D + 32 * c);
-      const __m512 hi = _mm512_load_ps(acc + i * D + 32 * c + 16);
-      store_bf16(out + i * D + 32 * c, _mm512_mul_ps(_mm512_permutex2var_ps(lo, order0, hi), inv));
-      store_bf16(out + i * D + 32 * c + 16,
-                 _mm512_mul_ps(_mm512_permutex2var_ps(lo, order1, hi), inv));
+  for (int64_t r = 0; r < R; ++r) {
+    c10::BFloat16* o = rb.out + r * rb.o_stride + rb.h0 * G * D;
+    for (int64_t i = 0; i < NQ; ++i) {
+      const int64_t ri = r * NQ + i;
+      const __m512 inv = _mm512_set1_ps(1.f / sum[ri]);
+      for (int c = 0; c < P; ++c) {
+        const __m512 lo = _mm512_load_ps(acc + ri * D + 32 * c);
+        const __m512 hi = _mm512_load_ps(acc + ri * D + 32 * c + 16);
+        store_bf16(o + i * D + 32 * c, _mm512_mul_ps(_mm512_permutex2var_ps(lo, order0, hi), inv));
+        store_bf16(o + i * D + 32 * c + 16,
+                   _mm512_mul_ps(_mm512_permutex2var_ps(lo, order1, hi), inv));
+      }
     }
   }
 }
@@ -536,30 +588,6 @@ void decode_attention_impl(const torch::Tensor& query, const torch::Tensor& kv_c
   const int64_t* row_ids = rows.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
   const bool vec = TM_HAS_AVX512 && D % 16 == 0 && D <= 256;
-#if TM_HAS_BF16_DOT
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (D == 64 || D == 128) {
-      // Whole sequences per work item (contiguous reads of every kv head) when there are
-      // enough of them to keep the threads busy; else one (sequence, kv head) pair each.
-      const int64_t split = S >= 4 * at::get_num_threads() ? 1 : Hk;
-      const int64_t H = Hk / split;
-      auto run = D == 64 ? attend_bf16<64> : attend_bf16<128>;
-      at::parallel_for(0, S * split, 1, [&](int64_t i0, int64_t i1) {
-        std::vector<float> work(attend_bf16_work(H, G, D) + 16);
-        float* w = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(work.data()) + 63) & ~uintptr_t(63));
-        for (int64_t i = i0; i < i1; ++i) {
-          const int64_t s = i / split, h0 = (i % split) * H;
-          const int64_t len = lens[s];
-          const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-          run(qp + row_ids[s] * q_stride, cache, cache + kv_half, tables + s * table_stride,
-              first, len, block_size, block_stride, slot_stride, h0, h0 + H, G, scale,
-              op + row_ids[s] * o_stride, w);
-        }
-      });
-      return;
-    }
-  }
-#endif
   at::parallel_for(0, S * Hk, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> q(G * D), acc(G * D), kf(D), scores;
     for (int64_t i = i0; i < i1; ++i) {
@@ -617,6 +645,87 @@ void decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor
   });
 }
 
+#if TM_HAS_BF16_DOT
+// Every sequence of a step through attend_bf16: query/out [T, Hq, D] bf16 (token stride
+// free, heads contiguous), kv_cache [2, blocks, block_size, Hk, D], block_tables int32
+// [S, max_blocks], seq_lens int32 [S] (context incl. the step's tokens), query_start_loc
+// int32 [S + 1]. Work items are blocks of up to 32 query rows times all kv heads when there
+// are enough of them to feed every thread four times over, else times one kv head; they
+// are dealt to the threads longest first (causal prefill rows cost more the later they
+// sit, and at::parallel_for would split an ordered list unevenly).
+void paged_attention_bf16(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
+                          torch::Tensor seq_lens, torch::Tensor query_start_loc, int64_t window,
+                          double scale, torch::Tensor out) {
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
+              "query must be [tokens, heads, head_size] with contiguous heads");
+  TORCH_CHECK(out.dim() == 3 && out.stride(2) == 1 && out.stride(1) == out.size(2) &&
+                  out.sizes() == query.sizes(),
+              "out must be query's shape with contiguous heads");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.stride(4) == 1 && kv_cache.stride(3) == kv_cache.size(4),
+              "kv_cache must be [2, blocks, block_size, kv_heads, head_size], heads contiguous");
+  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && kv_cache.scalar_type() == at::kBFloat16 &&
+                  out.scalar_type() == at::kBFloat16,
+              "paged_attention_bf16 takes bfloat16 query, cache and out");
+  const int64_t D = query.size(2), Hk = kv_cache.size(3), Hq = query.size(1);
+  TORCH_CHECK(D == 64 || D == 128, "paged_attention_bf16 supports head sizes 64 and 128, not ", D);
+  TORCH_CHECK(Hq % Hk == 0, "query heads must be a multiple of kv heads");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  query_start_loc.scalar_type() == at::kInt,
+              "block_tables, seq_lens and query_start_loc must be int32");
+  auto tables = block_tables.stride(1) == 1 ? block_tables : block_tables.contiguous();
+  auto lens_t = seq_lens.contiguous();
+  auto starts_t = query_start_loc.contiguous();
+  const int64_t S = lens_t.size(0), G = Hq / Hk;
+  const int32_t* lens = lens_t.data_ptr<int32_t>();
+  const int32_t* starts = starts_t.data_ptr<int32_t>();
+  const auto* qp = reinterpret_cast<const c10::BFloat16*>(query.data_ptr());
+  auto* op = reinterpret_cast<c10::BFloat16*>(out.data_ptr());
+  const auto* cache = reinterpret_cast<const c10::BFloat16*>(kv_cache.data_ptr());
+  constexpr int64_t kRows = 32;
+  const int64_t threads = at::get_num_threads();
+  int64_t num_blocks = 0;
+  for (int64_t s = 0; s < S; ++s) num_blocks += (starts[s + 1] - starts[s] + kRows - 1) / kRows;
+  const int64_t H = num_blocks >= 4 * threads ? Hk : 1;
+  std::vector<RowBlock> items;
+  std::vector<int64_t> cost;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t q_len = starts[s + 1] - starts[s], len = lens[s];
+    TORCH_CHECK(q_len <= len, "sequence ", s, " has more new tokens than context");
+    for (int64_t r0 = 0; r0 < q_len; r0 += kRows) {
+      const int64_t rows = std::min(kRows, q_len - r0), pos0 = len - q_len + r0;
+      const int64_t keys = std::min(pos0 + rows, window > 0 ? window + rows : pos0 + rows);
+      for (int64_t h0 = 0; h0 < Hk; h0 += H) {
+        items.push_back({qp + (starts[s] + r0) * query.stride(0), op + (starts[s] + r0) * out.stride(0),
+                         query.stride(0), out.stride(0), rows, pos0,
+                         tables.data_ptr<int32_t>() + s * tables.stride(0), h0, h0 + H});
+        cost.push_back(rows * keys * H + 64);
+      }
+    }
+  }
+  std::vector<int64_t> order(items.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  std::vector<std::vector<int64_t>> bins(threads);
+  std::vector<int64_t> load(threads, 0);
+  for (const int64_t i : order) {
+    const int64_t b = std::min_element(load.begin(), load.end()) - load.begin();
+    bins[b].push_back(i);
+    load[b] += cost[i];
+  }
+  const int64_t block_size = kv_cache.size(2), block_stride = kv_cache.stride(1);
+  const int64_t slot_stride = kv_cache.stride(2), kv_half = kv_cache.stride(0);
+  auto run = D == 64 ? attend_bf16<64> : attend_bf16<128>;
+  at::parallel_for(0, threads, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> work(attend_bf16_work(kRows, H, G, D) + 16);
+    float* w = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(work.data()) + 63) & ~uintptr_t{63});
+    for (int64_t b = b0; b < b1; ++b)
+      for (const int64_t i : bins[b])
+        run(items[i], cache, cache + kv_half, window, block_size, block_stride, slot_stride, G,
+            static_cast<float>(scale), w);
+  });
+}
+#endif
+
 // ---------------------------------------------------------------------------------------
 // The step's keys and values into their cache slots (the core's write_kv in one call):
 // key/value [T, Hk, D] (token stride free, heads contiguous), slot_mapping int64 [T].
@@ -664,5 +773,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_bf16_dot", &has_bf16_dot);
   m.def("linear_bf16", &linear_bf16);
   m.def("decode_attention", &decode_attention);
+#if TM_HAS_BF16_DOT
+  m.def("paged_attention_bf16", &paged_attention_bf16);
+#endif
   m.def("write_kv", &write_kv);
 }
