@@ -68,3 +68,22 @@ def test_mooncake_scaling(tmp_path):
     pa, pb = a.turns[0].prompt.split(), b.turns[0].prompt.split()
     assert (len(pa), len(pb)) == (16, 23) and pb[:16] == pa
     assert (a.turns[0].max_tokens, b.start_s) == (2, 1.0)
+
+
+def test_a_turn_due_after_the_time_limit_is_skipped_not_waited_for(monkeypatch):
+    import asyncio
+
+    import loadgen
+    from loadgen import Session, Target, Turn
+
+    async def fake_send(client, target, turn, messages, res, t0):
+        res.ttft, res.e2e, res.ok = 0.01, 0.01, True
+
+    monkeypatch.setattr(loadgen, "_send", fake_send)
+    s = Session("a", [Turn(1, prompt="x", at_s=0.0), Turn(1, prompt="y", at_s=3.0),  # due late
+                      Turn(1, prompt="z", stream="sub"),
+                      Turn(1, prompt="q", pause_s=3.0, stream="sub")])  # its pause ends late
+    late = Session("b", [Turn(1, prompt="w")], start_s=3.0)
+    results, duration = asyncio.run(loadgen.run_workload(Target("http://127.0.0.1:9", "m"),
+                                                         [s, late], None, time_limit_s=0.2))
+    assert [(r.session, r.turn) for r in results] == [("a", 0), ("a", 2)] and duration < 1.0

@@ -106,6 +106,8 @@ async def _send(client: httpx.AsyncClient, target: Target, turn: Turn, messages:
 
 async def _run_session(client, target, session: Session, sem: asyncio.Semaphore | None,
                        results: list[RequestResult], t0: float, deadline: float) -> None:
+    if session.start_s > deadline:
+        return
     await asyncio.sleep(max(0.0, session.start_s - (time.perf_counter() - t0)))
     messages: list[dict] = []
     if session.system:
@@ -116,12 +118,15 @@ async def _run_session(client, target, session: Session, sem: asyncio.Semaphore 
     async def one(i: int, turn: Turn) -> None:
         lock = streams.setdefault(turn.stream, asyncio.Lock())
         async with lock:
-            if turn.stream in stream_done:
-                await asyncio.sleep(turn.pause_s)
+            # send after the stream's pause and not before at_s; a turn that would go after
+            # the deadline is skipped now, not slept for (the run ends with its last response)
+            now = time.perf_counter() - t0
+            send_at = now + (turn.pause_s if turn.stream in stream_done else 0.0)
             if turn.at_s is not None:
-                await asyncio.sleep(max(0.0, turn.at_s - (time.perf_counter() - t0)))
-            if time.perf_counter() - t0 > deadline:
+                send_at = max(send_at, turn.at_s)
+            if send_at > deadline:
                 return
+            await asyncio.sleep(send_at - now)
             res = RequestResult(session=session.name, turn=i, start=math.nan,
                                 expected_prompt_tokens=turn.expected_prompt_tokens)
             msgs = None
