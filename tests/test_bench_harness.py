@@ -87,3 +87,55 @@ def test_a_turn_due_after_the_time_limit_is_skipped_not_waited_for(monkeypatch):
     results, duration = asyncio.run(loadgen.run_workload(Target("http://127.0.0.1:9", "m"),
                                                          [s, late], None, time_limit_s=0.2))
     assert [(r.session, r.turn) for r in results] == [("a", 0), ("a", 2)] and duration < 1.0
+
+
+def _trace(tid: str, times: list[float], hash_ids: list[list[int]]) -> dict:
+    return {"id": tid, "block_size": 64, "requests": [
+        {"t": t, "type": "n", "in": 64 * len(h), "out": 64, "hash_ids": h, "think_time": 0.0}
+        for t, h in zip(times, hash_ids)]}
+
+
+def test_claude_code_slots_play_sessions_back_to_back_without_sharing(tmp_path):
+    # three 2-turn sessions, each lasting 32 s of trace time = 1 s scaled
+    for i in range(3):
+        (tmp_path / f"s{i}.json").write_text(json.dumps(_trace(f"s{i}", [0.0, 32.0], [[1], [1, 2]])))
+    sessions = wl.claude_code_slots(WORDS, tmp_path, factor=32, time_factor=32, num_slots=2,
+                                    window_s=2.5, ramp_s=1.0, max_model_len=1024)
+    # slot 0 plays traces 0, 2, 1 (index 4 -> lap 1) to cover 2.5 s: 3 x 1 s;
+    # slot 1 starts at 0.5 s and plays 1, 0 (index 3 -> lap 1): 0.5 + 2 x 1 s
+    assert [(s.slot, s.name) for s in sessions] == [
+        (0, "s0/0"), (0, "s2/0"), (0, "s1/1"), (1, "s1/0"), (1, "s0/1")]
+    # the first session of slot 1 starts at 1 * ramp / 2; later ones count from their start
+    assert [s.start_s for s in sessions] == [0.0, 0.0, 0.0, 0.5, 0.0]
+    assert [t.at_s for t in sessions[3].turns] == [0.5, 1.5]
+    # the same trace on another lap shares no words; within a session, turns share the prefix
+    s0, s0_again = sessions[0], sessions[4]
+    assert s0.turns[1].prompt.startswith(s0.turns[0].prompt)
+    assert s0.turns[0].prompt != s0_again.turns[0].prompt
+    assert len(s0.turns[0].prompt.split()) == len(s0_again.turns[0].prompt.split()) == 2
+
+
+def test_slotted_sessions_run_one_after_another(monkeypatch):
+    import asyncio
+    import time
+
+    import loadgen
+    from loadgen import Session, Target, Turn
+
+    async def fake_send(client, target, turn, messages, res, t0):
+        res.start = time.perf_counter() - t0
+        await asyncio.sleep(0.05)
+        res.ttft, res.e2e, res.ok = 0.05, 0.05, True
+
+    monkeypatch.setattr(loadgen, "_send", fake_send)
+    a = Session("a", [Turn(1, prompt="x", at_s=0.0), Turn(1, prompt="y", at_s=0.1)], slot=0)
+    b = Session("b", [Turn(1, prompt="z", at_s=0.1)], slot=0)
+    free = Session("c", [Turn(1, prompt="w", at_s=0.0)])
+    results, _ = asyncio.run(loadgen.run_workload(Target("http://127.0.0.1:9", "m"), [a, b, free],
+                                                  None, time_limit_s=10))
+    start = {(r.session, r.turn): r.start for r in results}
+    assert len(results) == len(start) == 4  # every turn sent once
+    assert start[("a", 1)] >= 0.1
+    # b starts when a has ended (>= 0.15 s), and its at_s of 0.1 counts from there
+    assert start[("b", 0)] >= start[("a", 1)] + 0.05 + 0.1
+    assert start[("c", 0)] < start[("b", 0)] - 0.2  # a session without a slot waits for none

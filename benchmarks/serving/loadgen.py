@@ -3,8 +3,10 @@
 A workload is a list of `Session`s. Each session's turns run one after another (a turn
 waits for the previous turn of its stream, then its pause); sessions run concurrently,
 each starting at its `start_s`, under an optional cap on requests in flight. Independent
-requests are sessions of one turn. Everything is bounded by `time_limit_s`: turns that
-have not started by then are skipped and counted as not sent.
+requests are sessions of one turn. Sessions that name a `slot` run back to back instead:
+each starts when the one before it in its slot has finished, its times counted from
+then (a fixed number of concurrent sessions over a window). Everything is bounded by
+`time_limit_s`: turns that have not started by then are skipped and counted as not sent.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import asyncio
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import httpx
 from stats import RequestResult
@@ -40,6 +42,7 @@ class Session:
     start_s: float = 0.0
     chat: bool = False            # keep the conversation: append each reply to the history
     system: str | None = None
+    slot: int | None = None       # sessions of one slot run one after another, in list order
 
 
 @dataclass(slots=True)
@@ -153,6 +156,23 @@ async def _run_session(client, target, session: Session, sem: asyncio.Semaphore 
         await asyncio.gather(*(one(i, t) for i, t in enumerate(session.turns)))
 
 
+def _shifted(session: Session, offset_s: float) -> Session:
+    """The session with its start and every turn's earliest send time moved `offset_s` later."""
+    turns = [t if t.at_s is None else replace(t, at_s=t.at_s + offset_s) for t in session.turns]
+    return replace(session, start_s=session.start_s + offset_s, turns=turns)
+
+
+async def _run_slot(client, target, sessions: list[Session], sem: asyncio.Semaphore | None,
+                    results: list[RequestResult], t0: float, deadline: float) -> None:
+    """Sessions back to back: each one's `start_s` and `at_s` count from the end of the one
+    before (from the run start for the first). Stops at the deadline."""
+    for session in sessions:
+        now = time.perf_counter() - t0
+        if now > deadline:
+            return
+        await _run_session(client, target, _shifted(session, now), sem, results, t0, deadline)
+
+
 async def run_workload(target: Target, sessions: list[Session], max_concurrency: int | None,
                        time_limit_s: float, hard_limit_s: float | None = None,
                        timeout_s: float = 600.0) -> tuple[list[RequestResult], float]:
@@ -166,8 +186,15 @@ async def run_workload(target: Target, sessions: list[Session], max_concurrency:
         sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         results: list[RequestResult] = []
         t0 = time.perf_counter()
-        work = asyncio.gather(*(_run_session(client, target, s, sem, results, t0, time_limit_s)
-                                for s in sessions))
+        slots: dict[int, list[Session]] = {}
+        for s in sessions:
+            if s.slot is not None:
+                slots.setdefault(s.slot, []).append(s)
+        work = asyncio.gather(
+            *(_run_session(client, target, s, sem, results, t0, time_limit_s)
+              for s in sessions if s.slot is None),
+            *(_run_slot(client, target, group, sem, results, t0, time_limit_s)
+              for group in slots.values()))
         try:
             await asyncio.wait_for(work, timeout=hard_limit_s)
         except TimeoutError:

@@ -78,6 +78,34 @@ def multi_turn(words: Words, num_sessions: int, num_turns: int, system_len: int,
             for s in range(num_sessions)]
 
 
+def _trace_session(words: Words, trace: dict, factor: int, time_factor: float, max_model_len: int,
+                   start_s: float, scope: object, name: str, slot: int | None = None) -> Session:
+    """One Claude Code session, lengths and block size divided by `factor`, times by
+    `time_factor`, every turn's `at_s` counted from `start_s`. Blocks are seeded by
+    (scope, hash id): the same scope reproduces the trace's sharing, another scope shares nothing."""
+    if trace["block_size"] % factor:
+        raise ValueError(f"factor {factor} does not divide block size {trace['block_size']}")
+    bs = trace["block_size"] // factor
+    blocks: dict[int, str] = {}
+    turns = []
+    for req in trace["requests"]:
+        n_in = max(1, round(req["in"] / factor))
+        n_out = max(1, round(req["out"] / factor))
+        if n_in + n_out > max_model_len:
+            continue
+        for h in req["hash_ids"]:
+            if h not in blocks:
+                blocks[h] = words.block((scope, h), bs)
+        prompt = "".join(blocks[h] for h in req["hash_ids"])
+        prompt = " ".join(prompt.split(" ")[: n_in + 1])  # leading "" + n_in words
+        n_in = min(n_in, len(req["hash_ids"]) * bs)
+        stream = "sub" if req.get("type") == "s" else "main"
+        turns.append(Turn(n_out, prompt=prompt, pause_s=req.get("think_time", 0.0) / time_factor,
+                          at_s=start_s + req["t"] / time_factor, stream=stream,
+                          expected_prompt_tokens=n_in))
+    return Session(name, turns, start_s=start_s, slot=slot)
+
+
 def claude_code(words: Words, trace_dir: Path, factor: int, time_factor: float, max_sessions: int,
                 max_model_len: int, stagger_s: float) -> list[Session]:
     """Claude Code sessions with every length and the block size divided by `factor`.
@@ -91,23 +119,38 @@ def claude_code(words: Words, trace_dir: Path, factor: int, time_factor: float, 
     sessions = []
     for i, path in enumerate(files):
         trace = json.loads(path.read_text())
-        if trace["block_size"] % factor:
-            raise ValueError(f"factor {factor} does not divide block size {trace['block_size']}")
-        bs = trace["block_size"] // factor
-        turns = []
-        for req in trace["requests"]:
-            n_in = max(1, round(req["in"] / factor))
-            n_out = max(1, round(req["out"] / factor))
-            if n_in + n_out > max_model_len:
-                continue
-            prompt = "".join(words.block((trace["id"], h), bs) for h in req["hash_ids"])
-            prompt = " ".join(prompt.split(" ")[: n_in + 1])  # leading "" + n_in words
-            n_in = min(n_in, len(req["hash_ids"]) * bs)
-            stream = "sub" if req.get("type") == "s" else "main"
-            turns.append(Turn(n_out, prompt=prompt, pause_s=req.get("think_time", 0.0) / time_factor,
-                              at_s=i * stagger_s + req["t"] / time_factor, stream=stream,
-                              expected_prompt_tokens=n_in))
-        sessions.append(Session(trace["id"], turns, start_s=i * stagger_s))
+        sessions.append(_trace_session(words, trace, factor, time_factor, max_model_len,
+                                       i * stagger_s, trace["id"], trace["id"]))
+    return sessions
+
+
+def claude_code_slots(words: Words, trace_dir: Path, factor: int, time_factor: float,
+                      num_slots: int, window_s: float, ramp_s: float,
+                      max_model_len: int) -> list[Session]:
+    """`num_slots` concurrent Claude Code sessions held for `window_s`: as `claude_code`, but
+    slot i replays the trace's sessions i, i + n, i + 2n, ... (wrapping around) back to back,
+    and slot i starts at i * ramp_s / n. A slot gets sessions until their scaled trace
+    durations add up to the window; a replay never runs faster than its trace's times, so a
+    slot cannot run out before the window ends. Every replayed session (a trace session on
+    its k-th lap, in a run of n slots) has blocks of its own: sessions share nothing.
+    """
+    traces = [json.loads(p.read_text()) for p in sorted(trace_dir.glob("*.json"))]
+    if not traces:
+        raise ValueError(f"no *.json traces in {trace_dir}")
+    sessions = []
+    for slot in range(num_slots):
+        start = slot * ramp_s / num_slots
+        covered, k = 0.0, 0
+        while covered < window_s and k < len(traces):
+            index = slot + k * num_slots
+            trace = traces[index % len(traces)]
+            lap = index // len(traces)
+            s = _trace_session(words, trace, factor, time_factor, max_model_len,
+                               start if k == 0 else 0.0, (trace["id"], num_slots, lap),
+                               f"{trace['id']}/{lap}", slot=slot)
+            covered += max((t.at_s for t in s.turns), default=start if k == 0 else 0.0)
+            sessions.append(s)
+            k += 1
     return sessions
 
 
