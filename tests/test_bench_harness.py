@@ -139,3 +139,52 @@ def test_slotted_sessions_run_one_after_another(monkeypatch):
     # b starts when a has ended (>= 0.15 s), and its at_s of 0.1 counts from there
     assert start[("b", 0)] >= start[("a", 1)] + 0.05 + 0.1
     assert start[("c", 0)] < start[("b", 0)] - 0.2  # a session without a slot waits for none
+
+
+def _req(session, turn, start, ttft, prompt_tokens=0, cached=None, ok=True, sent=0, seen=0):
+    return {"session": session, "turn": turn, "start": start, "ttft": ttft, "ok": ok,
+            "prompt_tokens": prompt_tokens, "cached_tokens": cached,
+            "expected_prompt_tokens": sent, "seen_prefix_words": seen}
+
+
+def test_seen_prefix_counts_only_earlier_prefilled_prompts_of_the_session():
+    from reuse import seen_prefix_words
+
+    prompts = {("s", 0): " a b c d", ("s", 1): " a b c d e f", ("s", 2): " a b x",
+               ("s", 3): " a b c d e f g", ("t", 0): " a b c d e f g"}
+    reqs = [_req("s", 0, 0.0, 1.0),    # first token at 1.0
+            _req("s", 1, 2.0, 0.5),    # sent after s0's first token: shares 4 words
+            _req("s", 2, 0.5, 0.1),    # sent before s0's first token: nothing seen yet
+            _req("s", 3, 2.4, 0.1),    # s1 (2.5) not yet prefilled: best is s0 (4), s2 (2)
+            _req("t", 0, 9.0, 0.1)]    # another session shares nothing
+    assert seen_prefix_words(reqs, prompts) == [0, 4, 0, 4, 0]
+    reqs[3]["start"] = 2.6  # now s1 (first token at 2.5) counts: 6 words
+    assert seen_prefix_words(reqs, prompts)[3] == 6
+    reqs[1]["ttft"] = math.nan  # a request that never streamed computed nothing we can count
+    assert seen_prefix_words(reqs, prompts)[3] == 4
+
+
+def test_turn_reuse_against_new_tokens_plus_one_block():
+    from reuse import reuse_summary, turn_reuse
+
+    reqs = [_req("s", 0, 0.0, 0.1, prompt_tokens=100, cached=0, sent=100),
+            # 100 of 140 words seen; cache hit 96 (6 blocks of 16): computes 44 = new + 4
+            _req("s", 1, 1.0, 0.1, prompt_tokens=140, cached=96, sent=140, seen=100),
+            # 140 of 200 seen, but only 64 cached: computes 136 = new + 76
+            _req("s", 2, 2.0, 0.1, prompt_tokens=200, cached=64, sent=200, seen=140),
+            _req("s", 3, 3.0, math.nan, ok=False, sent=210, seen=200),
+            # s2 resent unchanged: all seen, the engine recomputes the last block (16)
+            _req("s", 4, 4.0, 0.1, prompt_tokens=200, cached=184, sent=200, seen=200),
+            # an engine that adds one token (BOS) and caches it with the first block
+            _req("t", 0, 0.0, 0.1, prompt_tokens=51, cached=0, sent=50),
+            _req("t", 1, 1.0, 0.1, prompt_tokens=71, cached=48, sent=70, seen=50)]
+    turns = turn_reuse(reqs)
+    got = [(t.session, t.turn, t.new_tokens, t.computed_tokens, t.excess) for t in turns]
+    assert got == [("s", 1, 40, 44, 4), ("s", 2, 60, 136, 76), ("s", 4, 0, 16, 16),
+                   ("t", 1, 20, 23, 3)]
+    s = reuse_summary(turns, block_size=16)
+    assert (s["turns"], s["within_bound"], s["worst_excess"], s["worst_turn"]) == (4, 3, 76, "s#2")
+    assert (s["new_tokens"], s["computed_tokens"], s["prompt_offsets"]) == (120, 219, [0, 1])
+    assert reuse_summary(turns, block_size=128)["within_bound"] == 4
+    reqs[1]["cached_tokens"] = None  # an engine that does not report cached tokens
+    assert turn_reuse(reqs) is None

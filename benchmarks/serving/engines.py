@@ -32,6 +32,13 @@ class EngineSpec:
     extra_body: dict = field(default_factory=dict)  # fields that make outputs run to max_tokens
     startup_timeout_s: float = 600.0
     version_cmd: list[str] = field(default_factory=list)
+    kv_block_size: int | None = None  # prefix-cache granularity in tokens; None: no reported reuse
+
+
+def _tokenmill_block_size() -> int:
+    from tokenmill.config import EngineArgs
+
+    return EngineArgs.model_fields["block_size"].default  # the launcher passes no --block-size
 
 
 def _q41_gguf() -> str:
@@ -58,7 +65,7 @@ def engine_specs(port: int, threads: int, max_model_len: int) -> dict[str, Engin
             [main_py, "-m", "tokenmill.server.cli", "serve", str(HF_DIR), "--port", str(port),
              "--served-model-name", SERVED, "--max-model-len", str(max_model_len),
              "--log-level", "warning"],
-            env=thr, extra_body={"ignore_eos": True},
+            env=thr, extra_body={"ignore_eos": True}, kv_block_size=_tokenmill_block_size(),
             version_cmd=[main_py, "-c", "import importlib.metadata as m; print(m.version('tokenmill'))"]),
         "vllm": EngineSpec(
             "vllm",
@@ -67,7 +74,9 @@ def engine_specs(port: int, threads: int, max_model_len: int) -> dict[str, Engin
              "--max-model-len", str(max_model_len), "--dtype", "bfloat16",
              "--enable-prompt-tokens-details"],
             env={**thr, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"},
-            extra_body={"ignore_eos": True}, startup_timeout_s=1200.0,
+            # vLLM's CPU platform picks 128-token blocks when --block-size is not given
+            # (vllm/platforms/cpu.py); its reported cached tokens are multiples of 128
+            extra_body={"ignore_eos": True}, startup_timeout_s=1200.0, kv_block_size=128,
             version_cmd=[vllm_py, "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"]),
         "llamacpp-bf16": EngineSpec(
             "llamacpp-bf16", [llama_py, "-m", "llama_cpp.server", "--model", str(BF16_GGUF), *llama_args],

@@ -15,6 +15,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
+from run import PER_REQUEST, REPLAYS
 from stats import median
 
 ORDER = ["tokenmill", "vllm", "transformers", "llamacpp-bf16", "llamacpp-q4_1"]
@@ -116,6 +117,30 @@ def trace_table(runs: dict, workload: str) -> str:
     return "\n".join(lines)
 
 
+def reuse_table(runs: dict, workload: str) -> str:
+    """Per point: turns (after each session's first) whose computed prompt tokens were at
+    most the new tokens plus one KV block, the worst excess and the totals."""
+    lines = ["| engine | point | turns | computed <= new + block | block | worst excess (turn) | "
+             "new tokens | computed tokens | reported - sent prompt tokens |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for engine in engines_in(runs):
+        for (w, point), rs in sorted(runs[engine].items(), key=lambda kv: _point_key(kv[0][1])):
+            if w != workload:
+                continue
+            for r in rs:
+                if "reuse" not in r:  # a run from before the per-turn accounting
+                    continue
+                u = r["reuse"]
+                if u is None:
+                    lines.append(f"| {engine} | {point} | cached tokens not reported |" + " |" * 6)
+                    continue
+                lines.append(
+                    f"| {engine} | {point} | {u['turns']} | {u['within_bound']} | {u['block_size']} | "
+                    f"{u['worst_excess']} ({u['worst_turn']}) | {u['new_tokens']} | "
+                    f"{u['computed_tokens']} | {', '.join(str(o) for o in u['prompt_offsets'])} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def plot(runs: dict, path: Path) -> None:
     import matplotlib
 
@@ -155,8 +180,11 @@ def main() -> None:
         r = ratios(runs, w)
         if r:
             print(f"Output tok/s ratios:\n\n{r}\n")
-        if w in ("claude-code", "mooncake", "multi-turn", "shared-prefix"):
+        if w in PER_REQUEST:
             print(f"Prompt tokens, sent vs computed:\n\n{trace_table(runs, w)}\n")
+        reuse = reuse_table(runs, w) if w in REPLAYS else ""
+        if reuse:
+            print(f"Prompt tokens computed per turn vs new tokens (`reuse.py`):\n\n{reuse}\n")
     if args.plot:
         plot(runs, args.plot)
 

@@ -24,11 +24,14 @@ from pathlib import Path
 import engines
 import workloads as wl
 from loadgen import Session, Target, run_workload
+from reuse import reuse_summary, seen_prefix_words, turn_reuse
 from stats import Slo, summarize
 
 log = logging.getLogger("serving-bench")
 TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
 SWEEP = {1: 3, 4: 8, 16: 32, 64: 64}  # concurrency: requests sent
+REPLAYS = ("claude-code",)  # completion-style replays: per-turn prefix reuse
+PER_REQUEST = (*REPLAYS, "mooncake", "multi-turn", "shared-prefix")  # runs keep every request
 
 
 def points(name: str, words: wl.Words, args) -> list[tuple[str, list[Session], int | None, float]]:
@@ -66,8 +69,41 @@ def warm_up(target: Target, words: wl.Words) -> None:
     asyncio.run(run_workload(target, wl.uniform(words, 4, 64, 16, tag="warm"), 4, 120, 300))
 
 
+def run_point(spec: engines.EngineSpec, target: Target, workload: str, label: str,
+              sessions: list[Session], conc: int | None, limit: float, rep: int, args) -> dict:
+    """Run one workload point once; the run's JSON record (summary, per-request rows for the
+    trace-like workloads, per-turn prefix reuse for the completion-style replays)."""
+    salt = {"cache_salt": f"{time.time_ns()}"} if spec.name in ("tokenmill", "vllm") else {}
+    # a fresh salt per repeat keeps one repeat's prefix cache from serving the next
+    t = Target(target.base_url, target.model, {**target.extra_body, **salt})
+    results, dur = asyncio.run(run_workload(t, sessions, conc, limit, limit + 30))
+    summary = summarize(results, dur, Slo(args.slo_ttft_s, args.slo_tpot_s))
+    run = {"workload": workload, "point": label, "concurrency": conc, "repeat": rep,
+           "summary": summary}
+    if workload in PER_REQUEST:
+        reqs = [{k: v for k, v in asdict(r).items() if k not in ("itls", "text")}
+                for r in sorted(results, key=lambda r: (r.session, r.turn))]
+        if workload in REPLAYS:
+            prompts = {(s.name, i): turn.prompt for s in sessions for i, turn in enumerate(s.turns)}
+            for r, seen in zip(reqs, seen_prefix_words(reqs, prompts)):
+                r["seen_prefix_words"] = seen
+            turns = turn_reuse(reqs)
+            run["reuse"] = (reuse_summary(turns, spec.kv_block_size)
+                            if turns is not None and spec.kv_block_size else None)
+        run["requests"] = reqs
+    errors = sorted({r.error for r in results if r.error})[:3]
+    if errors:
+        run["errors"] = errors
+    log.info("%s %s %s rep %d: %.1f out tok/s, ttft p50 %.0f ms, %d/%d ok %s", spec.name, workload,
+             label, rep, summary["output_tok_per_s"], summary["ttft_p50_ms"],
+             summary["requests"] - summary["failed"], summary["requests"], errors)
+    time.sleep(2)  # let cancelled work drain
+    return run
+
+
 def run_engine(spec: engines.EngineSpec, args, words: wl.Words) -> dict:
-    out = {"version": engines.version(spec), "argv": spec.argv, "env": spec.env, "runs": []}
+    out = {"version": engines.version(spec), "argv": spec.argv, "env": spec.env,
+           "kv_block_size": spec.kv_block_size, "runs": []}
     log_path = Path(args.log_dir) / f"{spec.name}.log"
     with engines.EngineProcess(spec, args.port, log_path) as proc:
         out["startup_s"] = proc.startup_s
@@ -76,26 +112,8 @@ def run_engine(spec: engines.EngineSpec, args, words: wl.Words) -> dict:
         for workload in args.workloads:
             for label, sessions, conc, limit in points(workload, words, args):
                 for rep in range(args.repeats if workload in args.repeated else args.trace_repeats):
-                    salt = {"cache_salt": f"{time.time_ns()}"} if spec.name in ("tokenmill", "vllm") else {}
-                    # a fresh salt per repeat keeps one repeat's prefix cache from serving the next
-                    t = Target(target.base_url, target.model, {**target.extra_body, **salt})
-                    results, dur = asyncio.run(run_workload(t, sessions, conc, limit, limit + 30))
-                    summary = summarize(results, dur, Slo(args.slo_ttft_s, args.slo_tpot_s))
-                    run = {"workload": workload, "point": label, "concurrency": conc, "repeat": rep,
-                           "summary": summary}
-                    if workload in ("claude-code", "mooncake", "multi-turn", "shared-prefix"):
-                        run["requests"] = [
-                            {k: v for k, v in asdict(r).items() if k not in ("itls", "text")}
-                            for r in sorted(results, key=lambda r: (r.session, r.turn))]
-                    errors = sorted({r.error for r in results if r.error})[:3]
-                    if errors:
-                        run["errors"] = errors
-                    out["runs"].append(run)
-                    log.info("%s %s %s rep %d: %.1f out tok/s, ttft p50 %.0f ms, %d/%d ok %s",
-                             spec.name, workload, label, rep, summary["output_tok_per_s"],
-                             summary["ttft_p50_ms"], summary["requests"] - summary["failed"],
-                             summary["requests"], errors)
-                    time.sleep(2)  # let cancelled work drain
+                    out["runs"].append(run_point(spec, target, workload, label, sessions, conc,
+                                                 limit, rep, args))
     return out
 
 
