@@ -188,3 +188,52 @@ def test_turn_reuse_against_new_tokens_plus_one_block():
     assert reuse_summary(turns, block_size=128)["within_bound"] == 4
     reqs[1]["cached_tokens"] = None  # an engine that does not report cached tokens
     assert turn_reuse(reqs) is None
+
+
+def test_judge_point_takes_the_percentile_and_fails_on_errors():
+    from capacity import judge_point
+
+    ttfts = [0.1 * i for i in range(1, 21)]  # 0.1 .. 2.0 s
+    p90 = float(np.percentile(ttfts, 90))  # 1.81 s
+    ok = judge_point(4, ttfts, failed=0, slo_ttft_s=2.0, q=90)
+    assert ok.passed and ok.reason == "" and ok.ttft_ms == pytest.approx(p90 * 1000)
+    assert ok.requests == 20
+    over = judge_point(4, ttfts, failed=0, slo_ttft_s=1.8, q=90)
+    assert not over.passed and "p90 TTFT 1810 ms > 1800 ms" == over.reason
+    assert judge_point(4, ttfts, failed=0, slo_ttft_s=1.8, q=50).passed
+    broken = judge_point(4, ttfts, failed=1, slo_ttft_s=2.0, q=90)
+    assert not broken.passed and broken.reason == "1 of 21 requests failed"
+    assert not judge_point(4, [], failed=0, slo_ttft_s=2.0, q=90).passed
+
+
+def test_max_sessions_at_slo_is_the_last_of_the_leading_passes():
+    from capacity import PointVerdict, max_sessions_at_slo
+
+    def v(n, passed):
+        return PointVerdict(n, 100.0, 10, 0, passed, "" if passed else "slow")
+
+    assert max_sessions_at_slo([v(1, True), v(2, True), v(4, False)]) == (2, False)
+    # a pass above a failure does not count (noise, or run without stopping)
+    assert max_sessions_at_slo([v(8, True), v(1, True), v(4, False), v(2, True)]) == (2, False)
+    assert max_sessions_at_slo([v(1, False)]) == (0, False)
+    assert max_sessions_at_slo([v(1, True), v(2, True)]) == (2, True)  # a lower bound
+    assert max_sessions_at_slo([v(1, True), v(2, True), v(2, False)]) == (1, False)  # repeats
+    assert max_sessions_at_slo([]) == (0, False)
+
+
+def test_capacity_table_reports_the_leading_passes_per_engine():
+    import report
+
+    def run(n, ttft_ms, passed):
+        return {"capacity": {"sessions": n, "ttft_ms": ttft_ms, "requests": 40, "failed": 0,
+                             "passed": passed, "reason": "", "slo_ttft_s": 2.0, "percentile": 90.0}}
+
+    runs = {"tokenmill": {("claude-code-capacity", "1 session"): [run(1, 500.0, True)],
+                          ("claude-code-capacity", "2 sessions"): [run(2, 2500.0, False)]},
+            "vllm": {("claude-code-capacity", "1 session"): [run(1, 400.0, True)],
+                     ("claude-code-capacity", "2 sessions"): [run(2, 900.0, True)]}}
+    lines = report.capacity_table(runs).splitlines()
+    assert lines[0].startswith("SLO: p90 TTFT <= 2000 ms")
+    assert lines[2:] == ["| engine | max sessions at SLO | 1 | 2 |", "|---|---|---|---|",
+                         "| tokenmill | 1 | 500 (40/40) | 2500 x (40/40) |",
+                         "| vllm | >= 2 | 400 (40/40) | 900 (40/40) |"]

@@ -12,10 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from collections import defaultdict
+from dataclasses import fields
 from pathlib import Path
 
-from run import PER_REQUEST, REPLAYS
+from capacity import PointVerdict, max_sessions_at_slo
+from run import CAPACITY, PER_REQUEST, REPLAYS
 from stats import median
 
 ORDER = ["tokenmill", "vllm", "transformers", "llamacpp-bf16", "llamacpp-q4_1"]
@@ -72,9 +75,8 @@ def table(runs: dict, workload: str) -> str:
 
 
 def _point_key(point: str):
-    if point.startswith("c="):
-        return (0, int(point[2:]))
-    return (1, point)
+    m = re.match(r"(?:c=)?(\d+)", point)  # "c=16", "8 sessions": by the number
+    return (0, int(m.group(1)), point) if m else (1, 0, point)
 
 
 def ratios(runs: dict, workload: str, key: str = "output_tok_per_s", base: str = "tokenmill") -> str:
@@ -114,6 +116,37 @@ def trace_table(runs: dict, workload: str) -> str:
                 f"{'not exposed' if cached is None else cached} | "
                 f"{'-' if cached is None else sent - cached} | {fmt(s['ttft_p50_ms'], 0)} / "
                 f"{fmt(s['ttft_p90_ms'], 0)} | {fmt(median(later) * 1000, 0) if later else '-'} |")
+    return "\n".join(lines)
+
+
+def capacity_table(runs: dict) -> str:
+    """Per engine: the most concurrent replayed sessions within the TTFT SLO, and each point."""
+    names = {f.name for f in fields(PointVerdict)}
+    verdicts: dict[str, list[tuple[PointVerdict, dict]]] = {}
+    for engine in engines_in(runs):
+        for (w, _point), rs in runs[engine].items():
+            if w == CAPACITY:
+                verdicts.setdefault(engine, []).extend(
+                    (PointVerdict(**{k: v for k, v in r["capacity"].items() if k in names}),
+                     r["capacity"]) for r in rs if "capacity" in r)
+    if not verdicts:
+        return ""
+    counts = sorted({v.sessions for vs in verdicts.values() for v, _ in vs})
+    slos = sorted({(c["percentile"], c["slo_ttft_s"]) for vs in verdicts.values() for _, c in vs})
+    slo = " or ".join(f"p{q:g} TTFT <= {t * 1000:.0f} ms" for q, t in slos)
+    lines = [f"SLO: {slo}{' (differs between runs)' if len(slos) > 1 else ''} over every turn "
+             "of a point, no failed request. Cells: TTFT at that percentile, ms (finished / sent); x: fails the SLO; "
+             "-: not run (a smaller count failed).", "",
+             f"| engine | max sessions at SLO | {' | '.join(str(n) for n in counts)} |",
+             "|" + "---|" * (len(counts) + 2)]
+    for engine, vs in verdicts.items():
+        best, every = max_sessions_at_slo(v for v, _ in vs)
+        cells = []
+        for n in counts:
+            here = [v for v, _ in vs if v.sessions == n]
+            cells.append(" / ".join(f"{fmt(v.ttft_ms, 0)}{'' if v.passed else ' x'} "
+                                    f"({v.requests - v.failed}/{v.requests})" for v in here) or "-")
+        lines.append(f"| {engine} | {'>= ' if every else ''}{best} | {' | '.join(cells)} |")
     return "\n".join(lines)
 
 
@@ -180,8 +213,10 @@ def main() -> None:
         r = ratios(runs, w)
         if r:
             print(f"Output tok/s ratios:\n\n{r}\n")
-        if w in PER_REQUEST:
+        if w in PER_REQUEST and w != CAPACITY:  # capacity points: see the reuse table
             print(f"Prompt tokens, sent vs computed:\n\n{trace_table(runs, w)}\n")
+        if w == CAPACITY:
+            print(f"Concurrent sessions within the TTFT SLO:\n\n{capacity_table(runs)}\n")
         reuse = reuse_table(runs, w) if w in REPLAYS else ""
         if reuse:
             print(f"Prompt tokens computed per turn vs new tokens (`reuse.py`):\n\n{reuse}\n")

@@ -2,6 +2,8 @@
 
     python benchmarks/serving/run.py --engines tokenmill vllm transformers \
         --workloads sweep claude-code --repeats 3 --out benchmarks/serving/results/run.json
+    python benchmarks/serving/run.py --engines tokenmill vllm llamacpp-bf16 \
+        --workloads claude-code-capacity --out benchmarks/serving/results/capacity.json
 
 Engines run one at a time on 127.0.0.1 with the same model and thread count; every
 workload point is preceded by the engine's warm-up, repeated `--repeats` times, and the
@@ -23,6 +25,7 @@ from pathlib import Path
 
 import engines
 import workloads as wl
+from capacity import judge_point, max_sessions_at_slo
 from loadgen import Session, Target, run_workload
 from reuse import reuse_summary, seen_prefix_words, turn_reuse
 from stats import Slo, summarize
@@ -30,7 +33,8 @@ from stats import Slo, summarize
 log = logging.getLogger("serving-bench")
 TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
 SWEEP = {1: 3, 4: 8, 16: 32, 64: 64}  # concurrency: requests sent
-REPLAYS = ("claude-code",)  # completion-style replays: per-turn prefix reuse
+CAPACITY = "claude-code-capacity"  # run by run_capacity, not points()
+REPLAYS = ("claude-code", CAPACITY)  # completion-style replays: per-turn prefix reuse
 PER_REQUEST = (*REPLAYS, "mooncake", "multi-turn", "shared-prefix")  # runs keep every request
 
 
@@ -101,6 +105,38 @@ def run_point(spec: engines.EngineSpec, target: Target, workload: str, label: st
     return run
 
 
+def run_capacity(spec: engines.EngineSpec, target: Target, args,
+                 words: wl.Words) -> tuple[list[dict], dict]:
+    """The Claude Code replay at each --capacity-sessions count, smallest first, until a count
+    fails the TTFT SLO or has failed requests; the runs and the engine's capacity record."""
+    runs, verdicts = [], []
+    f = args.trace_factor
+    for n in sorted(args.capacity_sessions):
+        sessions = wl.claude_code_slots(words, TRACES / "claude-code", f, f, n,
+                                        args.capacity_window_s, args.capacity_ramp_s,
+                                        args.max_model_len)
+        label = f"{n} session{'s' if n > 1 else ''}"
+        for rep in range(args.trace_repeats):
+            run = run_point(spec, target, CAPACITY, label, sessions, None, args.capacity_window_s,
+                            rep, args)
+            ttfts = [r["ttft"] for r in run["requests"] if r["ok"]]
+            v = judge_point(n, ttfts, run["summary"]["failed"], args.slo_ttft_s,
+                            args.capacity_percentile)
+            run["capacity"] = {**asdict(v), "slo_ttft_s": args.slo_ttft_s,
+                               "percentile": args.capacity_percentile}
+            runs.append(run)
+            verdicts.append(v)
+        if not all(v.passed for v in verdicts if v.sessions == n):
+            log.info("%s: %d sessions fail the SLO (%s); no larger count is run", spec.name, n,
+                     "; ".join(v.reason for v in verdicts if v.sessions == n and not v.passed))
+            break
+    best, every = max_sessions_at_slo(verdicts)
+    return runs, {"slo_ttft_s": args.slo_ttft_s, "percentile": args.capacity_percentile,
+                  "window_s": args.capacity_window_s, "ramp_s": args.capacity_ramp_s,
+                  "max_sessions": best, "every_point_passed": every,
+                  "points": [asdict(v) for v in verdicts]}
+
+
 def run_engine(spec: engines.EngineSpec, args, words: wl.Words) -> dict:
     out = {"version": engines.version(spec), "argv": spec.argv, "env": spec.env,
            "kv_block_size": spec.kv_block_size, "runs": []}
@@ -110,6 +146,10 @@ def run_engine(spec: engines.EngineSpec, args, words: wl.Words) -> dict:
         target = Target(f"http://127.0.0.1:{args.port}", engines.SERVED, dict(spec.extra_body))
         warm_up(target, words)
         for workload in args.workloads:
+            if workload == CAPACITY:
+                runs, out["capacity"] = run_capacity(spec, target, args, words)
+                out["runs"] += runs
+                continue
             for label, sessions, conc, limit in points(workload, words, args):
                 for rep in range(args.repeats if workload in args.repeated else args.trace_repeats):
                     out["runs"].append(run_point(spec, target, workload, label, sessions, conc,
@@ -139,6 +179,13 @@ def main() -> None:
     p.add_argument("--mooncake-factor", type=int, default=32)
     p.add_argument("--mooncake-time-factor", type=float, default=0.5,
                    help="arrival times are divided by this (0.5: twice as slow as recorded)")
+    p.add_argument("--capacity-sessions", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32],
+                   help=f"{CAPACITY}: concurrent replayed sessions, one point each, run until one fails")
+    p.add_argument("--capacity-window-s", type=float, default=40.0,
+                   help=f"{CAPACITY}: no turn starts after this; slots start within --capacity-ramp-s")
+    p.add_argument("--capacity-ramp-s", type=float, default=5.0)
+    p.add_argument("--capacity-percentile", type=float, default=90.0,
+                   help=f"{CAPACITY}: this percentile of TTFT over all turns must be <= --slo-ttft-s")
     p.add_argument("--slo-ttft-s", type=float, default=2.0)
     p.add_argument("--slo-tpot-s", type=float, default=0.1)
     p.add_argument("--out", default="benchmarks/serving/results/run.json")
