@@ -450,7 +450,6 @@ void attend_bf16(const RowBlock& rb, const c10::BFloat16* k_cache, const c10::BF
   const __m512 vscale = _mm512_set1_ps(scale);
   const c10::BFloat16* kp[16];
   const c10::BFloat16* vp[16];
-  alignas(64) uint32_t pairs[8];
   const int64_t row_bytes = H * D * 2;  // one position's keys (or values) of the item
   // Cache offsets of the 16 positions from p0 (tiles start at multiples of 16), one
   // block-table lookup per block rather than a division per position.
@@ -530,19 +529,23 @@ void attend_bf16(const RowBlock& rb, const c10::BFloat16* k_cache, const c10::BF
         }
         const __m512 sv = _mm512_mul_ps(sum16x16(dots), vscale);
         const float m_new = std::max(mx[ri], _mm512_mask_reduce_max_ps(live, sv));
-        const float alpha = std::exp(mx[ri] - m_new);  // 0 on the first tile (max = -inf)
-        const __m512 pv =
-            _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
-        sum[ri] = sum[ri] * alpha + _mm512_reduce_add_ps(pv);
+        // lane 0: the old max's rescale, 0 on the first tile (max = -inf); lanes: weights
+        const __m512 m_vec = _mm512_set1_ps(m_new);
+        const __m512 valpha = _mm512_permutexvar_ps(
+            _mm512_setzero_si512(), exp512(_mm512_sub_ps(_mm512_set1_ps(mx[ri]), m_vec)));
+        const __m512 pv = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(sv, m_vec)));
+        sum[ri] = sum[ri] * _mm512_cvtss_f32(valpha) + _mm512_reduce_add_ps(pv);
         mx[ri] = m_new;
-        _mm256_store_si256(reinterpret_cast<__m256i*>(pairs), (__m256i)_mm512_cvtneps_pbh(pv));
+        // the weights as bf16 pairs (positions 2t, 2t + 1 in 32-bit lane t)
+        const __m512i pairs =
+            _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(pv));
         float* ai = acc + ri * D;
         __m512 a[2 * P];
-        const __m512 valpha = _mm512_set1_ps(alpha);
         for (int c = 0; c < 2 * P; ++c) a[c] = _mm512_mul_ps(_mm512_load_ps(ai + 16 * c), valpha);
         const __m512i* vh = vi + h * 8 * 2 * P;
         for (int64_t t = lo / 2; 2 * t < hi; ++t) {
-          const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[t]));
+          const __m512bh w =
+              (__m512bh)_mm512_permutexvar_epi32(_mm512_set1_epi32(static_cast<int>(t)), pairs);
           for (int c = 0; c < 2 * P; ++c)
             a[c] = _mm512_dpbf16_ps(a[c], w, (__m512bh)_mm512_load_si512(vh + t * 2 * P + c));
         }
