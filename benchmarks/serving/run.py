@@ -48,7 +48,7 @@ def points(name: str, words: wl.Words, args) -> list[tuple[str, list[Session], i
         return [("48 mixed", wl.mixed(words, 48), None, args.point_limit_s)]
     if name == "sweep":
         return [(f"c={c}", wl.uniform(words, n, 256, 128, tag=f"s{c}-"), c, args.point_limit_s)
-                for c, n in SWEEP.items()]
+                for c, n in SWEEP.items() if c in args.sweep_concurrency]
     if name == "shared-prefix":
         return [("32 req, 4 groups, 1024 shared + 64", wl.shared_prefix(words, 32, 4, 1024, 64, 32), 8,
                  args.point_limit_s)]
@@ -166,6 +166,8 @@ def main() -> None:
     p.add_argument("--repeated", nargs="+", default=["sweep", "smoke"],
                    help="workloads run --repeats times; the others run --trace-repeats times")
     p.add_argument("--trace-repeats", type=int, default=1)
+    p.add_argument("--sweep-concurrency", nargs="+", type=int, default=list(SWEEP),
+                   choices=list(SWEEP), help="sweep: the concurrency points to run")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--port", type=int, default=8471)
     p.add_argument("--max-model-len", type=int, default=8192)
