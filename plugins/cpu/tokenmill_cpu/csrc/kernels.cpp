@@ -89,27 +89,30 @@ inline void store_bf16(c10::BFloat16* p, __m512 x) {
 template <typename T>
 void rms_norm_rows(const T* x, const T* res, const T* w, T* out, T* sum_out, int64_t rows,
                    int64_t hidden, int64_t x_stride, int64_t res_stride, float eps) {
-  std::vector<float> buf(hidden);
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* xr = x + r * x_stride;
-    float ss = 0.f;
-    if (res != nullptr) {
-      const T* rr = res + r * res_stride;
-      T* sr = sum_out + r * hidden;
-      for (int64_t i = 0; i < hidden; ++i) {
-        T s = from_f<T>(to_f(xr[i]) + to_f(rr[i]));
-        sr[i] = s;
-        buf[i] = to_f(s);
+  // rows in parallel past a few dozen (one row is ~2 us: a parallel region costs as much)
+  at::parallel_for(0, rows, 32, [&](int64_t r0, int64_t r1) {
+    std::vector<float> buf(hidden);
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * x_stride;
+      float ss = 0.f;
+      if (res != nullptr) {
+        const T* rr = res + r * res_stride;
+        T* sr = sum_out + r * hidden;
+        for (int64_t i = 0; i < hidden; ++i) {
+          T s = from_f<T>(to_f(xr[i]) + to_f(rr[i]));
+          sr[i] = s;
+          buf[i] = to_f(s);
+        }
+      } else {
+        for (int64_t i = 0; i < hidden; ++i) buf[i] = to_f(xr[i]);
       }
-    } else {
-      for (int64_t i = 0; i < hidden; ++i) buf[i] = to_f(xr[i]);
+  #pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < hidden; ++i) ss += buf[i] * buf[i];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(hidden) + eps);
+      T* o = out + r * hidden;
+      for (int64_t i = 0; i < hidden; ++i) o[i] = from_f<T>(to_f(w[i]) * round_to<T>(buf[i] * inv));
     }
-#pragma omp simd reduction(+ : ss)
-    for (int64_t i = 0; i < hidden; ++i) ss += buf[i] * buf[i];
-    const float inv = 1.f / std::sqrt(ss / static_cast<float>(hidden) + eps);
-    T* o = out + r * hidden;
-    for (int64_t i = 0; i < hidden; ++i) o[i] = from_f<T>(to_f(w[i]) * round_to<T>(buf[i] * inv));
-  }
+  });
 }
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
@@ -156,21 +159,23 @@ void rotary_heads(const int64_t* positions, const T* src, T* dst, const float* c
                   int64_t tokens, int64_t heads, int64_t head_size, int64_t rotary_dim,
                   int64_t src_token_stride, int64_t src_head_stride) {
   const int64_t half = rotary_dim / 2;
-  for (int64_t t = 0; t < tokens; ++t) {
-    const float* cos = cache + positions[t] * rotary_dim;
-    const float* sin = cos + half;
-    for (int64_t h = 0; h < heads; ++h) {
-      const T* s = src + t * src_token_stride + h * src_head_stride;
-      T* d = dst + (t * heads + h) * head_size;
-      for (int64_t i = 0; i < half; ++i) {
-        const float c = round_to<T>(cos[i]), sn = round_to<T>(sin[i]);
-        const float x1 = to_f(s[i]), x2 = to_f(s[i + half]);
-        d[i] = from_f<T>(round_to<T>(x1 * c) - round_to<T>(x2 * sn));
-        d[i + half] = from_f<T>(round_to<T>(x2 * c) + round_to<T>(x1 * sn));
+  at::parallel_for(0, tokens, 32, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* cos = cache + positions[t] * rotary_dim;
+      const float* sin = cos + half;
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* s = src + t * src_token_stride + h * src_head_stride;
+        T* d = dst + (t * heads + h) * head_size;
+        for (int64_t i = 0; i < half; ++i) {
+          const float c = round_to<T>(cos[i]), sn = round_to<T>(sin[i]);
+          const float x1 = to_f(s[i]), x2 = to_f(s[i + half]);
+          d[i] = from_f<T>(round_to<T>(x1 * c) - round_to<T>(x2 * sn));
+          d[i + half] = from_f<T>(round_to<T>(x2 * c) + round_to<T>(x1 * sn));
+        }
+        for (int64_t i = rotary_dim; i < head_size; ++i) d[i] = s[i];
       }
-      for (int64_t i = rotary_dim; i < head_size; ++i) d[i] = s[i];
     }
-  }
+  });
 }
 
 torch::Tensor rotary_one(const torch::Tensor& positions, const torch::Tensor& x,
