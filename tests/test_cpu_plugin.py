@@ -85,21 +85,32 @@ def test_head_sizes_and_custom_scale(head_size, dtype):
 
 
 @pytest.mark.parametrize("head_size", [64, 128])
-@pytest.mark.parametrize("window", [None, 5, 37])
+@pytest.mark.parametrize("window", [None, 5, 37, 600])
 @pytest.mark.parametrize(
     "seqs",
     [
+        [(999, 1)],  # one long decode: its keys split between threads, merged after
+        [(700, 1), (1200, 1)],  # two, split into different numbers of parts
         [(n - 1, 1) for n in (1, 2, 15, 16, 17, 33)],  # few decodes: a kv head per item
         [(n - 1, 1) for n in (1, 2, 15, 16, 17, 33, 100, 250, 31, 64, 7, 129)],  # per sequence
         [(0, 100), (37, 70), (5, 1), (300, 2)],  # prompt and chunks over several row blocks
         [(0, 33)] * 3 + [(16, 64)] * 6 + [(90, 1)] * 4,  # many row blocks: every kv head per item
     ],
-    ids=["decodes-per-head", "decodes-per-sequence", "chunks", "chunks-per-sequence"],
+    ids=[
+        "split-decode",
+        "split-decodes",
+        "decodes-per-head",
+        "decodes-per-sequence",
+        "chunks",
+        "chunks-per-sequence",
+    ],
 )
 def test_bf16_kernel_tiles_windows_and_work_split(head_size, window, seqs):
     """The kernel's bf16 path (head sizes 64 and 128) for decodes and prefill chunks: spans
     that end mid-tile, windows that start mid-block, chunks longer than a 32-row block
-    after cached context, and both ways of splitting the work."""
+    after cached context, every way of splitting the work (by kv head, by sequence, long
+    decodes by keys)."""
+    assert torch.get_num_threads() >= 2 or len(seqs) > 2, "the split cases need 2 threads"
     kind = AttentionKind.FULL if window is None else AttentionKind.SLIDING_WINDOW
     spec = AttentionSpec(kind, 8, 2, head_size, torch.bfloat16, 16, sliding_window=window)
     check_against_reference(spec, seqs, seed=len(seqs))

@@ -429,6 +429,11 @@ struct RowBlock {
   int64_t rows, pos0;      // number of rows, position of the first
   const int32_t* table;    // the sequence's block table
   int64_t h0, h1;          // kv heads
+  // Split keys (a single decode row whose keys are shared out between threads): only keys
+  // in [k0, k1) are read, and the unnormalised state goes to `partial` ([NQ] max, [NQ]
+  // sum, [NQ][D] accumulators in channel order) instead of `out`. k1 = 0: not split.
+  int64_t k0 = 0, k1 = 0;
+  float* partial = nullptr;
 };
 
 inline int64_t attend_bf16_work(int64_t rows, int64_t heads, int64_t G, int64_t D) {
@@ -451,7 +456,11 @@ void attend_bf16(const RowBlock& rb, const c10::BFloat16* k_cache, const c10::BF
   std::fill(mx, mx + R * NQ, -INFINITY);
   std::fill(sum, sum + R * NQ, 0.f);
   auto first_of = [&](int64_t pos) { return window > 0 ? std::max<int64_t>(0, pos + 1 - window) : 0; };
-  const int64_t kstart = first_of(rb.pos0), kend = rb.pos0 + R;
+  int64_t kstart = first_of(rb.pos0), kend = rb.pos0 + R;
+  if (rb.k1 > 0) {
+    kstart = std::max(kstart, rb.k0);
+    kend = std::min(kend, rb.k1);
+  }
   const __m512 vscale = _mm512_set1_ps(scale);
   const c10::BFloat16* kp[16];
   const c10::BFloat16* vp[16];
@@ -515,7 +524,8 @@ void attend_bf16(const RowBlock& rb, const c10::BFloat16* k_cache, const c10::BF
         }
     for (int64_t r = 0; r < R; ++r) {
       const int64_t pos = rb.pos0 + r;
-      const int64_t lo = std::max(first_of(pos), p0) - p0, hi = std::min(pos + 1, p0 + 16) - p0;
+      const int64_t lo = std::max({first_of(pos), kstart, p0}) - p0;
+      const int64_t hi = std::min({pos + 1, kend, p0 + 16}) - p0;
       if (lo >= hi) continue;
       const __mmask16 live = static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
       const c10::BFloat16* qr = rb.q + r * rb.q_stride + rb.h0 * G * D;
@@ -563,6 +573,21 @@ void attend_bf16(const RowBlock& rb, const c10::BFloat16* k_cache, const c10::BF
       {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23},
       {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31}};
   const __m512i order0 = _mm512_load_si512(kOrder[0]), order1 = _mm512_load_si512(kOrder[1]);
+  if (rb.partial != nullptr) {  // one row: its unnormalised state, channels in order
+    float* pm = rb.partial;
+    for (int64_t i = 0; i < NQ; ++i) {
+      pm[i] = mx[i];
+      pm[NQ + i] = sum[i];
+      float* pa = pm + 2 * NQ + i * D;
+      for (int c = 0; c < P; ++c) {
+        const __m512 lo = _mm512_load_ps(acc + i * D + 32 * c);
+        const __m512 hi = _mm512_load_ps(acc + i * D + 32 * c + 16);
+        _mm512_storeu_ps(pa + 32 * c, _mm512_permutex2var_ps(lo, order0, hi));
+        _mm512_storeu_ps(pa + 32 * c + 16, _mm512_permutex2var_ps(lo, order1, hi));
+      }
+    }
+    return;
+  }
   for (int64_t r = 0; r < R; ++r) {
     c10::BFloat16* o = rb.out + r * rb.o_stride + rb.h0 * G * D;
     for (int64_t i = 0; i < NQ; ++i) {
@@ -705,22 +730,58 @@ void paged_attention_bf16(torch::Tensor query, torch::Tensor kv_cache, torch::Te
   int64_t num_blocks = 0;
   for (int64_t s = 0; s < S; ++s) num_blocks += (starts[s + 1] - starts[s] + kRows - 1) / kRows;
   const int64_t H = num_blocks >= 4 * threads ? Hk : 1;
+  // Few items (a handful of decodes, batch 1 above all) cannot feed every thread: a
+  // decode row with a long context is split by keys into `splits` parts, each read by one
+  // item, and the parts are merged after (flash-decoding). kMinSplitKeys keeps each part
+  // long enough to be worth its merge.
+  constexpr int64_t kMinSplitKeys = 256;
+  const int64_t splits = num_blocks >= 2 * threads ? 1 : 2 * threads;
   std::vector<RowBlock> items;
   std::vector<int64_t> cost;
+  struct Merge {
+    c10::BFloat16* out;  // the row's output, at the item's first query head
+    int64_t first_item, parts, heads;
+  };
+  std::vector<Merge> merges;
+  int64_t partial_floats = 0;
   for (int64_t s = 0; s < S; ++s) {
     const int64_t q_len = starts[s + 1] - starts[s], len = lens[s];
     TORCH_CHECK(q_len <= len, "sequence ", s, " has more new tokens than context");
     for (int64_t r0 = 0; r0 < q_len; r0 += kRows) {
       const int64_t rows = std::min(kRows, q_len - r0), pos0 = len - q_len + r0;
       const int64_t keys = std::min(pos0 + rows, window > 0 ? window + rows : pos0 + rows);
-      for (int64_t h0 = 0; h0 < Hk; h0 += H) {
-        items.push_back({qp + (starts[s] + r0) * query.stride(0), op + (starts[s] + r0) * out.stride(0),
-                         query.stride(0), out.stride(0), rows, pos0,
-                         tables.data_ptr<int32_t>() + s * tables.stride(0), h0, h0 + H});
-        cost.push_back(rows * keys * H + 64);
+      const int64_t parts =
+          rows == 1 ? std::min(splits, std::max<int64_t>(1, keys / kMinSplitKeys)) : 1;
+      // a split row's parts take every kv head: one contiguous read per position
+      const int64_t heads = parts > 1 ? Hk : H;
+      for (int64_t h0 = 0; h0 < Hk; h0 += heads) {
+        const RowBlock rb{qp + (starts[s] + r0) * query.stride(0),
+                          op + (starts[s] + r0) * out.stride(0),
+                          query.stride(0), out.stride(0), rows, pos0,
+                          tables.data_ptr<int32_t>() + s * tables.stride(0), h0, h0 + heads};
+        if (parts == 1) {
+          items.push_back(rb);
+          cost.push_back(rows * keys * heads + 64);
+          continue;
+        }
+        merges.push_back({rb.out + h0 * G * D, static_cast<int64_t>(items.size()), parts, heads * G});
+        const int64_t k_first = pos0 + 1 - keys, per = (keys + parts - 1) / parts;
+        for (int64_t part = 0; part < parts; ++part) {
+          RowBlock piece = rb;
+          piece.k0 = k_first + part * per;
+          piece.k1 = std::min(pos0 + 1, piece.k0 + per);
+          // float offsets for now; pointed into the buffer once it is allocated
+          piece.partial = reinterpret_cast<float*>(partial_floats);
+          partial_floats += heads * G * (D + 2);
+          items.push_back(piece);
+          cost.push_back(per * heads + 64);
+        }
       }
     }
   }
+  std::vector<float> partial_buf(partial_floats);
+  for (auto& it : items)
+    if (it.k1 > 0) it.partial = partial_buf.data() + reinterpret_cast<intptr_t>(it.partial);
   std::vector<int64_t> order(items.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
   std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
@@ -735,13 +796,37 @@ void paged_attention_bf16(torch::Tensor query, torch::Tensor kv_cache, torch::Te
   const int64_t slot_stride = kv_cache.stride(2), kv_half = kv_cache.stride(0);
   auto run = D == 64 ? attend_bf16<64> : attend_bf16<128>;
   at::parallel_for(0, threads, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> work(attend_bf16_work(kRows, H, G, D) + 16);
+    std::vector<float> work(attend_bf16_work(kRows, Hk, G, D) + 16);
     float* w = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(work.data()) + 63) & ~uintptr_t{63});
     for (int64_t b = b0; b < b1; ++b)
       for (const int64_t i : bins[b])
         run(items[i], cache, cache + kv_half, window, block_size, block_stride, slot_stride, G,
             static_cast<float>(scale), w);
   });
+  // Split rows: out = sum_p acc_p e^(m_p - m) / sum_p l_p e^(m_p - m), m = max_p m_p.
+  for (const Merge& mg : merges) {
+    const int64_t NQ = mg.heads;
+    for (int64_t i = 0; i < NQ; ++i) {
+      float m = -INFINITY;
+      for (int64_t part = 0; part < mg.parts; ++part)
+        m = std::max(m, items[mg.first_item + part].partial[i]);
+      float l = 0.f;
+      __m512 a[8];  // D <= 128
+      for (int64_t c = 0; c < D / 16; ++c) a[c] = _mm512_setzero_ps();
+      for (int64_t part = 0; part < mg.parts; ++part) {
+        const float* pm = items[mg.first_item + part].partial;
+        if (pm[NQ + i] == 0.f) continue;  // a part with no visible key
+        const float f = std::exp(pm[i] - m);
+        l += pm[NQ + i] * f;
+        const __m512 vf = _mm512_set1_ps(f);
+        for (int64_t c = 0; c < D / 16; ++c)
+          a[c] = _mm512_fmadd_ps(_mm512_loadu_ps(pm + 2 * NQ + i * D + 16 * c), vf, a[c]);
+      }
+      const __m512 inv = _mm512_set1_ps(1.f / l);
+      for (int64_t c = 0; c < D / 16; ++c)
+        store_bf16(mg.out + i * D + 16 * c, _mm512_mul_ps(a[c], inv));
+    }
+  }
 }
 #endif
 
