@@ -3,11 +3,14 @@
 Usage: python benchmarks/bench_attention.py [--iters 10] [--block-size 16] [--threads N]
 
 Shapes are SmolLM2-135M's (9 query heads, 3 KV heads, head size 64). Cases: decode of
-one sequence with a 1000-token context; decode of 64 sequences with contexts drawn
-uniformly from 200-1000; a 512-token prefill chunk (after 512 cached tokens) mixed with
-63 such decodes. The CPU backend's `prepare` runs once per step and is shared by every
-layer, so it is reported separately and not counted in the per-layer time. Times are the
-minimum over `--iters` runs (the machine may be shared).
+one sequence with a 1000- and a 4000-token context; decode of 64 sequences with contexts
+drawn uniformly from 200-1000; a 512-token prefill chunk (after 512 cached tokens) mixed
+with 63 such decodes; fresh prompts of 4 x 256 and 1 x 1024 tokens. "kernel" is the CPU
+backend as the engine runs it: in bf16 the C++ paged attention for every row, in float32
+the C++ decode kernel for decode rows and SDPA for prefill rows. The CPU backend's
+`prepare` runs once per step and is shared by every layer, so it is reported separately
+and not counted in the per-layer time. Times are the minimum over `--iters` runs (the
+machine may be shared); every run reuses one cache, so small cases read it from L3.
 """
 
 from __future__ import annotations
@@ -78,8 +81,11 @@ def cases(rng: random.Random) -> dict[str, list[tuple[int, int]]]:
     decodes = [(rng.randint(200, 1000) - 1, 1) for _ in range(64)]
     return {
         "decode b=1 ctx=1000": [(999, 1)],
+        "decode b=1 ctx=4000": [(3999, 1)],
         "decode b=64 ctx=200-1000": decodes,
         "prefill 512 (+512 cached) + 63 decodes": [(512, 512), *decodes[:63]],
+        "prefill 4 x 256": [(0, 256)] * 4,
+        "prefill 1024": [(0, 1024)],
     }
 
 

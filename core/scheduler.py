@@ -1,9 +1,11 @@
 """Continuous batching under a per-step token budget.
 
 The one invariant: each request's `num_computed_tokens` catches up with its `num_tokens`.
-There are no prefill or decode phases: a step gives every running request as many of its
-uncomputed tokens as the budget allows (one for a decoding request, a chunk for a
-prefilling one), then admits waiting requests. When KV runs out, the most recently
+There are no prefill or decode phases: a step first gives every decoding request its
+one token, then spends the rest of the budget on prompt tokens, shortest remaining
+prefill first, over the running requests' unfinished prompts and the waiting requests
+(after their prefix-cache hits) alike: an agent's next turn, whose history is cached,
+computes its few new tokens at once instead of queueing behind a long cold prompt. When KV runs out, the most recently
 admitted running request is preempted: its blocks are freed and it is recomputed later,
 from the prefix cache where possible, with identical output.
 """
@@ -62,6 +64,9 @@ class SchedulerConfig:
 
 
 class Scheduler:
+    # waiting requests looked at per step (each costs a prefix-cache lookup)
+    _WAITING_LOOKAHEAD = 256
+
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
@@ -84,30 +89,57 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
 
+        # 1. Decoding requests, one token each, in admission order; KV shortage preempts the
+        #    most recently admitted running request.
+        prefilling: list[Request] = []
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(request, num_new):
+            if request.num_tokens - request.num_computed_tokens > 1:
+                prefilling.append(request)
+                i += 1
+                continue
+            while not self.kv.allocate_slots(request, 1):
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.num_preempted += 1
                 if victim is request:
                     break
             else:
-                scheduled.append((request, num_new))
-                budget -= num_new
+                scheduled.append((request, 1))
+                budget -= 1
                 i += 1
 
-        while self.waiting and budget > 0 and not out.num_preempted:
+        # 2. Prompt tokens, shortest remaining prefill first (running chunks and waiting
+        #    requests alike; preempted requests ahead of all): a turn whose history is cached
+        #    computes a few tokens and should not queue behind a long cold prompt. A long
+        #    prompt still gets whatever budget the shorter ones leave, every step.
+        candidates: list[tuple[int, int, Request, list]] = []
+        for request in prefilling:
+            remaining = request.num_tokens - request.num_computed_tokens
+            candidates.append((1, remaining, request, []))
+        admitting = not out.num_preempted
+        if admitting:
+            for request in list(self.waiting)[: self._WAITING_LOOKAHEAD]:
+                hits, num_hit = self.kv.find_cached_prefix(request)
+                first = 0 if request.status == RequestStatus.PREEMPTED else 1
+                candidates.append((first, request.num_tokens - num_hit, request, hits))
+        candidates.sort(key=lambda c: (c[0], c[1]))  # stable: arrival order breaks ties
+        for _, remaining, request, hits in candidates:
+            if budget <= 0:
+                break
+            num_new = min(remaining, budget)
+            if request.status == RequestStatus.RUNNING:
+                if self.kv.allocate_slots(request, num_new):  # else: next step
+                    scheduled.append((request, num_new))
+                    budget -= num_new
+                continue
             if len(self.running) >= self.config.max_num_seqs:
-                break
-            request = self.waiting[0]
-            hits, num_hit = self.kv.find_cached_prefix(request)
-            num_new = min(request.num_tokens - num_hit, budget)
+                continue
             if not self.kv.allocate_slots(request, num_new, hits):
-                break
-            self.waiting.popleft()
+                break  # no KV for this one: admit nothing bigger either
+            self.waiting.remove(request)
+            num_hit = request.num_tokens - remaining
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
                 self.kv.record_lookup(request.num_tokens, num_hit)

@@ -93,3 +93,35 @@ def test_abort_waiting_and_running_frees_blocks():
     s.finish("b", RequestStatus.FINISHED_ABORTED)
     assert s.kv.usage == 0.0 and not s.has_unfinished_requests()
     assert s.finish("zzz", RequestStatus.FINISHED_ABORTED) is None
+
+
+def test_shortest_remaining_prefill_goes_first():
+    """A short prompt that arrives during a long prompt's chunked prefill is computed in the
+    next step, ahead of the long prompt's next chunk; the long prompt takes what is left."""
+    s = make(num_blocks=256, budget=16)
+    s.add_request(req("long", 100))
+    first = run_step(s)
+    assert [(x.request_id, len(x.token_ids)) for x in first.scheduled] == [("long", 16)]
+    s.add_request(Request("short", list(range(900, 905)), SamplingParams(max_tokens=4)))
+    out = run_step(s)
+    assert [(x.request_id, len(x.token_ids)) for x in out.scheduled] == [("short", 5), ("long", 11)]
+    assert out.scheduled[0].sample  # the short one's whole prompt: it samples at once
+    out = run_step(s)  # the short one decodes first, the long one fills the rest
+    assert [(x.request_id, len(x.token_ids)) for x in out.scheduled] == [("short", 1), ("long", 15)]
+
+
+def test_a_cached_history_counts_as_a_short_prefill():
+    """Prefix-cache hits are taken off a waiting request's remaining tokens before ordering:
+    the next turn of a cached conversation goes ahead of a cold prompt sent before it."""
+    s = make(num_blocks=256, block_size=4, budget=64)
+    s.add_request(req("turn1", 40, max_tokens=1))
+    while s.has_unfinished_requests():
+        out = run_step(s)
+        for x in out.scheduled:
+            if s.requests[x.request_id].num_output_tokens >= 1:
+                s.finish(x.request_id, RequestStatus.FINISHED_LENGTH)
+    s.add_request(Request("cold", list(range(500, 560)), SamplingParams(max_tokens=1)))
+    s.add_request(req("turn2", 44, max_tokens=1))  # turn1's 40 tokens, then 4 new ones
+    out = run_step(s)
+    assert [x.request_id for x in out.scheduled] == ["turn2", "cold"]
+    assert out.scheduled[0].start_position == 40 and len(out.scheduled[0].token_ids) == 4
