@@ -1,10 +1,11 @@
-// Fused CPU kernels for the small, latency-bound ops of a decode step.
+// Fused CPU kernels: the small ops of a step, a small-batch GEMV and paged attention.
 //
 // At batch 1 a decode step of a small model is hundreds of tiny ATen calls: each norm,
 // rotary and activation is several kernels and allocations, and paged attention is a
-// gather plus SDPA. Each kernel here does one of those ops in one pass over its data,
-// computing in float32 and rounding where the core's reference ops round, so outputs
-// match them to within the last bit of the activation dtype.
+// gather plus SDPA. Each element-wise kernel here does one of those ops in one pass over
+// its data, computing in float32 and rounding where the core's reference ops round, so
+// outputs match them to within the last bit of the activation dtype. The bf16 paged
+// attention serves prefill and decode rows alike, reading the cache in place.
 //
 // Built on first use by tokenmill_cpu.kernels (torch.utils.cpp_extension, -march=native);
 // every entry point has an ATen fallback in tokenmill_cpu.ops.
@@ -106,7 +107,7 @@ void rms_norm_rows(const T* x, const T* res, const T* w, T* out, T* sum_out, int
       } else {
         for (int64_t i = 0; i < hidden; ++i) buf[i] = to_f(xr[i]);
       }
-  #pragma omp simd reduction(+ : ss)
+#pragma omp simd reduction(+ : ss)
       for (int64_t i = 0; i < hidden; ++i) ss += buf[i] * buf[i];
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(hidden) + eps);
       T* o = out + r * hidden;
