@@ -55,3 +55,31 @@ def test_real_model_chat_answers(llm):
     )[0].outputs[0]
     assert "Paris" in out.text
     assert out.finish_reason == "stop"  # the model ends its turn with <|im_end|>
+
+
+@pytest.mark.slow
+def test_real_model_in_bf16_tracks_transformers_in_float32(hf_model):
+    """bf16, the default dtype on an AVX512-BF16 CPU, runs the CPU plugin's C++ paged
+    attention for prefill chunks and decodes. Its outputs cannot be bit-identical to
+    float32, so: its prompt logprobs (a 200-token prompt in 64-token chunks, so later
+    chunks attend to cached blocks) stay near transformers' float32 ones, and every token it
+    picks greedily is within a small margin of float32's best at that point."""
+    bf16 = LLM(dtype="bfloat16", max_num_batched_tokens=64, block_size=16)
+    ids = bf16.get_tokenizer().encode(" ".join(PROMPTS * 12))[:200]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, prompt_logprobs=0)
+    out = bf16.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+    generated = out.outputs[0].token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([ids + generated])).logits[0].float(), -1)
+    # prompt positions 1..199: logprob of the actual token, ours vs float32
+    ours = torch.tensor(
+        [lp[t].logprob for lp, t in zip(out.prompt_logprobs[1:], ids[1:], strict=True)]
+    )
+    theirs = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    diff = (ours - theirs).abs()
+    assert diff.mean() < 0.1 and diff.max() < 1.0, (diff.mean(), diff.max())
+    # each greedy pick is (near) float32's best given the same history
+    rows = ref[len(ids) - 1 : len(ids) - 1 + len(generated)]
+    gap = rows.max(-1).values - rows[torch.arange(len(generated)), torch.tensor(generated)]
+    assert gap.max() < 0.5, gap
+
