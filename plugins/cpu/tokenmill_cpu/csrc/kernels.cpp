@@ -431,10 +431,10 @@ struct RowBlock {
   const int32_t* table;    // the sequence's block table
   int64_t h0, h1;          // kv heads
   // Split keys (a single decode row whose keys are shared out between threads): only keys
-  // in [k0, k1) are read, and the unnormalised state goes to `partial` ([NQ] max, [NQ]
-  // sum, [NQ][D] accumulators in channel order) instead of `out`. k1 = 0: not split.
-  int64_t k0 = 0, k1 = 0;
-  float* partial = nullptr;
+  // in [k0, k1) are read, and the unnormalised state goes to the partials buffer at float
+  // offset `partial` ([NQ] max, [NQ] sum, [NQ][D] accumulators in channel order) instead
+  // of `out`. k1 = 0: not split.
+  int64_t k0 = 0, k1 = 0, partial = 0;
 };
 
 inline int64_t attend_bf16_work(int64_t rows, int64_t heads, int64_t G, int64_t D) {
@@ -445,7 +445,7 @@ inline int64_t attend_bf16_work(int64_t rows, int64_t heads, int64_t G, int64_t 
 template <int D>
 void attend_bf16(const RowBlock& rb, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
                  int64_t window, int64_t block_size, int64_t block_stride, int64_t slot_stride,
-                 int64_t G, float scale, float* work) {
+                 int64_t G, float scale, float* work, float* partials) {
   constexpr int P = D / 32;  // 32-channel chunks per head row
   const int64_t H = rb.h1 - rb.h0, NQ = H * G, R = rb.rows;
   // [H][8 pairs][2P] vectors of interleaved bf16 values (64-byte aligned: first in work)
@@ -574,8 +574,8 @@ void attend_bf16(const RowBlock& rb, const c10::BFloat16* k_cache, const c10::BF
       {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23},
       {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31}};
   const __m512i order0 = _mm512_load_si512(kOrder[0]), order1 = _mm512_load_si512(kOrder[1]);
-  if (rb.partial != nullptr) {  // one row: its unnormalised state, channels in order
-    float* pm = rb.partial;
+  if (rb.k1 > 0) {  // one row: its unnormalised state, channels in order
+    float* pm = partials + rb.partial;
     for (int64_t i = 0; i < NQ; ++i) {
       pm[i] = mx[i];
       pm[NQ + i] = sum[i];
@@ -750,7 +750,8 @@ void paged_attention_bf16(torch::Tensor query, torch::Tensor kv_cache, torch::Te
     TORCH_CHECK(q_len <= len, "sequence ", s, " has more new tokens than context");
     for (int64_t r0 = 0; r0 < q_len; r0 += kRows) {
       const int64_t rows = std::min(kRows, q_len - r0), pos0 = len - q_len + r0;
-      const int64_t keys = std::min(pos0 + rows, window > 0 ? window + rows : pos0 + rows);
+      const int64_t first = window > 0 ? std::max<int64_t>(0, pos0 + 1 - window) : 0;
+      const int64_t keys = pos0 + rows - first;  // the block's visible keys
       const int64_t parts =
           rows == 1 ? std::min(splits, std::max<int64_t>(1, keys / kMinSplitKeys)) : 1;
       // a split row's parts take every kv head: one contiguous read per position
@@ -766,13 +767,12 @@ void paged_attention_bf16(torch::Tensor query, torch::Tensor kv_cache, torch::Te
           continue;
         }
         merges.push_back({rb.out + h0 * G * D, static_cast<int64_t>(items.size()), parts, heads * G});
-        const int64_t k_first = pos0 + 1 - keys, per = (keys + parts - 1) / parts;
+        const int64_t per = (keys + parts - 1) / parts;
         for (int64_t part = 0; part < parts; ++part) {
           RowBlock piece = rb;
-          piece.k0 = k_first + part * per;
+          piece.k0 = first + part * per;
           piece.k1 = std::min(pos0 + 1, piece.k0 + per);
-          // float offsets for now; pointed into the buffer once it is allocated
-          piece.partial = reinterpret_cast<float*>(partial_floats);
+          piece.partial = partial_floats;
           partial_floats += heads * G * (D + 2);
           items.push_back(piece);
           cost.push_back(per * heads + 64);
@@ -780,9 +780,7 @@ void paged_attention_bf16(torch::Tensor query, torch::Tensor kv_cache, torch::Te
       }
     }
   }
-  std::vector<float> partial_buf(partial_floats);
-  for (auto& it : items)
-    if (it.k1 > 0) it.partial = partial_buf.data() + reinterpret_cast<intptr_t>(it.partial);
+  std::vector<float> partials(partial_floats);
   std::vector<int64_t> order(items.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
   std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
@@ -802,7 +800,7 @@ void paged_attention_bf16(torch::Tensor query, torch::Tensor kv_cache, torch::Te
     for (int64_t b = b0; b < b1; ++b)
       for (const int64_t i : bins[b])
         run(items[i], cache, cache + kv_half, window, block_size, block_stride, slot_stride, G,
-            static_cast<float>(scale), w);
+            static_cast<float>(scale), w, partials.data());
   });
   // Split rows: out = sum_p acc_p e^(m_p - m) / sum_p l_p e^(m_p - m), m = max_p m_p.
   for (const Merge& mg : merges) {
@@ -810,12 +808,12 @@ void paged_attention_bf16(torch::Tensor query, torch::Tensor kv_cache, torch::Te
     for (int64_t i = 0; i < NQ; ++i) {
       float m = -INFINITY;
       for (int64_t part = 0; part < mg.parts; ++part)
-        m = std::max(m, items[mg.first_item + part].partial[i]);
+        m = std::max(m, partials[items[mg.first_item + part].partial + i]);
       float l = 0.f;
       __m512 a[8];  // D <= 128
       for (int64_t c = 0; c < D / 16; ++c) a[c] = _mm512_setzero_ps();
       for (int64_t part = 0; part < mg.parts; ++part) {
-        const float* pm = items[mg.first_item + part].partial;
+        const float* pm = partials.data() + items[mg.first_item + part].partial;
         if (pm[NQ + i] == 0.f) continue;  // a part with no visible key
         const float f = std::exp(pm[i] - m);
         l += pm[NQ + i] * f;
