@@ -80,6 +80,7 @@ def measure(
 def cases(rng: random.Random) -> dict[str, list[tuple[int, int]]]:
     decodes = [(rng.randint(200, 1000) - 1, 1) for _ in range(64)]
     return {
+        "decode b=1 ctx=256": [(255, 1)],
         "decode b=1 ctx=1000": [(999, 1)],
         "decode b=1 ctx=4000": [(3999, 1)],
         "decode b=64 ctx=200-1000": decodes,
@@ -116,7 +117,7 @@ def main() -> None:
             )
             dtype_name = str(dtype).removeprefix("torch.")
             print(
-                f"{name:<40} {dtype_name:<9} {ref_ms:>12.2f} {sdpa_ms:>8.2f} {kernel_ms:>9.2f} "
+                f"{name:<40} {dtype_name:<9} {ref_ms:>12.2f} {sdpa_ms:>8.3f} {kernel_ms:>9.3f} "
                 f"{ref_ms / kernel_ms:>7.1f}x {prepare_ms:>10.2f}"
             )
 

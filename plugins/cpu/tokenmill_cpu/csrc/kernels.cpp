@@ -735,7 +735,7 @@ void paged_attention_bf16(torch::Tensor query, torch::Tensor kv_cache, torch::Te
   // decode row with a long context is split by keys into `splits` parts, each read by one
   // item, and the parts are merged after (flash-decoding). kMinSplitKeys keeps each part
   // long enough to be worth its merge.
-  constexpr int64_t kMinSplitKeys = 256;
+  constexpr int64_t kMinSplitKeys = 128;
   const int64_t splits = num_blocks >= 2 * threads ? 1 : 2 * threads;
   std::vector<RowBlock> items;
   std::vector<int64_t> cost;
