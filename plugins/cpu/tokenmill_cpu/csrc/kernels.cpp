@@ -691,6 +691,217 @@ void decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor
 }
 
 #if TM_HAS_BF16_DOT
+// Work items of at least this many query rows (prefill chunks) go to attend_rows_bf16;
+// fewer (decode rows) to attend_bf16.
+constexpr int64_t kRowsMinRows = 4;
+
+inline int64_t attend_rows_bf16_work(int64_t rows, int64_t heads, int64_t G, int64_t D) {
+  // accumulators, running max, running sums (16 lanes), interleaved values, transposed keys
+  return rows * heads * G * (D + 1 + 16) + 2 * heads * 16 * D;
+}
+
+// attend_bf16 for many query rows (prefill chunks): the same flash-style walk, retuned for
+// rows that share every tile. Tiles are 32 positions. Each tile's keys are transposed once
+// (32-bit word c of lane j: channel pair c of position j), so that a row's 32 scores are
+// D / 2 dot-product steps against its broadcast channel pairs with no reduction across
+// lanes; U rows go together, their accumulators in registers, so the dot-product chains
+// overlap. Running sums stay 16-lane vectors until the end, and one exp serves the U
+// rows' rescales. No key splitting (items of one decode row go to attend_bf16).
+template <int D>
+void attend_rows_bf16(const RowBlock& rb, const c10::BFloat16* k_cache,
+                      const c10::BFloat16* v_cache, int64_t window, int64_t block_size,
+                      int64_t block_stride, int64_t slot_stride, int64_t G, float scale,
+                      float* work) {
+  constexpr int P = D / 32;            // 32-channel chunks per head row
+  constexpr int U = D == 64 ? 4 : 2;   // rows per group
+  constexpr int TP = 32;               // positions per tile
+  const int64_t H = rb.h1 - rb.h0, NQ = H * G, R = rb.rows;
+  // [H][16 pairs][2P] vectors of interleaved bf16 values (64-byte aligned: first in work)
+  __m512i* vi = reinterpret_cast<__m512i*>(work);
+  // [H][D / 2][32] words: the key tile transposed
+  uint32_t* kt = reinterpret_cast<uint32_t*>(work + H * 16 * D);
+  float* acc = work + 2 * H * 16 * D;  // [R][NQ][2P][16]: lo/hi halves per chunk
+  float* sums = acc + R * NQ * D;      // [R][NQ][16] running sums by lane
+  float* mx = sums + R * NQ * 16;      // [R][NQ] running max
+  std::fill(acc, acc + R * NQ * (D + 16), 0.f);
+  std::fill(mx, mx + R * NQ, -INFINITY);
+  auto first_of = [&](int64_t pos) { return window > 0 ? std::max<int64_t>(0, pos + 1 - window) : 0; };
+  const int64_t kstart = first_of(rb.pos0), kend = rb.pos0 + R;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const int64_t row_bytes = H * D * 2;  // one position's keys (or values) of the item
+  const int64_t lines_per_pos = row_bytes / 64;
+  auto offsets = [&](int64_t p0, int64_t* at) {
+    for (int j = 0; j < TP;) {
+      const int64_t p = p0 + j, in_block = p % block_size;
+      const int64_t base = rb.table[p / block_size] * block_stride + rb.h0 * D;
+      const int n = static_cast<int>(std::min<int64_t>(TP - j, block_size - in_block));
+      for (int e = 0; e < n; ++e) at[j + e] = base + (in_block + e) * slot_stride;
+      j += n;
+    }
+  };
+  const c10::BFloat16* kp[TP];
+  const c10::BFloat16* vp[TP];
+  int64_t at[TP], next_at[TP];
+  for (int64_t p0 = kstart & ~int64_t{TP - 1}; p0 < kend; p0 += TP) {
+    offsets(p0, at);  // entries past the sequence's last block are never dereferenced
+    for (int j = 0; j < TP; ++j) {
+      const int64_t p = p0 + j;
+      const bool inside = p >= kstart && p < kend;
+      kp[j] = inside ? k_cache + at[j] : nullptr;
+      vp[j] = inside ? v_cache + at[j] : nullptr;
+    }
+    // the next tile's keys and values, a few lines at a time through this tile's rows
+    int next_n = 0, next_done = 0;
+    if (p0 + TP < kend) {
+      offsets(p0 + TP, next_at);
+      next_n = static_cast<int>(std::min<int64_t>(TP, kend - p0 - TP));
+    }
+    const int64_t next_lines = next_n * lines_per_pos * 2;
+    auto prefetch_next = [&](int64_t upto) {
+      for (; next_done < std::min(upto, next_lines); ++next_done) {
+        const int64_t pos = next_done / (2 * lines_per_pos), rest = next_done % (2 * lines_per_pos);
+        const c10::BFloat16* base = (rest & 1 ? v_cache : k_cache) + next_at[pos];
+        _mm_prefetch(reinterpret_cast<const char*>(base) + (rest >> 1) * 64, _MM_HINT_T0);
+      }
+    };
+    // values, two positions interleaved per pair (positions outside the item read as 0)
+    for (int t = 0; t < TP / 2; ++t)
+      for (int64_t h = 0; h < H; ++h)
+        for (int c = 0; c < P; ++c) {
+          const auto* a = vp[2 * t];
+          const auto* b = vp[2 * t + 1];
+          const __m512i va = a ? _mm512_loadu_si512(a + h * D + 32 * c) : _mm512_setzero_si512();
+          const __m512i vb = b ? _mm512_loadu_si512(b + h * D + 32 * c) : _mm512_setzero_si512();
+          __m512i* dst = vi + (h * 16 + t) * 2 * P + 2 * c;
+          _mm512_store_si512(dst, _mm512_unpacklo_epi16(va, vb));
+          _mm512_store_si512(dst + 1, _mm512_unpackhi_epi16(va, vb));
+        }
+    // keys transposed (0 outside the item)
+    for (int64_t h = 0; h < H; ++h) {
+      uint32_t* kth = kt + h * (D / 2) * TP;
+      for (int j = 0; j < TP; ++j) {
+        if (kp[j] == nullptr) {
+          for (int c = 0; c < D / 2; ++c) kth[c * TP + j] = 0u;
+          continue;
+        }
+        const uint32_t* src = reinterpret_cast<const uint32_t*>(kp[j] + h * D);
+        for (int c = 0; c < D / 2; ++c) kth[c * TP + j] = src[c];
+      }
+    }
+    for (int64_t i = 0; i < NQ; ++i) {
+      prefetch_next((i + 1) * next_lines / NQ);
+      const int64_t h = i / G;
+      const uint32_t* kth = kt + h * (D / 2) * TP;
+      const __m512i* vh = vi + h * 16 * 2 * P;
+      for (int64_t r0 = 0; r0 < R; r0 += U) {
+        const int64_t n = std::min<int64_t>(U, R - r0);
+        const uint32_t* qw[U];  // rows past the end repeat the last (never stored)
+        for (int u = 0; u < U; ++u)
+          qw[u] = reinterpret_cast<const uint32_t*>(
+              rb.q + std::min<int64_t>(r0 + u, R - 1) * rb.q_stride + (rb.h0 * G + i) * D);
+        __m512 s0[U], s1[U];  // scores of positions 0-15 and 16-31
+        for (int u = 0; u < U; ++u) s0[u] = s1[u] = _mm512_setzero_ps();
+        for (int c = 0; c < D / 2; ++c) {
+          const __m512bh k0 = (__m512bh)_mm512_load_si512(kth + c * TP);
+          const __m512bh k1 = (__m512bh)_mm512_load_si512(kth + c * TP + 16);
+          for (int u = 0; u < U; ++u) {
+            const __m512bh qc = (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[u][c]));
+            s0[u] = _mm512_dpbf16_ps(s0[u], qc, k0);
+            s1[u] = _mm512_dpbf16_ps(s1[u], qc, k1);
+          }
+        }
+        // online softmax: new maxima, then one exp for the U rows' rescales
+        alignas(64) float m_old[16], m_new[16];
+        __mmask16 live0[U], live1[U];
+        bool seen[U];
+        int64_t t0 = TP / 2, t1 = 0;  // value pairs any row of the group weighs
+        for (int u = 0; u < 16; ++u) m_old[u] = m_new[u] = 0.f;
+        for (int u = 0; u < U; ++u) {
+          seen[u] = false;
+          if (u >= n) continue;
+          const int64_t pos = rb.pos0 + r0 + u;
+          const int64_t lo = std::max({first_of(pos), kstart, p0}) - p0;
+          const int64_t hi = std::min({pos + 1, kend, p0 + TP}) - p0;
+          if (lo >= hi) continue;
+          seen[u] = true;
+          const uint32_t live = static_cast<uint32_t>(
+              ((hi == 32 ? ~uint64_t{0} : (uint64_t{1} << hi) - 1) & ~((uint64_t{1} << lo) - 1)));
+          live0[u] = static_cast<__mmask16>(live & 0xffff);
+          live1[u] = static_cast<__mmask16>(live >> 16);
+          s0[u] = _mm512_mul_ps(s0[u], vscale);
+          s1[u] = _mm512_mul_ps(s1[u], vscale);
+          const __m512 neg = _mm512_set1_ps(-INFINITY);
+          const __m512 both = _mm512_max_ps(_mm512_mask_mov_ps(neg, live0[u], s0[u]),
+                                            _mm512_mask_mov_ps(neg, live1[u], s1[u]));
+          const float* m = mx + (r0 + u) * NQ + i;
+          m_old[u] = *m;
+          m_new[u] = std::max(*m, _mm512_reduce_max_ps(both));
+          t0 = std::min(t0, lo / 2);
+          t1 = std::max(t1, (hi + 1) / 2);
+        }
+        // 0 on a row's first tile (old max -inf); lanes of unseen rows give exp(0) = 1
+        alignas(64) float alpha[16];
+        _mm512_store_ps(alpha, exp512(_mm512_sub_ps(_mm512_load_ps(m_old), _mm512_load_ps(m_new))));
+        __m512i pairs[U];  // the weights as bf16 pairs (positions 2t, 2t + 1 in word t)
+        for (int u = 0; u < U; ++u) {
+          pairs[u] = _mm512_setzero_si512();
+          if (!seen[u]) continue;
+          const int64_t ri = (r0 + u) * NQ + i;
+          const __m512 m_vec = _mm512_set1_ps(m_new[u]);
+          const __m512 p0v = _mm512_maskz_mov_ps(live0[u], exp512(_mm512_sub_ps(s0[u], m_vec)));
+          const __m512 p1v = _mm512_maskz_mov_ps(live1[u], exp512(_mm512_sub_ps(s1[u], m_vec)));
+          float* sv = sums + ri * 16;
+          _mm512_store_ps(sv, _mm512_add_ps(_mm512_mul_ps(_mm512_load_ps(sv), _mm512_set1_ps(alpha[u])),
+                                            _mm512_add_ps(p0v, p1v)));
+          mx[ri] = m_new[u];
+          pairs[u] = (__m512i)_mm512_cvtne2ps_pbh(p1v, p0v);
+        }
+        // p.v of the group's rows together: U * 2P independent accumulator chains
+        __m512 a[U][2 * P];
+        for (int u = 0; u < U; ++u) {
+          if (u >= n) continue;
+          const __m512 va = _mm512_set1_ps(seen[u] ? alpha[u] : 1.f);
+          const float* ai = acc + ((r0 + u) * NQ + i) * D;
+          for (int c = 0; c < 2 * P; ++c) a[u][c] = _mm512_mul_ps(_mm512_load_ps(ai + 16 * c), va);
+        }
+        for (int64_t t = t0; t < t1; ++t) {
+          const __m512i sel = _mm512_set1_epi32(static_cast<int>(t));
+          for (int u = 0; u < U; ++u) {
+            if (u >= n) continue;
+            const __m512bh w = (__m512bh)_mm512_permutexvar_epi32(sel, pairs[u]);
+            for (int c = 0; c < 2 * P; ++c)
+              a[u][c] = _mm512_dpbf16_ps(a[u][c], w, (__m512bh)_mm512_load_si512(vh + t * 2 * P + c));
+          }
+        }
+        for (int u = 0; u < U; ++u) {
+          if (u >= n) continue;
+          float* ai = acc + ((r0 + u) * NQ + i) * D;
+          for (int c = 0; c < 2 * P; ++c) _mm512_store_ps(ai + 16 * c, a[u][c]);
+        }
+      }
+    }
+  }
+  // lo lane 4L + w holds channel 8L + w of its chunk, hi lane 4L + w channel 8L + 4 + w
+  alignas(64) static const int32_t kOrder[2][16] = {
+      {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23},
+      {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31}};
+  const __m512i order0 = _mm512_load_si512(kOrder[0]), order1 = _mm512_load_si512(kOrder[1]);
+  for (int64_t r = 0; r < R; ++r) {
+    c10::BFloat16* o = rb.out + r * rb.o_stride + rb.h0 * G * D;
+    for (int64_t i = 0; i < NQ; ++i) {
+      const int64_t ri = r * NQ + i;
+      const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_load_ps(sums + ri * 16)));
+      for (int c = 0; c < P; ++c) {
+        const __m512 lo = _mm512_load_ps(acc + ri * D + 32 * c);
+        const __m512 hi = _mm512_load_ps(acc + ri * D + 32 * c + 16);
+        store_bf16(o + i * D + 32 * c, _mm512_mul_ps(_mm512_permutex2var_ps(lo, order0, hi), inv));
+        store_bf16(o + i * D + 32 * c + 16,
+                   _mm512_mul_ps(_mm512_permutex2var_ps(lo, order1, hi), inv));
+      }
+    }
+  }
+}
+
 // Every sequence of a step through attend_bf16: query/out [T, Hq, D] bf16 (token stride
 // free, heads contiguous), kv_cache [2, blocks, block_size, Hk, D], block_tables int32
 // [S, max_blocks], seq_lens int32 [S] (context incl. the step's tokens), query_start_loc
@@ -794,13 +1005,20 @@ void paged_attention_bf16(torch::Tensor query, torch::Tensor kv_cache, torch::Te
   const int64_t block_size = kv_cache.size(2), block_stride = kv_cache.stride(1);
   const int64_t slot_stride = kv_cache.stride(2), kv_half = kv_cache.stride(0);
   auto run = D == 64 ? attend_bf16<64> : attend_bf16<128>;
+  auto run_rows = D == 64 ? attend_rows_bf16<64> : attend_rows_bf16<128>;
   at::parallel_for(0, threads, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> work(attend_bf16_work(kRows, Hk, G, D) + 16);
+    std::vector<float> work(std::max(attend_bf16_work(kRows, Hk, G, D),
+                                     attend_rows_bf16_work(kRows, Hk, G, D)) + 16);
     float* w = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(work.data()) + 63) & ~uintptr_t{63});
     for (int64_t b = b0; b < b1; ++b)
-      for (const int64_t i : bins[b])
-        run(items[i], cache, cache + kv_half, window, block_size, block_stride, slot_stride, G,
-            static_cast<float>(scale), w, partials.data());
+      for (const int64_t i : bins[b]) {
+        if (items[i].rows >= kRowsMinRows)
+          run_rows(items[i], cache, cache + kv_half, window, block_size, block_stride,
+                   slot_stride, G, static_cast<float>(scale), w);
+        else
+          run(items[i], cache, cache + kv_half, window, block_size, block_stride, slot_stride, G,
+              static_cast<float>(scale), w, partials.data());
+      }
   });
   // Split rows: out = sum_p acc_p e^(m_p - m) / sum_p l_p e^(m_p - m), m = max_p m_p.
   for (const Merge& mg : merges) {
