@@ -742,6 +742,7 @@ void attend_rows_bf16(const RowBlock& rb, const c10::BFloat16* k_cache,
   const c10::BFloat16* kp[TP];
   const c10::BFloat16* vp[TP];
   int64_t at[TP], next_at[TP];
+  alignas(64) float scratch[2 * P * 16] = {};  // accumulators of rows past the end
   for (int64_t p0 = kstart & ~int64_t{TP - 1}; p0 < kend; p0 += TP) {
     offsets(p0, at);  // entries past the sequence's last block are never dereferenced
     for (int j = 0; j < TP; ++j) {
@@ -856,28 +857,27 @@ void attend_rows_bf16(const RowBlock& rb, const c10::BFloat16* k_cache,
           mx[ri] = m_new[u];
           pairs[u] = (__m512i)_mm512_cvtne2ps_pbh(p1v, p0v);
         }
-        // p.v of the group's rows together: U * 2P independent accumulator chains
+        // p.v of the group's rows together: U * 2P independent accumulator chains (rows
+        // past the end accumulate into scratch, so the loops need no branches)
+        float* ap[U];
+        for (int u = 0; u < U; ++u)
+          ap[u] = u < n ? acc + ((r0 + u) * NQ + i) * D : scratch;
         __m512 a[U][2 * P];
         for (int u = 0; u < U; ++u) {
-          if (u >= n) continue;
           const __m512 va = _mm512_set1_ps(seen[u] ? alpha[u] : 1.f);
-          const float* ai = acc + ((r0 + u) * NQ + i) * D;
-          for (int c = 0; c < 2 * P; ++c) a[u][c] = _mm512_mul_ps(_mm512_load_ps(ai + 16 * c), va);
+          for (int c = 0; c < 2 * P; ++c) a[u][c] = _mm512_mul_ps(_mm512_load_ps(ap[u] + 16 * c), va);
         }
         for (int64_t t = t0; t < t1; ++t) {
           const __m512i sel = _mm512_set1_epi32(static_cast<int>(t));
+          __m512bh v[2 * P];
+          for (int c = 0; c < 2 * P; ++c) v[c] = (__m512bh)_mm512_load_si512(vh + t * 2 * P + c);
           for (int u = 0; u < U; ++u) {
-            if (u >= n) continue;
             const __m512bh w = (__m512bh)_mm512_permutexvar_epi32(sel, pairs[u]);
-            for (int c = 0; c < 2 * P; ++c)
-              a[u][c] = _mm512_dpbf16_ps(a[u][c], w, (__m512bh)_mm512_load_si512(vh + t * 2 * P + c));
+            for (int c = 0; c < 2 * P; ++c) a[u][c] = _mm512_dpbf16_ps(a[u][c], w, v[c]);
           }
         }
-        for (int u = 0; u < U; ++u) {
-          if (u >= n) continue;
-          float* ai = acc + ((r0 + u) * NQ + i) * D;
-          for (int c = 0; c < 2 * P; ++c) _mm512_store_ps(ai + 16 * c, a[u][c]);
-        }
+        for (int u = 0; u < U; ++u)
+          for (int c = 0; c < 2 * P; ++c) _mm512_store_ps(ap[u] + 16 * c, a[u][c]);
       }
     }
   }
