@@ -471,6 +471,10 @@ void attend_bf16(const RowBlock& rb, const c10::BFloat16* k_cache, const c10::BF
   auto offsets = [&](int64_t p0, int64_t* at) {
     for (int j = 0; j < 16;) {
       const int64_t p = p0 + j, in_block = p % block_size;
+      if (p >= kend) {  // past the item's last key: the block table may end before
+        std::fill(at + j, at + 16, int64_t{0});
+        break;
+      }
       const int64_t base = rb.table[p / block_size] * block_stride + rb.h0 * D;
       const int n = static_cast<int>(std::min<int64_t>(16 - j, block_size - in_block));
       for (int e = 0; e < n; ++e) at[j + e] = base + (in_block + e) * slot_stride;
@@ -479,7 +483,7 @@ void attend_bf16(const RowBlock& rb, const c10::BFloat16* k_cache, const c10::BF
   };
   int64_t at[16], next_at[16];
   for (int64_t p0 = kstart & ~int64_t{15}; p0 < kend; p0 += 16) {
-    offsets(p0, at);  // entries past the sequence's last block are never dereferenced
+    offsets(p0, at);
     for (int j = 0; j < 16; ++j) {
       const int64_t p = p0 + j;
       const bool inside = p >= kstart && p < kend;
@@ -733,6 +737,10 @@ void attend_rows_bf16(const RowBlock& rb, const c10::BFloat16* k_cache,
   auto offsets = [&](int64_t p0, int64_t* at) {
     for (int j = 0; j < TP;) {
       const int64_t p = p0 + j, in_block = p % block_size;
+      if (p >= kend) {  // past the item's last key: the block table may end before
+        std::fill(at + j, at + TP, int64_t{0});
+        break;
+      }
       const int64_t base = rb.table[p / block_size] * block_stride + rb.h0 * D;
       const int n = static_cast<int>(std::min<int64_t>(TP - j, block_size - in_block));
       for (int e = 0; e < n; ++e) at[j + e] = base + (in_block + e) * slot_stride;
@@ -744,7 +752,7 @@ void attend_rows_bf16(const RowBlock& rb, const c10::BFloat16* k_cache,
   int64_t at[TP], next_at[TP];
   alignas(64) float scratch[2 * P * 16] = {};  // accumulators of rows past the end
   for (int64_t p0 = kstart & ~int64_t{TP - 1}; p0 < kend; p0 += TP) {
-    offsets(p0, at);  // entries past the sequence's last block are never dereferenced
+    offsets(p0, at);
     for (int j = 0; j < TP; ++j) {
       const int64_t p = p0 + j;
       const bool inside = p >= kstart && p < kend;
