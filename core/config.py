@@ -19,7 +19,9 @@ class EngineArgs(BaseModel):
     platform: str | None = None
     max_model_len: int | None = Field(None, ge=1)
     max_num_seqs: int = Field(256, ge=1)
-    max_num_batched_tokens: int = Field(2048, ge=1)
+    max_num_batched_tokens: int | None = Field(
+        None, ge=1, description="tokens per step; None: the platform's choice, else 2048"
+    )
     block_size: int = Field(16, ge=1)
     enable_prefix_caching: bool = True
     kv_cache_memory_bytes: int | None = Field(None, ge=1)
@@ -43,3 +45,4 @@ class EngineArgs(BaseModel):
 
 
 DEFAULT_KV_CACHE_BYTES = 2 << 30
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048

@@ -261,6 +261,11 @@ class Platform:
     default_dtype: torch.dtype
     memory_info: Callable[[], MemoryInfo]
     version: str = "0"
+    # Tokens per step when EngineArgs leaves max_num_batched_tokens unset (None: the core's
+    # 2048). A step lasts about this many tokens of prefill, and a request arriving during
+    # a long prompt's prefill waits for the step: a slow device wants a smaller budget to
+    # keep time to first token short; a fast one a larger one to keep its matmuls full.
+    step_token_budget: int | None = None
 
     @property
     def device(self) -> torch.device:

@@ -63,6 +63,23 @@ def test_mixed_batch_under_small_token_budget(tiny_dirs, arch):
         assert out.outputs[0].token_ids == hf_greedy(hf, tok.encode(prompt), 10), prompt
 
 
+def test_step_token_budget_is_the_platforms_unless_given(tiny_dirs):
+    from tokenmill.platforms.registry import PlatformRegistry
+    from tokenmill_conformance import reference_platform
+
+    def budget(llm: LLM) -> int:
+        return llm.engine.scheduler.config.max_num_batched_tokens
+
+    # the CPU plugin asks for 512-token steps; an explicit argument wins
+    assert budget(make_llm(tiny_dirs["llama"])) == 512
+    assert budget(make_llm(tiny_dirs["llama"], max_num_batched_tokens=64)) == 64
+    # a platform that names no budget gets the core's default
+    registry = PlatformRegistry()
+    registry.register_plugin(reference_platform, "tokenmill-reference")
+    on_reference = make_llm(tiny_dirs["llama"], platform="tokenmill-reference", registry=registry)
+    assert budget(on_reference) == 2048
+
+
 def test_prefix_caching_same_outputs_and_counts_hits(tiny_dirs):
     shared = "Paris is the capital of France; Berlin is the capital of Germany. "
     prompts = [shared + s for s in ("The quick", "def main():", "héllo")]

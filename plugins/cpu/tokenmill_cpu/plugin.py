@@ -68,6 +68,10 @@ def tokenmill_platform() -> Platform:
         default_dtype=default_dtype,
         memory_info=memory_info,
         version=f"torch {torch.__version__}",
+        # About 0.45 s of prefill on 2 cores (SmolLM2-135M, bf16): at 2048 a turn arriving
+        # during a long prompt waited up to ~1.8 s for its step, and the agent replay held
+        # 3 sessions at p90 TTFT <= 2 s instead of 6; throughput at 64 requests unchanged.
+        step_token_budget=512,
     )
 
 
