@@ -19,8 +19,12 @@ class EngineArgs(BaseModel):
     platform: str | None = None
     max_model_len: int | None = Field(None, ge=1)
     max_num_seqs: int = Field(256, ge=1)
-    max_num_batched_tokens: int | None = Field(
-        None, ge=1, description="tokens per step; None: the platform's choice, else 2048"
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    long_prefill_token_threshold: int | None = Field(
+        None,
+        ge=0,
+        description="most prompt tokens one request computes per step; 0: no limit; "
+        "None: the platform's choice (no limit if it has none)",
     )
     block_size: int = Field(16, ge=1)
     enable_prefix_caching: bool = True
@@ -45,4 +49,3 @@ class EngineArgs(BaseModel):
 
 
 DEFAULT_KV_CACHE_BYTES = 2 << 30
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048

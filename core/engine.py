@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from tokenmill.config import DEFAULT_KV_CACHE_BYTES, DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineArgs
+from tokenmill.config import DEFAULT_KV_CACHE_BYTES, EngineArgs
 from tokenmill.kv.arena import KVArena
 from tokenmill.kv.manager import KVCacheManager
 from tokenmill.model.loader import LoadedModel, default_model_path, load_model_and_tokenizer
@@ -85,13 +85,13 @@ class LLMEngine:
                 )
             self.max_model_len = capacity
         self.kv = KVCacheManager(self.arena.num_blocks, args.block_size, args.enable_prefix_caching)
-        self.max_num_batched_tokens = (
-            args.max_num_batched_tokens
-            or self.platform.platform.step_token_budget
-            or DEFAULT_MAX_NUM_BATCHED_TOKENS
-        )
+        threshold = args.long_prefill_token_threshold
+        if threshold is None:
+            threshold = self.platform.platform.long_prefill_token_threshold or 0
         self.scheduler = Scheduler(
-            SchedulerConfig(args.max_num_seqs, self.max_num_batched_tokens, self.max_model_len),
+            SchedulerConfig(
+                args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len, threshold
+            ),
             self.kv,
         )
         backends = list({id(b): b for b in model.attention_backends}.values())

@@ -56,11 +56,17 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 8192
+    # the most prompt tokens one request computes in a step (0: up to the whole budget)
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                f"long_prefill_token_threshold={self.long_prefill_token_threshold} must be >= 0"
+            )
 
 
 class Scheduler:
@@ -113,7 +119,9 @@ class Scheduler:
         # 2. Prompt tokens, shortest remaining prefill first (running chunks and waiting
         #    requests alike; preempted requests ahead of all): a turn whose history is cached
         #    computes a few tokens and should not queue behind a long cold prompt. A long
-        #    prompt still gets whatever budget the shorter ones leave, every step.
+        #    prompt still gets whatever budget the shorter ones leave, every step, up to
+        #    long_prefill_token_threshold: one long prompt then cannot make a step as long
+        #    as a full budget, which every turn arriving meanwhile would wait out.
         candidates: list[tuple[int, int, Request, list]] = []
         for request in prefilling:
             remaining = request.num_tokens - request.num_computed_tokens
@@ -125,10 +133,11 @@ class Scheduler:
                 first = 0 if request.status == RequestStatus.PREEMPTED else 1
                 candidates.append((first, request.num_tokens - num_hit, request, hits))
         candidates.sort(key=lambda c: (c[0], c[1]))  # stable: arrival order breaks ties
+        chunk_cap = self.config.long_prefill_token_threshold or budget
         for _, remaining, request, hits in candidates:
             if budget <= 0:
                 break
-            num_new = min(remaining, budget)
+            num_new = min(remaining, budget, chunk_cap)
             if request.status == RequestStatus.RUNNING:
                 if self.kv.allocate_slots(request, num_new):  # else: next step
                     scheduled.append((request, num_new))

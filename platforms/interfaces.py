@@ -261,11 +261,12 @@ class Platform:
     default_dtype: torch.dtype
     memory_info: Callable[[], MemoryInfo]
     version: str = "0"
-    # Tokens per step when EngineArgs leaves max_num_batched_tokens unset (None: the core's
-    # 2048). A step lasts about this many tokens of prefill, and a request arriving during
-    # a long prompt's prefill waits for the step: a slow device wants a smaller budget to
-    # keep time to first token short; a fast one a larger one to keep its matmuls full.
-    step_token_budget: int | None = None
+    # The most prompt tokens one request computes per step when EngineArgs leaves
+    # long_prefill_token_threshold unset (None: no limit but the step's budget). A request
+    # arriving while a long prompt is prefilled waits for the step in flight: a slow device
+    # wants a long prompt cut into short steps to keep time to first token low; a fast one
+    # can take the whole budget at once.
+    long_prefill_token_threshold: int | None = None
 
     @property
     def device(self) -> torch.device:

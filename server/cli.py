@@ -82,6 +82,7 @@ def _serve(args: argparse.Namespace) -> int:
         "model": args.model, "dtype": args.dtype, "platform": args.platform,
         "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens, "block_size": args.block_size,
+        "long_prefill_token_threshold": args.long_prefill_token_threshold,
         "chat_template": chat_template, "seed": args.seed,
     }
     try:
@@ -147,6 +148,9 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                   help="most prompt tokens one request computes per step (0: no limit; "
+                        "default: the platform's choice, 512 on CPU)")
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--dtype", default=None,
                    choices=["auto", "bfloat16", "bf16", "float32", "fp32", "float16", "fp16"])

@@ -63,21 +63,22 @@ def test_mixed_batch_under_small_token_budget(tiny_dirs, arch):
         assert out.outputs[0].token_ids == hf_greedy(hf, tok.encode(prompt), 10), prompt
 
 
-def test_step_token_budget_is_the_platforms_unless_given(tiny_dirs):
+def test_long_prefill_threshold_is_the_platforms_unless_given(tiny_dirs):
     from tokenmill.platforms.registry import PlatformRegistry
     from tokenmill_conformance import reference_platform
 
-    def budget(llm: LLM) -> int:
-        return llm.engine.scheduler.config.max_num_batched_tokens
+    def threshold(llm: LLM) -> int:
+        return llm.engine.scheduler.config.long_prefill_token_threshold
 
-    # the CPU plugin asks for 512-token steps; an explicit argument wins
-    assert budget(make_llm(tiny_dirs["llama"])) == 512
-    assert budget(make_llm(tiny_dirs["llama"], max_num_batched_tokens=64)) == 64
-    # a platform that names no budget gets the core's default
+    # the CPU plugin cuts long prompts into 512-token chunks; an explicit argument wins
+    assert threshold(make_llm(tiny_dirs["llama"])) == 512
+    assert threshold(make_llm(tiny_dirs["llama"], long_prefill_token_threshold=0)) == 0
+    assert threshold(make_llm(tiny_dirs["llama"], long_prefill_token_threshold=64)) == 64
+    # a platform that names none: no limit but the step's budget
     registry = PlatformRegistry()
     registry.register_plugin(reference_platform, "tokenmill-reference")
     on_reference = make_llm(tiny_dirs["llama"], platform="tokenmill-reference", registry=registry)
-    assert budget(on_reference) == 2048
+    assert threshold(on_reference) == 0
 
 
 def test_prefix_caching_same_outputs_and_counts_hits(tiny_dirs):

@@ -1,12 +1,14 @@
+import pytest
+
 from tokenmill.kv.manager import KVCacheManager
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler import Scheduler, SchedulerConfig
 
 
-def make(num_blocks=64, block_size=4, budget=16, max_seqs=8, caching=True):
+def make(num_blocks=64, block_size=4, budget=16, max_seqs=8, caching=True, long_prefill=0):
     kv = KVCacheManager(num_blocks, block_size, caching)
-    return Scheduler(SchedulerConfig(max_seqs, budget, 1024), kv)
+    return Scheduler(SchedulerConfig(max_seqs, budget, 1024, long_prefill), kv)
 
 
 def run_step(s: Scheduler, next_token: int = 7):
@@ -31,6 +33,25 @@ def test_chunked_prefill_under_budget_then_decode():
     assert [st.scheduled[0].sample for st in steps] == [False, False, True, True]
     assert steps[1].scheduled[0].start_position == 8
     assert s.requests["a"].num_output_tokens == 2
+
+
+def test_long_prefill_threshold_caps_one_prompt_not_the_step():
+    s = make(budget=16, long_prefill=6)
+    s.add_request(req("long", 20))
+    first = run_step(s)
+    assert [(x.request_id, len(x.token_ids)) for x in first.scheduled] == [("long", 6)]
+    # short prompts arriving meanwhile fill the rest of the budget beside the long one
+    for rid, base in (("b", 300), ("c", 400)):  # no prefix shared with "long"
+        s.add_request(Request(rid, list(range(base, base + 5)), SamplingParams(max_tokens=4)))
+    second = run_step(s)
+    assert sorted((x.request_id, len(x.token_ids)) for x in second.scheduled) == [
+        ("b", 5), ("c", 5), ("long", 6)]
+    # without the threshold the long prompt takes the whole budget
+    s = make(budget=16)
+    s.add_request(req("long", 20))
+    assert run_step(s).num_tokens == 16
+    with pytest.raises(ValueError, match="long_prefill_token_threshold=-1"):
+        SchedulerConfig(8, 16, 1024, -1)
 
 
 def test_decode_and_prefill_mix_in_one_step():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import platform
@@ -190,6 +191,9 @@ def main() -> None:
                    help=f"{CAPACITY}: this percentile of TTFT over all turns must be <= --slo-ttft-s")
     p.add_argument("--slo-ttft-s", type=float, default=2.0)
     p.add_argument("--slo-tpot-s", type=float, default=0.1)
+    p.add_argument("--engine-args", nargs="+", default=[], metavar="ENGINE=ARGS",
+                   help='extra command-line arguments for an engine, e.g. '
+                        '"vllm=--max-num-batched-tokens 512" (recorded in the results)')
     p.add_argument("--out", default="benchmarks/serving/results/run.json")
     p.add_argument("--log-dir", default="/work/peers/logs")
     args = p.parse_args()
@@ -199,6 +203,11 @@ def main() -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     words = wl.Words(wl.one_token_words(engines.HF_DIR / "tokenizer.json"))
     specs = engines.engine_specs(args.port, args.threads, args.max_model_len)
+    for item in args.engine_args:
+        name, sep, extra = item.partition("=")
+        if not sep or name not in specs:
+            p.error(f"--engine-args {item!r}: expected ENGINE=ARGS with ENGINE one of {sorted(specs)}")
+        specs[name] = dataclasses.replace(specs[name], argv=[*specs[name].argv, *extra.split()])
     report = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "machine": {"cpus": __import__("os").cpu_count(), "platform": platform.platform(),
                           "python": platform.python_version()},

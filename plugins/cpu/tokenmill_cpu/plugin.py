@@ -68,10 +68,10 @@ def tokenmill_platform() -> Platform:
         default_dtype=default_dtype,
         memory_info=memory_info,
         version=f"torch {torch.__version__}",
-        # About 0.45 s of prefill on 2 cores (SmolLM2-135M, bf16): at 2048 a turn arriving
-        # during a long prompt waited up to ~1.8 s for its step, and the agent replay held
-        # 3 sessions at p90 TTFT <= 2 s instead of 6; throughput at 64 requests unchanged.
-        step_token_budget=512,
+        # 512 prompt tokens are about 0.45 s of prefill on 2 cores (SmolLM2-135M, bf16); a
+        # long prompt taking a whole 2048-token step made every turn arriving meanwhile wait
+        # up to ~1.8 s (docs/benchmarks-peers.md, agent replay).
+        long_prefill_token_threshold=512,
     )
 
 
