@@ -442,6 +442,78 @@ inline int64_t attend_bf16_work(int64_t rows, int64_t heads, int64_t G, int64_t 
   return rows * heads * G * (D + 2) + heads * 8 * D;
 }
 
+// Cache offsets of the n positions from p0 of an item's tile (tiles start at multiples of
+// n), one block-table lookup per block rather than a division per position; positions
+// at or past kend (the item's last key + 1) get 0, the block table may end before them.
+inline void tile_offsets(const RowBlock& rb, int64_t p0, int n, int64_t kend, int64_t block_size,
+                         int64_t block_stride, int64_t slot_stride, int64_t D, int64_t* at) {
+  for (int j = 0; j < n;) {
+    const int64_t p = p0 + j, in_block = p % block_size;
+    if (p >= kend) {
+      std::fill(at + j, at + n, int64_t{0});
+      return;
+    }
+    const int64_t base = rb.table[p / block_size] * block_stride + rb.h0 * D;
+    const int m = static_cast<int>(std::min<int64_t>(n - j, block_size - in_block));
+    for (int e = 0; e < m; ++e) at[j + e] = base + (in_block + e) * slot_stride;
+    j += m;
+  }
+}
+
+// The next tile's keys and values (at the cache offsets `at`, `lines` 64-byte lines in
+// all, key and value lines alternating per position), prefetched a few lines at a time
+// through the current tile's work: upto(k) issues the first k.
+struct TilePrefetch {
+  const c10::BFloat16* k_cache;
+  const c10::BFloat16* v_cache;
+  const int64_t* at;
+  int64_t lines_per_pos, lines, done = 0;
+
+  void upto(int64_t k) {
+    for (; done < std::min(k, lines); ++done) {
+      const int64_t pos = done / (2 * lines_per_pos), rest = done % (2 * lines_per_pos);
+      const c10::BFloat16* base = (rest & 1 ? v_cache : k_cache) + at[pos];
+      _mm_prefetch(reinterpret_cast<const char*>(base) + (rest >> 1) * 64, _MM_HINT_T0);
+    }
+  }
+};
+
+// A tile's values for H heads, two positions interleaved per pair (a null position reads
+// as 0): pair t of head h at vi[(h * pairs + t) * 2P ...], position by position, every head
+// of a position being one contiguous read.
+template <int D>
+inline void interleave_values(const c10::BFloat16* const* vp, int pairs, int64_t H, __m512i* vi) {
+  constexpr int P = D / 32;
+  for (int t = 0; t < pairs; ++t)
+    for (int64_t h = 0; h < H; ++h)
+      for (int c = 0; c < P; ++c) {
+        const auto* a = vp[2 * t];
+        const auto* b = vp[2 * t + 1];
+        const __m512i va = a ? _mm512_loadu_si512(a + h * D + 32 * c) : _mm512_setzero_si512();
+        const __m512i vb = b ? _mm512_loadu_si512(b + h * D + 32 * c) : _mm512_setzero_si512();
+        __m512i* dst = vi + (h * pairs + t) * 2 * P + 2 * c;
+        _mm512_store_si512(dst, _mm512_unpacklo_epi16(va, vb));
+        _mm512_store_si512(dst + 1, _mm512_unpackhi_epi16(va, vb));
+      }
+}
+
+// One row and head's D accumulators (lo/hi halves per 32-channel chunk, as p.v leaves
+// them: lo lane 4L + w holds channel 8L + w of its chunk, hi lane 4L + w channel 8L + 4 + w)
+// times `inv`, in channel order as bf16.
+template <int D>
+inline void store_head_bf16(const float* acc, __m512 inv, c10::BFloat16* o) {
+  alignas(64) static const int32_t kOrder[2][16] = {
+      {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23},
+      {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31}};
+  const __m512i order0 = _mm512_load_si512(kOrder[0]), order1 = _mm512_load_si512(kOrder[1]);
+  for (int c = 0; c < D / 32; ++c) {
+    const __m512 lo = _mm512_load_ps(acc + 32 * c);
+    const __m512 hi = _mm512_load_ps(acc + 32 * c + 16);
+    store_bf16(o + 32 * c, _mm512_mul_ps(_mm512_permutex2var_ps(lo, order0, hi), inv));
+    store_bf16(o + 32 * c + 16, _mm512_mul_ps(_mm512_permutex2var_ps(lo, order1, hi), inv));
+  }
+}
+
 template <int D>
 void attend_bf16(const RowBlock& rb, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
                  int64_t window, int64_t block_size, int64_t block_stride, int64_t slot_stride,
@@ -466,20 +538,8 @@ void attend_bf16(const RowBlock& rb, const c10::BFloat16* k_cache, const c10::BF
   const c10::BFloat16* kp[16];
   const c10::BFloat16* vp[16];
   const int64_t row_bytes = H * D * 2;  // one position's keys (or values) of the item
-  // Cache offsets of the 16 positions from p0 (tiles start at multiples of 16), one
-  // block-table lookup per block rather than a division per position.
   auto offsets = [&](int64_t p0, int64_t* at) {
-    for (int j = 0; j < 16;) {
-      const int64_t p = p0 + j, in_block = p % block_size;
-      if (p >= kend) {  // past the item's last key: the block table may end before
-        std::fill(at + j, at + 16, int64_t{0});
-        break;
-      }
-      const int64_t base = rb.table[p / block_size] * block_stride + rb.h0 * D;
-      const int n = static_cast<int>(std::min<int64_t>(16 - j, block_size - in_block));
-      for (int e = 0; e < n; ++e) at[j + e] = base + (in_block + e) * slot_stride;
-      j += n;
-    }
+    tile_offsets(rb, p0, 16, kend, block_size, block_stride, slot_stride, D, at);
   };
   int64_t at[16], next_at[16];
   for (int64_t p0 = kstart & ~int64_t{15}; p0 < kend; p0 += 16) {
@@ -500,33 +560,16 @@ void attend_bf16(const RowBlock& rb, const c10::BFloat16* k_cache, const c10::BF
     // (blocks sit anywhere in the pool, so the hardware prefetchers lose the stream at
     // each block; issued all at once, the prefetches overflow the miss queues): decode
     // at b=64, ctx 1000 went from ~14 to ~18.6 GB/s.
-    int next_n = 0, next_done = 0;
+    int next_n = 0;
     if (p0 + 16 < kend) {
       offsets(p0 + 16, next_at);
       next_n = static_cast<int>(std::min<int64_t>(16, kend - p0 - 16));
     }
     const int64_t lines_per_pos = row_bytes / 64;
     const int64_t next_lines = next_n * lines_per_pos * 2;
-    auto prefetch_next = [&](int64_t upto) {
-      for (; next_done < std::min(upto, next_lines); ++next_done) {
-        const int64_t pos = next_done / (2 * lines_per_pos), rest = next_done % (2 * lines_per_pos);
-        const c10::BFloat16* base = (rest & 1 ? v_cache : k_cache) + next_at[pos];
-        _mm_prefetch(reinterpret_cast<const char*>(base) + (rest >> 1) * 64, _MM_HINT_T0);
-      }
-    };
-    // values, two positions interleaved per pair (positions outside the item read as 0);
-    // position by position, every head of a position being one contiguous read
-    for (int t = 0; t < 8; ++t)
-      for (int64_t h = 0; h < H; ++h)
-        for (int c = 0; c < P; ++c) {
-          const auto* a = vp[2 * t];
-          const auto* b = vp[2 * t + 1];
-          const __m512i va = a ? _mm512_loadu_si512(a + h * D + 32 * c) : _mm512_setzero_si512();
-          const __m512i vb = b ? _mm512_loadu_si512(b + h * D + 32 * c) : _mm512_setzero_si512();
-          __m512i* dst = vi + (h * 8 + t) * 2 * P + 2 * c;
-          _mm512_store_si512(dst, _mm512_unpacklo_epi16(va, vb));
-          _mm512_store_si512(dst + 1, _mm512_unpackhi_epi16(va, vb));
-        }
+    TilePrefetch prefetch{k_cache, v_cache, next_at, lines_per_pos, next_lines};
+    auto prefetch_next = [&](int64_t upto) { prefetch.upto(upto); };
+    interleave_values<D>(vp, 8, H, vi);
     for (int64_t r = 0; r < R; ++r) {
       const int64_t pos = rb.pos0 + r;
       const int64_t lo = std::max({first_of(pos), kstart, p0}) - p0;
@@ -597,14 +640,7 @@ void attend_bf16(const RowBlock& rb, const c10::BFloat16* k_cache, const c10::BF
     c10::BFloat16* o = rb.out + r * rb.o_stride + rb.h0 * G * D;
     for (int64_t i = 0; i < NQ; ++i) {
       const int64_t ri = r * NQ + i;
-      const __m512 inv = _mm512_set1_ps(1.f / sum[ri]);
-      for (int c = 0; c < P; ++c) {
-        const __m512 lo = _mm512_load_ps(acc + ri * D + 32 * c);
-        const __m512 hi = _mm512_load_ps(acc + ri * D + 32 * c + 16);
-        store_bf16(o + i * D + 32 * c, _mm512_mul_ps(_mm512_permutex2var_ps(lo, order0, hi), inv));
-        store_bf16(o + i * D + 32 * c + 16,
-                   _mm512_mul_ps(_mm512_permutex2var_ps(lo, order1, hi), inv));
-      }
+      store_head_bf16<D>(acc + ri * D, _mm512_set1_ps(1.f / sum[ri]), o + i * D);
     }
   }
 }
@@ -735,17 +771,7 @@ void attend_rows_bf16(const RowBlock& rb, const c10::BFloat16* k_cache,
   const int64_t row_bytes = H * D * 2;  // one position's keys (or values) of the item
   const int64_t lines_per_pos = row_bytes / 64;
   auto offsets = [&](int64_t p0, int64_t* at) {
-    for (int j = 0; j < TP;) {
-      const int64_t p = p0 + j, in_block = p % block_size;
-      if (p >= kend) {  // past the item's last key: the block table may end before
-        std::fill(at + j, at + TP, int64_t{0});
-        break;
-      }
-      const int64_t base = rb.table[p / block_size] * block_stride + rb.h0 * D;
-      const int n = static_cast<int>(std::min<int64_t>(TP - j, block_size - in_block));
-      for (int e = 0; e < n; ++e) at[j + e] = base + (in_block + e) * slot_stride;
-      j += n;
-    }
+    tile_offsets(rb, p0, TP, kend, block_size, block_stride, slot_stride, D, at);
   };
   const c10::BFloat16* kp[TP];
   const c10::BFloat16* vp[TP];
@@ -760,31 +786,15 @@ void attend_rows_bf16(const RowBlock& rb, const c10::BFloat16* k_cache,
       vp[j] = inside ? v_cache + at[j] : nullptr;
     }
     // the next tile's keys and values, a few lines at a time through this tile's rows
-    int next_n = 0, next_done = 0;
+    int next_n = 0;
     if (p0 + TP < kend) {
       offsets(p0 + TP, next_at);
       next_n = static_cast<int>(std::min<int64_t>(TP, kend - p0 - TP));
     }
     const int64_t next_lines = next_n * lines_per_pos * 2;
-    auto prefetch_next = [&](int64_t upto) {
-      for (; next_done < std::min(upto, next_lines); ++next_done) {
-        const int64_t pos = next_done / (2 * lines_per_pos), rest = next_done % (2 * lines_per_pos);
-        const c10::BFloat16* base = (rest & 1 ? v_cache : k_cache) + next_at[pos];
-        _mm_prefetch(reinterpret_cast<const char*>(base) + (rest >> 1) * 64, _MM_HINT_T0);
-      }
-    };
-    // values, two positions interleaved per pair (positions outside the item read as 0)
-    for (int t = 0; t < TP / 2; ++t)
-      for (int64_t h = 0; h < H; ++h)
-        for (int c = 0; c < P; ++c) {
-          const auto* a = vp[2 * t];
-          const auto* b = vp[2 * t + 1];
-          const __m512i va = a ? _mm512_loadu_si512(a + h * D + 32 * c) : _mm512_setzero_si512();
-          const __m512i vb = b ? _mm512_loadu_si512(b + h * D + 32 * c) : _mm512_setzero_si512();
-          __m512i* dst = vi + (h * 16 + t) * 2 * P + 2 * c;
-          _mm512_store_si512(dst, _mm512_unpacklo_epi16(va, vb));
-          _mm512_store_si512(dst + 1, _mm512_unpackhi_epi16(va, vb));
-        }
+    TilePrefetch prefetch{k_cache, v_cache, next_at, lines_per_pos, next_lines};
+    auto prefetch_next = [&](int64_t upto) { prefetch.upto(upto); };
+    interleave_values<D>(vp, TP / 2, H, vi);
     // keys transposed (0 outside the item)
     for (int64_t h = 0; h < H; ++h) {
       uint32_t* kth = kt + h * (D / 2) * TP;
@@ -889,23 +899,12 @@ void attend_rows_bf16(const RowBlock& rb, const c10::BFloat16* k_cache,
       }
     }
   }
-  // lo lane 4L + w holds channel 8L + w of its chunk, hi lane 4L + w channel 8L + 4 + w
-  alignas(64) static const int32_t kOrder[2][16] = {
-      {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23},
-      {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31}};
-  const __m512i order0 = _mm512_load_si512(kOrder[0]), order1 = _mm512_load_si512(kOrder[1]);
   for (int64_t r = 0; r < R; ++r) {
     c10::BFloat16* o = rb.out + r * rb.o_stride + rb.h0 * G * D;
     for (int64_t i = 0; i < NQ; ++i) {
       const int64_t ri = r * NQ + i;
-      const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_load_ps(sums + ri * 16)));
-      for (int c = 0; c < P; ++c) {
-        const __m512 lo = _mm512_load_ps(acc + ri * D + 32 * c);
-        const __m512 hi = _mm512_load_ps(acc + ri * D + 32 * c + 16);
-        store_bf16(o + i * D + 32 * c, _mm512_mul_ps(_mm512_permutex2var_ps(lo, order0, hi), inv));
-        store_bf16(o + i * D + 32 * c + 16,
-                   _mm512_mul_ps(_mm512_permutex2var_ps(lo, order1, hi), inv));
-      }
+      const float total = _mm512_reduce_add_ps(_mm512_load_ps(sums + ri * 16));
+      store_head_bf16<D>(acc + ri * D, _mm512_set1_ps(1.f / total), o + i * D);
     }
   }
 }
