@@ -5,9 +5,11 @@ There are no prefill or decode phases: a step first gives every decoding request
 one token, then spends the rest of the budget on prompt tokens, shortest remaining
 prefill first, over the running requests' unfinished prompts and the waiting requests
 (after their prefix-cache hits) alike: an agent's next turn, whose history is cached,
-computes its few new tokens at once instead of queueing behind a long cold prompt. When KV runs out, the most recently
-admitted running request is preempted: its blocks are freed and it is recomputed later,
-from the prefix cache where possible, with identical output.
+computes its few new tokens at once instead of queueing behind a long cold prompt. One
+request takes at most `long_prefill_token_threshold` prompt tokens per step (0: no cap),
+so a long prompt cannot make a step that every arriving turn waits out. When KV runs
+out, the most recently admitted running request is preempted: its blocks are freed and
+it is recomputed later, from the prefix cache where possible, with identical output.
 """
 
 from __future__ import annotations

@@ -183,6 +183,9 @@ def tokenmill_platform() -> Platform:
         default_dtype=torch.float32,
         memory_info=_memory_info,
         version="0.1.0",
+        # the most prompt tokens one request computes per step unless the user says
+        # otherwise; None: the whole step budget. Set it where a full step is slow.
+        long_prefill_token_threshold=None,
     )
 
 

@@ -568,7 +568,6 @@ void attend_bf16(const RowBlock& rb, const c10::BFloat16* k_cache, const c10::BF
     const int64_t lines_per_pos = row_bytes / 64;
     const int64_t next_lines = next_n * lines_per_pos * 2;
     TilePrefetch prefetch{k_cache, v_cache, next_at, lines_per_pos, next_lines};
-    auto prefetch_next = [&](int64_t upto) { prefetch.upto(upto); };
     interleave_values<D>(vp, 8, H, vi);
     for (int64_t r = 0; r < R; ++r) {
       const int64_t pos = rb.pos0 + r;
@@ -578,7 +577,7 @@ void attend_bf16(const RowBlock& rb, const c10::BFloat16* k_cache, const c10::BF
       const __mmask16 live = static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
       const c10::BFloat16* qr = rb.q + r * rb.q_stride + rb.h0 * G * D;
       for (int64_t i = 0; i < NQ; ++i) {
-        prefetch_next((r * NQ + i + 1) * next_lines / (R * NQ));
+        prefetch.upto((r * NQ + i + 1) * next_lines / (R * NQ));
         const int64_t h = i / G, ri = r * NQ + i;
         __m512bh qv[P];
         for (int c = 0; c < P; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qr + i * D + 32 * c);
@@ -793,7 +792,6 @@ void attend_rows_bf16(const RowBlock& rb, const c10::BFloat16* k_cache,
     }
     const int64_t next_lines = next_n * lines_per_pos * 2;
     TilePrefetch prefetch{k_cache, v_cache, next_at, lines_per_pos, next_lines};
-    auto prefetch_next = [&](int64_t upto) { prefetch.upto(upto); };
     interleave_values<D>(vp, TP / 2, H, vi);
     // keys transposed (0 outside the item)
     for (int64_t h = 0; h < H; ++h) {
@@ -808,7 +806,7 @@ void attend_rows_bf16(const RowBlock& rb, const c10::BFloat16* k_cache,
       }
     }
     for (int64_t i = 0; i < NQ; ++i) {
-      prefetch_next((i + 1) * next_lines / NQ);
+      prefetch.upto((i + 1) * next_lines / NQ);
       const int64_t h = i / G;
       const uint32_t* kth = kt + h * (D / 2) * TP;
       const __m512i* vh = vi + h * 16 * 2 * P;
@@ -844,7 +842,7 @@ void attend_rows_bf16(const RowBlock& rb, const c10::BFloat16* k_cache,
           if (lo >= hi) continue;
           seen[u] = true;
           const uint32_t live = static_cast<uint32_t>(
-              ((hi == 32 ? ~uint64_t{0} : (uint64_t{1} << hi) - 1) & ~((uint64_t{1} << lo) - 1)));
+              ((hi == TP ? ~uint64_t{0} : (uint64_t{1} << hi) - 1) & ~((uint64_t{1} << lo) - 1)));
           live0[u] = static_cast<__mmask16>(live & 0xffff);
           live1[u] = static_cast<__mmask16>(live >> 16);
           s0[u] = _mm512_mul_ps(s0[u], vscale);
