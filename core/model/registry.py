@@ -6,15 +6,19 @@ from typing import Any
 
 from torch import nn
 
+from tokenmill.model.gemma3 import Gemma3ForCausalLM
+from tokenmill.model.gpt_oss import GptOssForCausalLM
 from tokenmill.model.llama import CausalLM
 
 # HF `model_type` -> class. One class covers the llama family; its module docstring says how
-# the types differ. Keyed by model_type, not `architectures`, because the class reads its
-# per-type switches from model_type.
+# the types differ. Other families have a file each. Keyed by model_type, not
+# `architectures`, because the classes read their per-type switches from model_type.
 _MODEL_TYPES: dict[str, type[nn.Module]] = {
     "llama": CausalLM,
     "qwen2": CausalLM,
     "qwen3": CausalLM,
+    "gemma3_text": Gemma3ForCausalLM,
+    "gpt_oss": GptOssForCausalLM,
 }
 
 
