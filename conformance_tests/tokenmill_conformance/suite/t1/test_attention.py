@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from tokenmill.ops.reference import paged_attention
 from tokenmill.platforms.interfaces import AttentionKind, AttentionSpec
+from tokenmill.platforms.registry import PlatformError
 from tokenmill_conformance.attention_harness import (
     TOLERANCE,
     check_step,
@@ -79,7 +80,9 @@ def _cases(name: str, caps) -> list:
         return [(k, e) for k in kinds for e in EDGE_BATCHES]
     if name == "test_sliding_windows":
         return [f"window{w}" for w in (1, 5, 24, 500) if AttentionKind.SLIDING_WINDOW in kinds]
-    if name in ("test_unwritten_slots_are_never_read", "test_chunked_prefill_then_decode"):
+    if name in (
+        "test_unwritten_slots_are_never_read", "test_chunked_prefill_then_decode", "test_sinks"
+    ):
         return [(k, d) for k in kinds for d in dtypes]
     return []
 
@@ -163,6 +166,25 @@ def test_sliding_windows(active, case):
         min(caps.block_sizes), sliding_window=int(case.removeprefix("window")),
     )
     _run(active, spec, mixed_batch(10), 1)
+
+
+def test_sinks(active, case):
+    """Attention sinks (gpt-oss), where a backend declares them: one learned logit per head
+    in every query's softmax. A platform without them is not failed: the core runs such
+    layers on its reference attention."""
+    kind, dtype = case
+    caps = active.platform.capabilities
+    spec = AttentionSpec(
+        kind, 8, 2, _head_size(caps), dtype, min(caps.block_sizes), _window(kind, 7), sinks=True
+    )
+    try:
+        backend = active.attention_backend(spec)
+    except PlatformError:
+        pytest.skip("no attention backend declares sinks; the core's reference runs them")
+    device = active.platform.device
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(0)) * 2
+    step = to_device(make_step(mixed_batch(5), spec, 0, poison=True), device)
+    check_step(backend, spec, step, sinks=sinks)
 
 
 def test_unwritten_slots_are_never_read(active, case):
