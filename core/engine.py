@@ -69,14 +69,24 @@ class LLMEngine:
         self.max_model_len = min(args.max_model_len or self.loaded.max_model_len, self.loaded.max_model_len)
         model = self.loaded.model
 
+        layout = model.kv_layout  # KV groups: one block table per group of one attention type
         self.arena = KVArena.create(
             self.platform.allocator(AllocatorPurpose.KV_ARENA),
             model.attention_specs,
             num_blocks=args.num_kv_blocks,
             num_bytes=args.kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES,
             device=self.device,
+            layer_slots=layout.layer_slot,
         )
-        capacity = self.arena.num_blocks * args.block_size
+        self.kv = KVCacheManager(
+            self.arena.num_blocks, args.block_size, args.enable_prefix_caching, layout.groups
+        )
+        threshold = args.long_prefill_token_threshold
+        if threshold is None:
+            threshold = self.platform.platform.long_prefill_token_threshold or 0
+        # the longest context one request can hold (a window holds its blocks + a chunk's)
+        max_chunk = min(threshold or args.max_num_batched_tokens, args.max_num_batched_tokens)
+        capacity = self.kv.max_request_tokens(max_chunk)
         if capacity < self.max_model_len:
             if args.max_model_len is not None:
                 raise ValueError(
@@ -84,10 +94,6 @@ class LLMEngine:
                     "tokens; lower max_model_len or give the KV cache more memory"
                 )
             self.max_model_len = capacity
-        self.kv = KVCacheManager(self.arena.num_blocks, args.block_size, args.enable_prefix_caching)
-        threshold = args.long_prefill_token_threshold
-        if threshold is None:
-            threshold = self.platform.platform.long_prefill_token_threshold or 0
         self.scheduler = Scheduler(
             SchedulerConfig(
                 args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len, threshold

@@ -49,8 +49,10 @@ class ModelRunner:
         if not batch:
             return out
         inputs = self._prepare_inputs(batch, step)
-        for backend in self.backends:
-            backend.prepare(inputs.metadata)
+        per_group = inputs.metadata if isinstance(inputs.metadata, list) else [inputs.metadata]
+        for metadata in per_group:
+            for backend in self.backends:
+                backend.prepare(metadata)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
 
         if inputs.sample_rows:
@@ -119,9 +121,15 @@ class ModelRunner:
                 lp_rows[rid] = (idx, (lo, hi))
 
         dev = self.device
-        metadata = AttentionMetadata.build(
-            query_lens, seq_lens, [r.state.block_ids for r in batch], self.block_size, dev
-        )
+        # one metadata per KV group (a hybrid model's groups have their own block tables)
+        tables = [r.state.tables() for r in batch]
+        per_group = [
+            AttentionMetadata.build(
+                query_lens, seq_lens, [t[g] for t in tables], self.block_size, dev
+            )
+            for g in range(len(tables[0]))
+        ]
+        metadata = per_group[0] if len(per_group) == 1 else per_group
         _, positions = token_positions(query_lens, seq_lens)
         return _StepInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.int64, device=dev),
@@ -140,7 +148,7 @@ class ModelRunner:
 class _StepInputs:
     input_ids: torch.Tensor  # int64 [num_tokens]
     positions: torch.Tensor  # int64 [num_tokens]
-    metadata: AttentionMetadata
+    metadata: AttentionMetadata | list[AttentionMetadata]  # a list: one per KV group
     sample_rows: list[ScheduledRow]  # the rows that sample, in row order
     sample_indices: torch.Tensor  # int64 [len(sample_rows)]: their last token's index
     # request id -> (token indices, prompt positions [lo, hi)) for prompt logprobs

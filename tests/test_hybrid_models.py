@@ -138,7 +138,8 @@ def test_mixed_batch_under_small_token_budget(tiny):
 
 def test_preemption_keeps_greedy_outputs(tiny):
     _, path, hf = tiny
-    tight = _llm(path, num_kv_blocks=32, max_model_len=128)
+    # 64 blocks of one layer each (every KV group here has one layer); chunks of 16
+    tight = _llm(path, num_kv_blocks=64, max_model_len=128, max_num_batched_tokens=16)
     prompts = PROMPTS * 2
     outs = tight.generate(prompts, _greedy(24), use_tqdm=False)
     assert tight.engine.scheduler.num_preemptions > 0
@@ -160,3 +161,34 @@ def test_prefix_cache_cold_and_warm(tiny):
     assert again.num_cached_tokens == (len(cold.prompt_token_ids) - 1) // 4 * 4
     assert again.outputs[0].token_ids == cold.outputs[0].token_ids
     _expect(hf, llm, prompts, [cold, *warm], 12)
+
+
+def test_windows_hold_only_their_blocks(tiny):
+    """While requests run, each sliding-window group holds only the blocks its next query
+    reads; full attention holds the whole context."""
+    _, path, hf = tiny
+    llm = _llm(path, max_num_batched_tokens=16)
+    engine = llm.engine
+    kv = engine.kv
+    windows = [g.sliding_window for g in kv.groups]
+    assert None in windows and 8 in windows
+    prompt = llm.get_tokenizer().encode(PROMPTS[3] + PROMPTS[2])
+    assert len(prompt) > 40
+    engine.add_request("long", prompt, _greedy(20))
+    request = engine.scheduler.requests["long"]
+    outputs, max_held = [], 0
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+        if request.is_finished:
+            break
+        computed = request.num_computed_tokens
+        for window, held in zip(windows, kv.num_blocks_held(request), strict=True):
+            if window is None:
+                assert held == -(-computed // 4)
+            else:
+                # the window's blocks plus at most one chunk of 16 and the block in progress
+                assert held <= -(-(window + 16) // 4) + 1
+                max_held = max(max_held, held)
+    assert max_held and kv.usage == 0.0
+    tokens = [o for o in outputs if o.finished][0].outputs[0].token_ids
+    assert tokens == _hf_greedy(hf, prompt, 20)

@@ -37,10 +37,10 @@ def full_step() -> StepDescription:
     return StepDescription(
         step_id=12,
         new_requests=[
-            NewRequest("a", [1, 2, 3], [9, 10], sampling, 1234, [4, 5], 2),
+            NewRequest("a", [1, 2, 3], [9, 10], sampling, 1234, [4, 5], 2, [[0, 8], [3]]),
             NewRequest("b", [4], [], SamplingSpec(), None, [6], 0),
         ],
-        cached_requests=[CachedRequest("c", [11], [7], 40)],
+        cached_requests=[CachedRequest("c", [11], [7], 40, [[12], []])],
         scheduled_request_ids=["a", "b", "c"],
         num_scheduled_tokens=[3, 1, 1],
         finished_request_ids=["d"],

@@ -2,15 +2,16 @@
 
 Layout. The arena holds `num_layer_slots` regions; region s holds, for every block id b,
 one page of layer-slot s: its keys then its values, [2, num_blocks, block_size, kv_heads,
-head_size]. Every layer of one attention group owns one slot, so a block id names one
-page in each slot: allocating block b gives a request that block in every layer. Groups
-of other attention types (sliding window, recurrent state) will map their layers onto
-the same slots with pages of the same byte size, so that all types draw block ids from
-one free list and the split between them moves with the workload.
+head_size]. The layers of one KV group (core/kv/groups.py) own one slot each, so a block
+id names one page in each slot: allocating block b to a group gives the request that
+block in every layer of the group. Groups of other attention types (sliding windows) map
+their layers onto the same slots, so that all types draw block ids from one free list and
+the split between them moves with the workload.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,16 +40,20 @@ class KVArena:
         num_blocks: int | None,
         num_bytes: int,
         device: torch.device,
+        layer_slots: Sequence[int] | None = None,
     ) -> KVArena:
         """Allocate an arena for layers with `specs`: `num_blocks` blocks if given, else as
-        many as fit in `num_bytes` (capped by the allocator's limit)."""
+        many as fit in `num_bytes` (capped by the allocator's limit). `layer_slots[i]` is
+        layer i's slot (`KVLayout.layer_slot`); None gives every layer its own."""
         if not specs:
             raise ValueError("the model declares no attention layers; nothing to cache")
         page_bytes = {cls.page_bytes_for(s) for s in specs}
         if len(page_bytes) != 1:
             raise ValueError(f"layers need different KV page sizes {sorted(page_bytes)}")
         page = page_bytes.pop()
-        num_slots = len(specs)
+        if layer_slots is None:
+            layer_slots = range(len(specs))
+        num_slots = max(layer_slots) + 1
         if num_blocks is None:
             budget = min(num_bytes, allocator.bytes_limit() - allocator.bytes_in_use())
             num_blocks = budget // (page * num_slots)
@@ -62,7 +67,7 @@ class KVArena:
         # uninitialised memory can hold NaN bit patterns, and 0 * NaN is NaN.
         buffer.zero_()
         caches = []
-        for slot, spec in enumerate(specs):
+        for slot, spec in zip(layer_slots, specs, strict=True):
             region = buffer[slot * num_blocks * page : (slot + 1) * num_blocks * page]
             caches.append(
                 region.view(spec.dtype).view(

@@ -184,5 +184,27 @@ class KVCacheManager:
             out.append(len(ids))
         return out
 
+    def blocks_for_one_request(self, num_tokens: int, max_chunk: int) -> int:
+        """The most blocks one request of `num_tokens` tokens holds at once, computing at
+        most `max_chunk` tokens a step: a window holds its blocks plus one chunk's."""
+        total = 0
+        for alloc in self.allocators:
+            blocks = -(-num_tokens // self.block_size)
+            if isinstance(alloc, SlidingWindowAllocator):
+                blocks = min(blocks, -(-(alloc.window - 1 + max_chunk) // self.block_size) + 1)
+            total += blocks
+        return total
+
+    def max_request_tokens(self, max_chunk: int) -> int:
+        """The longest request the pool can hold alone (see `blocks_for_one_request`)."""
+        lo, hi = 0, self.pool.num_usable_blocks * self.block_size
+        while lo < hi:  # the need grows with the length: bisect
+            mid = (lo + hi + 1) // 2
+            if self.blocks_for_one_request(mid, max_chunk) <= self.pool.num_usable_blocks:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()

@@ -174,14 +174,15 @@ class Gemma3Model(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
-        metadata: AttentionMetadata,
+        metadata: list[AttentionMetadata],
     ) -> torch.Tensor:
+        """`metadata[i]` is layer i's (its KV group's)."""
         embed = self.embed_tokens(input_ids)
         # the scale is rounded to the model dtype first, as in the checkpoints' training
         hidden = embed * torch.tensor(self.embed_scale, dtype=embed.dtype, device=embed.device)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
+        for layer, kv_cache, meta in zip(self.layers, kv_caches, metadata, strict=True):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

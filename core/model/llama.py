@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.kv.groups import KVLayout, plan_groups
 from tokenmill.model.layers import (
     Attention,
     BackendChoice,
@@ -168,12 +169,13 @@ class Model(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
-        metadata: AttentionMetadata,
+        metadata: list[AttentionMetadata],
     ) -> torch.Tensor:
+        """`metadata[i]` is layer i's (its KV group's)."""
         hidden = self.embed_tokens(input_ids)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
+        for layer, kv_cache, meta in zip(self.layers, kv_caches, metadata, strict=True):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -207,6 +209,8 @@ class CausalLM(nn.Module):
         backends = resolve_backends(self.attention_specs, attention_backend)
         # the distinct backends, for the runner's once-per-step `prepare`
         self.attention_backends = list({id(b): b for b in backends}.values())
+        # which layers share a block table (and metadata) and which arena slot each uses
+        self.kv_layout: KVLayout = plan_groups(self.attention_specs)
         self.model = self._build_model(hf_config, self.attention_specs, backends, ops, dtype)
         self.ops = ops
         self._logits_fn = None
@@ -247,13 +251,26 @@ class CausalLM(nn.Module):
 
         `input_ids` and `positions` are int64 [num_tokens], flattened sequence by sequence as in
         `metadata`; `kv_caches[i]` is layer i's [2, num_blocks, block_size, num_kv_heads,
-        head_size] cache, which the step's keys and values are written into.
+        head_size] cache, which the step's keys and values are written into. `metadata` is
+        one for every layer, or a list with one per KV group (`kv_layout.groups`), which
+        differ in their block tables.
         """
         if len(kv_caches) != len(self.attention_specs):
             raise ValueError(
                 f"got {len(kv_caches)} kv caches for {len(self.attention_specs)} layers"
             )
-        return self.model(input_ids, positions, kv_caches, metadata)
+        return self.model(input_ids, positions, kv_caches, self.layer_metadata(metadata))
+
+    def layer_metadata(
+        self, metadata: AttentionMetadata | list[AttentionMetadata]
+    ) -> list[AttentionMetadata]:
+        """Each layer's metadata: its KV group's when given per group."""
+        if not isinstance(metadata, list):
+            return [metadata] * len(self.attention_specs)
+        groups = self.kv_layout.groups
+        if len(metadata) != len(groups):
+            raise ValueError(f"got metadata for {len(metadata)} KV groups; the model has {len(groups)}")
+        return [metadata[g] for g in self.kv_layout.layer_group]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 [n, vocab] logits for hidden states [n, hidden] (matmul in the model dtype)."""

@@ -149,14 +149,17 @@ def write_kv(
 
 
 def gather_kv(
-    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, first_block: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first `seq_len` cached key and value rows of one sequence, in order."""
+    """The cached key and value rows of one sequence from block `first_block` up to
+    position `seq_len`, in order. Entries of the table before `first_block` are not read
+    (a sliding window's table holds the null block there)."""
     block_size = kv_cache.shape[2]
     num_blocks = (seq_len + block_size - 1) // block_size
-    blocks = block_table[:num_blocks].long()
-    k = kv_cache[0].index_select(0, blocks).flatten(0, 1)[:seq_len]
-    v = kv_cache[1].index_select(0, blocks).flatten(0, 1)[:seq_len]
+    blocks = block_table[first_block:num_blocks].long()
+    length = seq_len - first_block * block_size
+    k = kv_cache[0].index_select(0, blocks).flatten(0, 1)[:length]
+    v = kv_cache[1].index_select(0, blocks).flatten(0, 1)[:length]
     return k, v
 
 
@@ -234,18 +237,23 @@ def paged_attention(
     write_kv(key, value, kv_cache, metadata.slot_mapping)
     scale = spec.scale if spec.scale is not None else spec.head_size**-0.5
     group = spec.num_heads // spec.num_kv_heads
+    block_size = kv_cache.shape[2]
     out = torch.empty_like(query)
     starts = metadata.query_start_loc.tolist()
     for i in range(metadata.num_seqs):
         q = query[starts[i] : starts[i + 1]].float()  # [q_len, H, D]
         q_len = q.shape[0]
         seq_len = metadata.seq_lens_cpu[i]
-        k, v = gather_kv(kv_cache, metadata.block_tables[i], seq_len)
-        k = k.float().repeat_interleave(group, dim=1)  # [seq_len, H, D]
+        # a window reads only the blocks from its first query's first visible position
+        first_block = 0
+        if spec.sliding_window is not None:
+            first_block = max(0, seq_len - q_len - spec.sliding_window + 1) // block_size
+        k, v = gather_kv(kv_cache, metadata.block_tables[i], seq_len, first_block)
+        k = k.float().repeat_interleave(group, dim=1)  # [keys, H, D]
         v = v.float().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
         q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
-        k_pos = torch.arange(seq_len).unsqueeze(0)
+        k_pos = torch.arange(first_block * block_size, seq_len).unsqueeze(0)
         visible = k_pos <= q_pos
         if spec.sliding_window is not None:
             visible &= k_pos > q_pos - spec.sliding_window
