@@ -222,3 +222,28 @@ def test_a_window_holds_only_its_blocks_at_any_length():
         assert kv.num_blocks_held(request)[0] <= _cdiv(5 + 8, BLOCK) + 1
     table = kv.group_block_ids(request)[0]
     assert len(table) == 100 and table[:95] == [NULL_BLOCK.block_id] * 95
+
+
+def test_a_hit_needs_only_the_windows_last_blocks():
+    """A prefix whose early window blocks were evicted still hits in full: full attention
+    has every block, each window the blocks its next query reads."""
+    kv = KVCacheManager(NUM_BLOCKS, BLOCK, True, LAYOUT.groups)
+    tokens = list(range(40))
+    a = Request("a", tokens, SamplingParams(max_tokens=1))
+    for _ in range(10):  # chunks of 4: the windows give their early blocks back meanwhile
+        assert kv.allocate_slots(a, 4)
+        a.num_computed_tokens += 4
+    kv.free(a)
+    # a cold request takes the least recently freed blocks: the windows' early ones
+    cold = Request("cold", [99] * 16, SamplingParams(max_tokens=1))
+    assert kv.allocate_slots(cold, 16)
+    windows = [alloc for alloc in kv.allocators if isinstance(alloc, SlidingWindowAllocator)]
+    first_key = a.block_hashes[0]
+    assert all(kv.pool.get_cached_block(w.key(first_key)) is None for w in windows)
+    b = Request("b", tokens + [7, 7], SamplingParams(max_tokens=1))
+    hit, n = kv.find_cached_prefix(b)
+    assert n == 40
+    for alloc, table in zip(kv.allocators, hit.tables, strict=True):
+        first = alloc.first_needed_block(40) if alloc in windows else 0
+        assert all((blk is NULL_BLOCK) == (j < first) for j, blk in enumerate(table))
+    assert kv.allocate_slots(b, 2, hit)
