@@ -13,37 +13,93 @@ import msgspec
 import numpy as np
 import torch
 
+from tokenmill.kv.arena import KVArena
 from tokenmill.ops.reference import apply_token_bitmask as reference_apply_token_bitmask
-from tokenmill.platforms.interfaces import AttentionMetadata, token_positions
+from tokenmill.platforms.interfaces import (
+    Allocator,
+    AttentionMetadata,
+    ModelRunnerBase,
+    token_positions,
+)
 from tokenmill.runner_state import RequestStateTable, ScheduledRow
 from tokenmill.sampler import Sampler, SamplingRow, prompt_logprobs
 from tokenmill.step import StepDescription, StepResult, StructuredMasks
 
 
-class ModelRunner:
+class ModelRunner(ModelRunnerBase):
+    """The core's runner: the core's model graph over the platform's attention and ops."""
+
     def __init__(
         self,
         model: torch.nn.Module,
-        kv_caches: list[torch.Tensor],
-        attention_backends: list,
+        kv_allocator: Allocator,
         block_size: int,
         device: torch.device,
         apply_token_bitmask: Callable = reference_apply_token_bitmask,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 256,
     ) -> None:
         self.model = model
-        self.kv_caches = kv_caches
-        self.backends = attention_backends  # distinct backends used by the model's layers
+        self.kv_allocator = kv_allocator
+        self.arena: KVArena | None = None
+        self.kv_caches: list[torch.Tensor] = []
+        self.backends = model.attention_backends  # distinct backends of the model's layers
         self.block_size = block_size
         self.device = device
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
         self.sampler = Sampler()
         self.requests = RequestStateTable(device)  # the worker's per-request state
         self.apply_token_bitmask = apply_token_bitmask  # the platform's op (or the reference)
+
+    # ---- ModelRunnerBase -------------------------------------------------------------
+    def kv_block_bytes(self) -> int:
+        return KVArena.block_bytes_for(self.model.attention_specs)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.arena = KVArena.create(
+            self.kv_allocator, self.model.attention_specs, num_blocks=num_blocks, device=self.device
+        )
+        self.kv_caches = self.arena.layer_caches
+
+    @torch.inference_mode()
+    def profile(self) -> None:
+        """A prefill of max_num_batched_tokens tokens over min(max_num_seqs, tokens)
+        sequences, with their logits, on a scratch KV arena freed afterwards."""
+        num_tokens = self.max_num_batched_tokens
+        num_seqs = min(self.max_num_seqs, num_tokens)
+        lens = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
+        per_seq = [-(-n // self.block_size) for n in lens]
+        scratch = KVArena.create(
+            self.kv_allocator, self.model.attention_specs, num_blocks=sum(per_seq),
+            device=self.device,
+        )
+        try:
+            first = [sum(per_seq[:i]) for i in range(num_seqs)]
+            block_ids = [list(range(f, f + n)) for f, n in zip(first, per_seq)]
+            metadata = AttentionMetadata.build(lens, lens, block_ids, self.block_size, self.device)
+            for backend in self.backends:
+                backend.prepare(metadata)
+            _, positions = token_positions(lens, lens)
+            input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+            hidden = self.model(input_ids, positions.to(self.device), scratch.layer_caches, metadata)
+            last = torch.tensor(lens, device=self.device).cumsum(0) - 1
+            self.model.compute_logits(hidden[last])
+        finally:
+            self.kv_allocator.free(scratch.buffer)
+
+    def shutdown(self) -> None:
+        if self.arena is not None:
+            self.kv_allocator.free(self.arena.buffer)
+            self.arena, self.kv_caches = None, []
 
     @torch.inference_mode()
     def execute(self, step: StepDescription) -> StepResult:
         """Run one step. `step.structured`: structured output's token masks for some
         sampling rows, applied to their logits before sampling (so logprobs are of the
         masked distribution)."""
+        if self.arena is None:
+            raise RuntimeError("ModelRunner.execute before initialize_kv_cache")
         batch = self.requests.update(step)
         out = StepResult()
         if not batch:
