@@ -67,7 +67,11 @@ class LLMEngine:
         self.max_model_len = min(args.max_model_len or self.loaded.max_model_len, self.loaded.max_model_len)
 
         self.executor = self._start_workers(registry is not None)
-        self.num_kv_blocks = self.executor.initialize()
+        try:
+            self.num_kv_blocks = self.executor.initialize()
+        except BaseException:
+            self.executor.shutdown()
+            raise
         capacity = self.num_kv_blocks * args.block_size
         if capacity < self.max_model_len:
             if args.max_model_len is not None:
@@ -235,6 +239,7 @@ class LLMEngine:
         """The workers failed: every request in flight finishes with an error naming why."""
         logger.error("engine failed: %s; failing %d requests", error, len(self.outputs.parents))
         self.failure = error
+        self.executor.shutdown()  # the ranks still alive cannot go on without the others
         return self.outputs.fail_all(f"engine failed: {error}")
 
     def _structured_masks(self, plan: SchedulerOutput) -> StructuredMasks | None:
