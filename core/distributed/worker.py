@@ -58,9 +58,16 @@ class Worker:
         torch.manual_seed(self.config.seed)
 
     def load_model(self) -> None:
-        """Build the model runner: the core's, with the checkpoint's weights loaded."""
+        """Build the model runner: the plugin's own if `tokenmill_model_runner` returns one
+        (asked before any weights are read; it loads its own), else the core's, with the
+        checkpoint's weights loaded and the platform's decode graphs, if any."""
         platform = self._platform
         self.context = self._runner_context()
+        self.runner = platform.model_runner(self.context)
+        if self.runner is not None:
+            logger.info("rank %d: platform %r brings its own model runner %s", self.rank,
+                        platform.name, type(self.runner).__name__)
+            return
         model = build_model(
             self.hf_config,
             self.context.weights(),
@@ -78,6 +85,8 @@ class Worker:
             apply_token_bitmask=platform.ops.apply_token_bitmask,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             max_num_seqs=self.config.max_num_seqs,
+            max_model_len=self.config.max_model_len,
+            graphs=platform.graph_capture(self.config.max_num_seqs),
         )
 
     def determine_num_blocks(self) -> int:
@@ -89,7 +98,8 @@ class Worker:
         allocator = self._platform.allocator(AllocatorPurpose.KV_ARENA)
         budget = self.config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES
         budget = min(budget, allocator.bytes_limit() - allocator.bytes_in_use())
-        num_blocks = budget // runner.kv_block_bytes()
+        reserved = runner.num_reserved_blocks if isinstance(runner, ModelRunner) else 0
+        num_blocks = budget // runner.kv_block_bytes() - reserved
         if num_blocks < 1:
             raise ValueError(
                 f"the KV cache budget of {budget} bytes holds no block of "
