@@ -69,7 +69,6 @@ class ModelRunner(ModelRunnerBase):
         """Blocks the runner adds to the pool for itself: the graphs' padding block."""
         return 1 if self.graphs is not None else 0
 
-    @torch.inference_mode()
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """An arena of `num_blocks` blocks (plus the graphs' scratch block), then the
         decode graphs captured over it."""
@@ -85,7 +84,8 @@ class ModelRunner(ModelRunnerBase):
                 max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
                 device=self.device,
             )
-            self.decode_graphs.capture()
+            with torch.inference_mode():
+                self.decode_graphs.capture()
 
     @torch.inference_mode()
     def profile(self) -> None:

@@ -14,11 +14,13 @@ from typing import Any
 import torch
 
 from tokenmill.distributed.config import WorkerConfig
+from tokenmill.kv.sizing import kv_cache_budget
 from tokenmill.model.loader import build_model, checkpoint_weights, load_model_info
 from tokenmill.model.registry import attention_specs_for
 from tokenmill.platforms.interfaces import (
     AllocatorPurpose,
     KVCacheSpec,
+    MemoryInfo,
     ModelRunnerBase,
     ModelRunnerContext,
     ParallelConfig,
@@ -28,8 +30,6 @@ from tokenmill.runner import ModelRunner
 from tokenmill.step import StepDescription, StepResult
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_KV_CACHE_BYTES = 2 << 30
 
 
 class Worker:
@@ -48,6 +48,7 @@ class Worker:
         self.hf_config = hf_config
         self.runner: ModelRunnerBase | None = None
         self.context: ModelRunnerContext | None = None
+        self._memory_at_start: MemoryInfo | None = None
 
     # ---- set-up, in the executor's order -----------------------------------------------
     def init_device(self) -> None:
@@ -56,6 +57,8 @@ class Worker:
         if self.hf_config is None:
             self.hf_config = load_model_info(self.config.model_path, load_tokenizer=False).hf_config
         torch.manual_seed(self.config.seed)
+        # before any weights: the KV cache is sized from what the engine adds to this
+        self._memory_at_start = self.platform.platform.memory_info()
 
     def load_model(self) -> None:
         """Build the model runner: the plugin's own if `tokenmill_model_runner` returns one
@@ -90,21 +93,39 @@ class Worker:
         )
 
     def determine_num_blocks(self) -> int:
-        """How many KV blocks this rank can hold: `num_kv_blocks` if set, else as many as
-        fit `kv_cache_memory_bytes` (or a 2 GiB default), capped by the KV allocator."""
-        runner = self._runner
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
+        """How many KV blocks this rank holds: `num_kv_blocks` if set; else as many as fit
+        `kv_cache_memory_bytes` if set; else what `memory_utilization` leaves after the
+        weights and a profiling step (tokenmill.kv.sizing). Capped by the KV allocator, and
+        by what all `max_num_seqs` sequences at `max_model_len` could use at once."""
+        runner, config = self._runner, self.config
+        if config.num_kv_blocks is not None:
+            return config.num_kv_blocks
+        if config.kv_cache_memory_bytes is not None:
+            budget, why = config.kv_cache_memory_bytes, "kv_cache_memory_bytes"
+        else:
+            runner.profile()
+            sized = kv_cache_budget(
+                self._memory_at_start, self._platform.platform.memory_info(),
+                config.memory_utilization,
+            )
+            budget, why = sized.num_bytes, sized.explanation
         allocator = self._platform.allocator(AllocatorPurpose.KV_ARENA)
-        budget = self.config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES
-        budget = min(budget, allocator.bytes_limit() - allocator.bytes_in_use())
+        room = allocator.bytes_limit() - allocator.bytes_in_use()
+        if budget > room:
+            budget, why = room, f"{why}; capped by the KV allocator's {room} free bytes"
+        block_bytes = runner.kv_block_bytes()
         reserved = runner.num_reserved_blocks if isinstance(runner, ModelRunner) else 0
-        num_blocks = budget // runner.kv_block_bytes() - reserved
+        num_blocks = budget // block_bytes - reserved
         if num_blocks < 1:
             raise ValueError(
-                f"the KV cache budget of {budget} bytes holds no block of "
-                f"{runner.kv_block_bytes()} bytes; give it more memory"
+                f"the KV cache gets {budget} bytes ({why}), which holds no block of "
+                f"{block_bytes} bytes; raise memory_utilization, set kv_cache_memory_bytes "
+                "or num_kv_blocks, or free device memory"
             )
+        most = config.max_num_seqs * -(-config.max_model_len // config.block_size)
+        num_blocks = min(num_blocks, most)
+        logger.info("rank %d: %d KV blocks of %d bytes (%s)", self.rank, num_blocks,
+                    block_bytes, why)
         return num_blocks
 
     def initialize_kv_cache(self, num_blocks: int) -> None:

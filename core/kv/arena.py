@@ -59,10 +59,12 @@ class KVArena:
         num_slots = len(specs)
         if num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks}: the KV arena needs at least one block")
+        # Not zeroed: touching every page of a large arena at start costs seconds and
+        # commits memory the pool may never use. Unwritten slots (a block's tail, freed
+        # blocks) may hold anything, NaN bit patterns included; attention backends must
+        # keep them out of every result (mask, never multiply by a zero probability),
+        # which conformance tier T1 checks with NaN-filled caches.
         buffer = allocator.allocate(num_blocks * page * num_slots)
-        # Kernels may read a block's unwritten tail (and multiply it by a zero probability);
-        # uninitialised memory can hold NaN bit patterns, and 0 * NaN is NaN.
-        buffer.zero_()
         caches = []
         for slot, spec in enumerate(specs):
             region = buffer[slot * num_blocks * page : (slot + 1) * num_blocks * page]
