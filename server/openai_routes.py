@@ -230,7 +230,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         named=choice.function.name if isinstance(choice, NamedToolChoice) else None,
         single=body.parallel_tool_calls is False,
     )
-    structured = structured_outputs(plan, body.response_format)
+    fmt = body.response_format
+    structured = structured_outputs(
+        plan, fmt and fmt.type, fmt and fmt.json_schema and fmt.json_schema.schema_,
+        extra=body.structured_outputs_dict(),
+    )
     if structured is not None and plan.mode == "auto":  # JSON was asked for, not tool calls
         plan = ToolPlan("none", plan.tools)
     text, ids = await render_chat(state.engine, openai_messages(body), body.chat_template,
