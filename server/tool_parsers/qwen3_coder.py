@@ -87,6 +87,8 @@ class Qwen3CoderToolParser(ToolParser):
                 args[key] = _typed(value, props.get(key))
             calls.append(ToolCall(new_tool_call_id(self.id_prefix), name,
                                   json.dumps(args, ensure_ascii=False)))
+        if not calls:
+            return not_called(text)
         pieces.append(text[pos:])
         content = "".join(pieces).replace("</tool_call>", "")
         return ExtractedToolCalls(True, calls, content if content.strip() else None)
