@@ -257,7 +257,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     if structured is not None and plan.mode == "auto":  # JSON was asked for, not tool calls
         plan = ToolPlan("none", plan.tools)
     text, ids = await render_chat(state.engine, openai_messages(body), body.chat_template,
-                                  plan.tools, body.chat_template_kwargs)
+                                  plan.tools, body.template_kwargs())
     max_tokens = body.max_completion_tokens or body.max_tokens
     if max_tokens is None:
         max_tokens = max(state.engine.max_model_len - len(ids), 1)

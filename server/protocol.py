@@ -197,6 +197,14 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: ResponseFormat | None = None
     # vLLM's extra: keyword arguments for the chat template (`enable_thinking`, ...)
     chat_template_kwargs: dict[str, Any] | None = None
+    # given to the chat template as `reasoning_effort` (templates such as gpt-oss's read it)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        kw = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kw.setdefault("reasoning_effort", self.reasoning_effort)
+        return kw
 
 
 class TokenizeRequest(_Request):

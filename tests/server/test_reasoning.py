@@ -101,6 +101,7 @@ def test_tool_calls_after_or_inside_reasoning_still_parse(text, reasoning, conte
 
 # ---- scripted reasoning through the three APIs ------------------------------------------
 THINKING_TEMPLATE = (
+    "{% if reasoning_effort is defined %}effort={{ reasoning_effort }}\n{% endif %}"
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     "<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
     "<think>\n\n</think>\n\n{% endif %}"
@@ -167,6 +168,23 @@ def test_responses_reasoning_item(scripted):
     # the reasoning goes back to the template as reasoning_content on the next turn
     nxt = oa.responses.create(model="scripted", input="And Berlin?", previous_response_id=r.id)
     assert "Paris is in France." in engine.prompt and nxt.previous_response_id == r.id
+
+
+def test_effort_reaches_the_template(scripted):
+    url, engine = scripted
+    engine.script = "ok"
+    oa = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    an = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
+    ask = [{"role": "user", "content": "hi"}]
+    oa.chat.completions.create(model="scripted", messages=ask, reasoning_effort="low")
+    assert engine.prompt.startswith("effort=low\n")
+    oa.responses.create(model="scripted", input="hi", reasoning={"effort": "high"})
+    assert engine.prompt.startswith("effort=high\n")
+    an.messages.create(model="scripted", max_tokens=5, messages=ask,
+                       output_config={"effort": "medium"})
+    assert engine.prompt.startswith("effort=medium\n")
+    oa.chat.completions.create(model="scripted", messages=ask)
+    assert engine.prompt.startswith("<|im_start|>")
 
 
 def test_anthropic_thinking_blocks(scripted):
