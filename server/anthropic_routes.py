@@ -74,7 +74,9 @@ def _template_kwargs(body, thinking: bool | None) -> dict[str, Any]:
 async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, int]:
     state = state_of(request)
     state.check_model(body.model)
-    _, ids = await render_chat(state.engine, anthropic_messages(body), tools=anthropic_tools(body))
+    thinking = None if body.thinking is None else body.thinking.type != "disabled"
+    _, ids = await render_chat(state.engine, anthropic_messages(body), tools=anthropic_tools(body),
+                               template_kwargs=_template_kwargs(body, thinking))
     return {"input_tokens": len(ids)}
 
 

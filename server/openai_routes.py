@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -37,6 +38,7 @@ from tokenmill.server.tools import ToolPlan, plan_tools, structured_outputs
 router = APIRouter()
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")  # ASCII digits only: "²".isdigit(), and int() refuses it
 
 
 def _lp(value: float) -> float:
@@ -49,7 +51,7 @@ def _logit_bias(state: ServerState, bias: dict[str, float] | None) -> dict[int, 
         return None
     size, out = len(state.engine.tokenizer), {}
     for key, value in bias.items():
-        if not key.strip().isdigit() or not 0 <= int(key) < size:
+        if not _TOKEN_ID.fullmatch(key) or not 0 <= int(key) < size:
             raise APIError(400, f"logit_bias: {key!r} is not a token id in the vocabulary "
                            f"[0, {size})", "logit_bias")
         out[int(key)] = value

@@ -99,7 +99,8 @@ def test_logit_bias_steers_and_bans(oa, base_url):
     assert banned.text != plain.text
 
 
-@pytest.mark.parametrize("bias", [{"999999": 1}, {"-1": 1}, {"abc": 1}, {"5": 101}, {"5": -100.5}])
+@pytest.mark.parametrize("bias", [{"999999": 1}, {"-1": 1}, {"abc": 1}, {"5": 101}, {"5": -100.5},
+                                  {"²": 1}, {" 5": 1}, {"": 1}])
 def test_logit_bias_errors(oa, bias):
     with pytest.raises(openai.BadRequestError) as e:
         oa.completions.create(model=TINY_NAME, prompt="x", max_tokens=2, logit_bias=bias)
