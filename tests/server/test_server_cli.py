@@ -7,7 +7,8 @@ from tokenmill.server.cli import build_parser, main
 FLAGS = ["--host", "--port", "--served-model-name", "--api-key", "--platform", "--max-model-len",
          "--max-num-seqs", "--max-num-batched-tokens", "--dtype", "--chat-template",
          "--enable-auto-tool-choice", "--tool-call-parser", "--distributed-executor-backend",
-         "--memory-utilization", "--kv-cache-memory-bytes"]
+         "--memory-utilization", "--kv-cache-memory-bytes", "--reasoning-parser",
+         "--max-stored-responses"]
 
 
 def test_serve_has_the_flags():
@@ -32,3 +33,9 @@ def test_unknown_tool_call_parser_lists_the_choices(capsys):
     assert main(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "nope", "--port", "1"]) == 2
     err = capsys.readouterr().err
     assert "'nope'" in err and "hermes" in err and "llama3_json" in err
+
+
+def test_unknown_reasoning_parser_lists_the_choices(capsys):
+    assert main(["serve", "--reasoning-parser", "nope", "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "'nope'" in err and "qwen3" in err and "deepseek_r1" in err
