@@ -129,12 +129,19 @@ class KVCacheManager:
     ) -> bool:
         """Reserve KV for `num_new_tokens` more tokens (after `hits`, if any).
 
+        `hits` are for a request that holds no KV yet, and must be what
+        `find_cached_prefix` returned with no allocation in between: allocating takes the
+        least recently freed blocks, cached ones included, so an older lookup may name a
+        block that now holds another request's tokens. Stale hits raise RuntimeError.
+
         First every sliding-window group gives back the blocks no query of the request
         reads any more (always safe: they are never needed again). Then, if the fresh
         blocks of all groups together fit, allocates them; else returns False and changes
         nothing more.
         """
         num_hit = hits.num_tokens if hits is not None else 0
+        if num_hit:
+            self._check_hits(request, hits)
         num_computed = request.num_computed_tokens + num_hit
         total = num_computed + num_new_tokens
         tables = hits.tables if hits is not None and hits.tables else [[] for _ in self.allocators]
@@ -157,6 +164,24 @@ class KVCacheManager:
             for alloc in self.allocators:
                 alloc.cache_full_blocks(request, total)
         return True
+
+    def _check_hits(self, request: Request, hits: PrefixHit) -> None:
+        if request.num_computed_tokens or any(
+            alloc.req_to_blocks.get(request.request_id) for alloc in self.allocators
+        ):
+            raise RuntimeError(
+                f"request {request.request_id!r} already holds KV: prefix-cache hits only "
+                "start a request"
+            )
+        for alloc, table in zip(self.allocators, hits.tables, strict=True):
+            if len(table) > len(request.block_hashes) or any(
+                b is not NULL_BLOCK and alloc.pool.get_cached_block(alloc.key(h)) is not b
+                for b, h in zip(table, request.block_hashes)
+            ):
+                raise RuntimeError(
+                    f"stale prefix-cache hits for request {request.request_id!r}: look them "
+                    "up again (find_cached_prefix) right before allocate_slots"
+                )
 
     def free(self, request: Request) -> None:
         for alloc in self.allocators:

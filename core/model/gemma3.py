@@ -204,7 +204,10 @@ class Gemma3ForCausalLM(CausalLM):
         super().__init__(hf_config, **kwargs)
         self.final_logit_softcapping = getattr(hf_config, "final_logit_softcapping", None)
 
-    def _specs(self, hf_config: Any, dtype: torch.dtype, block_size: int) -> list[AttentionSpec]:
+    @classmethod
+    def attention_specs_for(
+        cls, hf_config: Any, dtype: torch.dtype, block_size: int
+    ) -> list[AttentionSpec]:
         scale = float(hf_config.query_pre_attn_scalar) ** -0.5
         return [
             dataclasses.replace(s, scale=scale) for s in attention_specs(hf_config, dtype, block_size)

@@ -62,7 +62,10 @@ class GptOssDecoderLayer(DecoderLayer):
 class GptOssForCausalLM(CausalLM):
     """gpt-oss over a paged KV cache; see the module docstring for what differs."""
 
-    def _specs(self, hf_config: Any, dtype: torch.dtype, block_size: int) -> list[AttentionSpec]:
+    @classmethod
+    def attention_specs_for(
+        cls, hf_config: Any, dtype: torch.dtype, block_size: int
+    ) -> list[AttentionSpec]:
         return [
             dataclasses.replace(s, sinks=True) for s in attention_specs(hf_config, dtype, block_size)
         ]

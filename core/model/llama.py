@@ -187,7 +187,7 @@ class CausalLM(nn.Module):
     then `load_weights`. Parameters never require grad. The caller (the model runner) calls
     `attention_backend.prepare(metadata)` once per step before `forward`; the model does not.
 
-    A family subclasses it and overrides `_specs` (its layers' attention specs),
+    A family subclasses it and overrides `attention_specs_for` (its layers' specs),
     `_build_model` (the `model.` body) and, if its checkpoint names or lays out weights
     otherwise, `_convert` (HF tensor -> our parameters).
     """
@@ -204,7 +204,9 @@ class CausalLM(nn.Module):
         super().__init__()
         self.hf_config = hf_config
         self.dtype = dtype
-        self.attention_specs: list[AttentionSpec] = self._specs(hf_config, dtype, block_size)
+        self.attention_specs: list[AttentionSpec] = self.attention_specs_for(
+            hf_config, dtype, block_size
+        )
         # One backend for every layer, or a chooser per spec (a platform picks per kind).
         backends = resolve_backends(self.attention_specs, attention_backend)
         # the distinct backends, for the runner's once-per-step `prepare`
@@ -220,7 +222,12 @@ class CausalLM(nn.Module):
             self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, False, dtype)
         self.requires_grad_(False)
 
-    def _specs(self, hf_config: Any, dtype: torch.dtype, block_size: int) -> list[AttentionSpec]:
+    @classmethod
+    def attention_specs_for(
+        cls, hf_config: Any, dtype: torch.dtype, block_size: int
+    ) -> list[AttentionSpec]:
+        """The attention spec of every layer, from the config alone (the engine plans its
+        KV groups with it before any worker has built the model)."""
         return attention_specs(hf_config, dtype, block_size)
 
     def _build_model(
