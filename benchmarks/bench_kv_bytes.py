@@ -111,8 +111,8 @@ def engine_table(contexts: list[int]) -> None:
             tokenizer.save_pretrained(path)
             llm = LLM(str(path), dtype="float32", block_size=BLOCK, max_num_batched_tokens=512)
             engine = llm.engine
-            specs = engine.loaded.model.attention_specs
-            layout = engine.loaded.model.kv_layout
+            model = engine.executor.worker.runner.model
+            specs, layout = model.attention_specs, model.kv_layout
             block_bytes = layout.num_slots * KVArena.page_bytes_for(specs[0])
             for context in contexts:
                 rid = f"{variant}{context}"

@@ -124,7 +124,8 @@ def test_single_requests_and_backends(tiny, caplog):
     arch, path, hf = tiny
     with caplog.at_level(logging.WARNING, logger="tokenmill.model.layers"):
         llm = _llm(path)
-    backends = {type(b) for b in llm.engine.loaded.model.attention_backends}
+    model = llm.engine.executor.worker.runner.model
+    backends = {type(b) for b in model.attention_backends}
     if arch == "gpt_oss":
         # the CPU plugin has no sinks: every layer falls back to the reference, and says so
         assert backends == {ReferenceAttentionBackend}
@@ -132,7 +133,7 @@ def test_single_requests_and_backends(tiny, caplog):
     else:
         # the fast path must run: the plugin's own backends, sliding and full
         assert ReferenceAttentionBackend not in backends
-        names = {b.name for b in llm.engine.loaded.model.attention_backends}
+        names = {b.name for b in model.attention_backends}
         assert names == {"cpu_sdpa_full", "cpu_sdpa_sliding_window"}
     for prompt in PROMPTS:
         _expect(hf, llm, [prompt], llm.generate([prompt], _greedy(), use_tqdm=False), 12)
