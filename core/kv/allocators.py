@@ -57,11 +57,20 @@ class FullAttentionAllocator:
             hits.append(block)
         return hits
 
-    def hit_blocks(self, request: Request, num_tokens: int) -> list[KVBlock] | None:
-        """The table a hit of `num_tokens` tokens (a block multiple) starts with, or None
-        if this group cannot serve it."""
-        hits = self.longest_hit(request, num_tokens)
-        return hits if len(hits) * self.block_size == num_tokens else None
+    def cached_blocks(self, request: Request, max_blocks: int) -> list[KVBlock | None]:
+        """The cached block of each of the request's first `max_blocks` full blocks (None:
+        not cached); full attention stops at the first miss, as no hit reaches past it."""
+        return list(self.longest_hit(request, max_blocks * self.block_size))
+
+    def first_needed_block(self, num_computed: int) -> int:
+        """The first block a query at position `num_computed` (or later) can read."""
+        return 0
+
+    def hit_table(self, cached: list[KVBlock | None], num_blocks: int) -> list[KVBlock]:
+        """The table a hit of `num_blocks` blocks starts with, from `cached_blocks` (the
+        caller checked that the blocks from `first_needed_block` on are all there)."""
+        first = self.first_needed_block(num_blocks * self.block_size)
+        return [NULL_BLOCK] * first + cached[first:num_blocks]  # type: ignore[list-item]
 
     def release_outside_window(self, request: Request, num_computed: int) -> None:
         """Nothing leaves a full-attention context."""
@@ -114,20 +123,14 @@ class SlidingWindowAllocator(FullAttentionAllocator):
         self.window = group.sliding_window
 
     def first_needed_block(self, num_computed: int) -> int:
-        """The first block a query at position `num_computed` (or later) can read."""
         return max(0, num_computed - self.window + 1) // self.block_size
 
-    def hit_blocks(self, request: Request, num_tokens: int) -> list[KVBlock] | None:
-        """A hit of `num_tokens` tokens needs only the blocks the next query reads: the
-        null block before them."""
-        first = self.first_needed_block(num_tokens)
-        table: list[KVBlock] = [NULL_BLOCK] * first
-        for block_hash in request.block_hashes[first : num_tokens // self.block_size]:
-            block = self.pool.get_cached_block(self.key(block_hash))
-            if block is None:
-                return None
-            table.append(block)
-        return table
+    def cached_blocks(self, request: Request, max_blocks: int) -> list[KVBlock | None]:
+        """Every one of the first `max_blocks` blocks: a window may hit past a miss (a hit
+        needs only the blocks its next query reads; the null block goes before them)."""
+        return [
+            self.pool.get_cached_block(self.key(h)) for h in request.block_hashes[:max_blocks]
+        ]
 
     def release_outside_window(self, request: Request, num_computed: int) -> None:
         """Give back the blocks that no query from position `num_computed` on reads.

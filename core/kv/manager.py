@@ -13,6 +13,7 @@ admission. One allocator per KV group (core/kv/groups.py) draws from the shared
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 from tokenmill.kv.allocators import FullAttentionAllocator, SlidingWindowAllocator
@@ -109,14 +110,22 @@ class KVCacheManager:
         if request.sampling_params.prompt_logprobs is not None:
             return empty, 0  # every prompt position must be computed to score it
         max_blocks = (request.num_tokens - 1) // self.block_size
-        for alloc in self.allocators:
+        cached: dict[int, list[KVBlock | None]] = {}
+        for i, alloc in enumerate(self.allocators):  # full attention bounds the windows' scan
             if not isinstance(alloc, SlidingWindowAllocator):
-                max_blocks = min(max_blocks, len(alloc.longest_hit(request, max_blocks * self.block_size)))
+                cached[i] = alloc.cached_blocks(request, max_blocks)
+                max_blocks = min(max_blocks, len(cached[i]))
+        misses: dict[int, list[int]] = {}  # per window group: misses among its first j blocks
+        for i, alloc in enumerate(self.allocators):
+            if isinstance(alloc, SlidingWindowAllocator):
+                cached[i] = alloc.cached_blocks(request, max_blocks)
+                misses[i] = list(itertools.accumulate((b is None for b in cached[i]), initial=0))
         for num_blocks in range(max_blocks, 0, -1):
-            num_tokens = num_blocks * self.block_size
-            tables = [alloc.hit_blocks(request, num_tokens) for alloc in self.allocators]
-            if all(t is not None for t in tables):
-                return PrefixHit(num_tokens, tables), num_tokens
+            first = {i: self.allocators[i].first_needed_block(num_blocks * self.block_size)
+                     for i in misses}
+            if all(m[num_blocks] == m[first[i]] for i, m in misses.items()):
+                tables = [a.hit_table(cached[i], num_blocks) for i, a in enumerate(self.allocators)]
+                return PrefixHit(num_blocks * self.block_size, tables), num_blocks * self.block_size
         return empty, 0
 
     def record_lookup(self, num_queried: int, num_hit: int) -> None:
