@@ -150,7 +150,7 @@ def test_preemption_keeps_greedy_outputs(tiny):
     _, path, hf = tiny
     # 64 blocks of one layer each (every KV group here has one layer); chunks of 16
     tight = _llm(path, num_kv_blocks=64, max_model_len=128, max_num_batched_tokens=16)
-    prompts = PROMPTS + PROMPTS[2:]
+    prompts = PROMPTS
     outs = tight.generate(prompts, _greedy(24), use_tqdm=False)
     assert tight.engine.scheduler.num_preemptions > 0
     _expect(hf, tight, prompts, outs, 24)
