@@ -38,7 +38,8 @@ TEMPLATE = (
 @pytest.fixture(scope="module")
 def server(tiny_model):
     engine = tiny_engine(tiny_model, chat_template=TEMPLATE)
-    with running_server(build_app(engine, [TINY_NAME])) as url:
+    # compact JSON: with optional whitespace the random model writes tabs until max_tokens
+    with running_server(build_app(engine, [TINY_NAME], compact_json=True)) as url:
         yield url
 
 
