@@ -9,7 +9,8 @@ computes its few new tokens at once instead of queueing behind a long cold promp
 request takes at most `long_prefill_token_threshold` prompt tokens per step (0: no cap),
 so a long prompt cannot make a step that every arriving turn waits out. When KV runs
 out, the most recently admitted running request is preempted: its blocks are freed and
-it is recomputed later, from the prefix cache where possible, with identical output.
+it is recomputed later, from the prefix cache where possible, with identical output. The
+same happens when the chunks of several prompts fill the pool and none can grow.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from dataclasses import dataclass, field
 
 from tokenmill.kv.manager import KVCacheManager
 from tokenmill.request import Request, RequestStatus
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.step import CachedRequest, NewRequest, SamplingSpec, StepDescription
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +42,15 @@ class ScheduledRequest:
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    """A whole step: what to compute, in batch order."""
+    """A whole step: what to compute, in batch order.
+
+    `scheduled` is the scheduler's own view (the engine advances its requests with it);
+    `step` is the same step as the workers get it, self-contained (`tokenmill.step`).
+    """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_preempted: int = 0
+    step: StepDescription = field(default_factory=lambda: StepDescription(step_id=-1))
 
     @property
     def num_tokens(self) -> int:
@@ -82,6 +90,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.workers = WorkerView()  # what the workers hold, to send them deltas only
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -94,18 +103,31 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        scheduled: list[tuple[Request, int]] = []
+        while True:
+            scheduled = self._schedule_decodes(out)
+            scheduled += self._schedule_prompts(out, scheduled)
+            if scheduled or not self.running:
+                break
+            # Every running request is mid-prompt and none can grow (chunks of several
+            # prompts fill the pool): nothing would ever finish. The newest gives its
+            # blocks up, which lets the others through; nothing was allocated this pass.
+            self._preempt(self.running.pop())
+            out.num_preempted += 1
+        for request, num_new in scheduled:
+            out.scheduled.append(self._describe(request, num_new))
+        if scheduled:  # an empty step is not run: ended ids wait for the next one
+            out.step = self.workers.describe_step(scheduled, out.scheduled)
+        return out
 
-        # 1. Decoding requests, one token each, in admission order; KV shortage preempts the
-        #    most recently admitted running request.
-        prefilling: list[Request] = []
+    def _schedule_decodes(self, out: SchedulerOutput) -> list[tuple[Request, int]]:
+        """Decoding requests, one token each, in admission order; KV shortage preempts the
+        most recently admitted running request."""
+        scheduled: list[tuple[Request, int]] = []
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and len(scheduled) < self.config.max_num_batched_tokens:
             request = self.running[i]
             if request.num_tokens - request.num_computed_tokens > 1:
-                prefilling.append(request)
-                i += 1
+                i += 1  # a prompt chunk: _schedule_prompts' business
                 continue
             while not self.kv.allocate_slots(request, 1):
                 victim = self.running.pop()
@@ -115,42 +137,55 @@ class Scheduler:
                     break
             else:
                 scheduled.append((request, 1))
-                budget -= 1
                 i += 1
+        return scheduled
 
-        # 2. Prompt tokens, shortest remaining prefill first (running chunks and waiting
-        #    requests alike; preempted requests ahead of all): a turn whose history is cached
-        #    computes a few tokens and should not queue behind a long cold prompt. A long
-        #    prompt still gets whatever budget the shorter ones leave, every step, up to
-        #    long_prefill_token_threshold: one long prompt then cannot make a step as long
-        #    as a full budget, which every turn arriving meanwhile would wait out.
-        candidates: list[tuple[int, int, Request, list]] = []
-        for request in prefilling:
+    def _schedule_prompts(
+        self, out: SchedulerOutput, decodes: list[tuple[Request, int]]
+    ) -> list[tuple[Request, int]]:
+        """Prompt tokens in the budget the decodes left, shortest remaining prefill first
+        (running chunks and waiting requests alike; preempted requests ahead of all): a
+        turn whose history is cached computes a few tokens and should not queue behind a
+        long cold prompt. A long prompt still gets whatever budget the shorter ones leave,
+        every step, up to long_prefill_token_threshold: one long prompt then cannot make a
+        step as long as a full budget, which every turn arriving meanwhile would wait out.
+        Waiting requests are admitted only in a step that preempted nothing."""
+        budget = self.config.max_num_batched_tokens - len(decodes)
+        candidates: list[tuple[int, int, Request]] = []
+        for request in self.running:
             remaining = request.num_tokens - request.num_computed_tokens
-            candidates.append((1, remaining, request, []))
+            if remaining > 1:
+                candidates.append((1, remaining, request))
         admitting = not out.num_preempted
         if admitting:
             for request in list(self.waiting)[: self._WAITING_LOOKAHEAD]:
-                hits, num_hit = self.kv.find_cached_prefix(request)
+                _, num_hit = self.kv.find_cached_prefix(request)
                 first = 0 if request.status == RequestStatus.PREEMPTED else 1
-                candidates.append((first, request.num_tokens - num_hit, request, hits))
+                candidates.append((first, request.num_tokens - num_hit, request))
         candidates.sort(key=lambda c: (c[0], c[1]))  # stable: arrival order breaks ties
         chunk_cap = self.config.long_prefill_token_threshold or budget
-        for _, remaining, request, hits in candidates:
+        scheduled: list[tuple[Request, int]] = []
+        for _, remaining, request in candidates:
             if budget <= 0:
                 break
-            num_new = min(remaining, budget, chunk_cap)
             if request.status == RequestStatus.RUNNING:
+                num_new = min(remaining, budget, chunk_cap)
                 if self.kv.allocate_slots(request, num_new):  # else: next step
                     scheduled.append((request, num_new))
                     budget -= num_new
                 continue
-            if len(self.running) >= self.config.max_num_seqs:
+            if not admitting or len(self.running) >= self.config.max_num_seqs:
                 continue
+            # The hits counted for sorting may be gone: an allocation earlier in this loop
+            # takes the least recently freed blocks, cached ones included. Look them up
+            # again right before allocating, with nothing in between.
+            hits, num_hit = self.kv.find_cached_prefix(request)
+            num_new = min(request.num_tokens - num_hit, budget, chunk_cap)
             if not self.kv.allocate_slots(request, num_new, hits):
-                break  # no KV for this one: admit nothing bigger either
+                # no KV for this one: admit nothing bigger either (running prompts go on)
+                admitting = False
+                continue
             self.waiting.remove(request)
-            num_hit = request.num_tokens - remaining
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
                 self.kv.record_lookup(request.num_tokens, num_hit)
@@ -159,10 +194,7 @@ class Scheduler:
             self.running.append(request)
             scheduled.append((request, num_new))
             budget -= num_new
-
-        for request, num_new in scheduled:
-            out.scheduled.append(self._describe(request, num_new))
-        return out
+        return scheduled
 
     def _describe(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -199,10 +231,13 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         self.kv.free(request)
+        aborted = status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
+        self.workers.forget(request_id, aborted)
         return request
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
+        self.workers.preempt(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -217,3 +252,96 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+
+class WorkerView:
+    """What the workers hold of each request, so that a step carries deltas only.
+
+    A request is sent whole (`NewRequest`) the first time it is scheduled and again after a
+    preemption (the workers drop it then); otherwise as a `CachedRequest` with the tokens
+    and blocks it gained since. Ids that finish or are preempted are reported once, in
+    the next step described.
+    """
+
+    def __init__(self) -> None:
+        self._sent: dict[str, tuple[int, int]] = {}  # id -> (num tokens, num blocks) sent
+        self._finished: list[str] = []
+        self._aborted: list[str] = []
+        self._preempted: list[str] = []
+        self._step_id = 0
+
+    def forget(self, request_id: str, aborted: bool) -> None:
+        """The request ended: workers free its state (if they ever had it)."""
+        if self._sent.pop(request_id, None) is not None:
+            (self._aborted if aborted else self._finished).append(request_id)
+
+    def preempt(self, request_id: str) -> None:
+        if self._sent.pop(request_id, None) is not None:
+            self._preempted.append(request_id)
+
+    def describe_step(
+        self,
+        requests: list[tuple[Request, int]],
+        scheduled: list[ScheduledRequest],
+    ) -> StepDescription:
+        """The workers' step for `requests` (each with its number of new tokens), whose
+        scheduler-side descriptions are `scheduled`."""
+        step = StepDescription(
+            step_id=self._step_id,
+            finished_request_ids=self._finished,
+            aborted_request_ids=self._aborted,
+            preempted_request_ids=self._preempted,
+        )
+        self._step_id += 1
+        self._finished, self._aborted, self._preempted = [], [], []
+        for (request, num_new), item in zip(requests, scheduled, strict=True):
+            rid = request.request_id
+            sent = self._sent.get(rid)
+            if sent is None:
+                step.new_requests.append(
+                    NewRequest(
+                        request_id=rid,
+                        prompt_token_ids=request.prompt_token_ids,
+                        output_token_ids=list(request.output_token_ids),
+                        sampling=sampling_spec(request.sampling_params),
+                        seed=request.seed,
+                        block_ids=item.block_ids,
+                        num_computed_tokens=item.start_position,
+                    )
+                )
+            else:
+                num_tokens, num_blocks = sent
+                step.cached_requests.append(
+                    CachedRequest(
+                        request_id=rid,
+                        new_token_ids=request.all_token_ids[num_tokens:],
+                        new_block_ids=item.block_ids[num_blocks:],
+                        num_computed_tokens=item.start_position,
+                    )
+                )
+            self._sent[rid] = (request.num_tokens, len(item.block_ids))
+            step.scheduled_request_ids.append(rid)
+            step.num_scheduled_tokens.append(num_new)
+            lo, hi = item.prompt_logprobs_range
+            if hi > lo:
+                step.prompt_logprob_ranges[rid] = (lo, hi)
+        return step
+
+
+def sampling_spec(params: SamplingParams) -> SamplingSpec:
+    """The part of `params` the workers' sampler reads."""
+    return SamplingSpec(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        min_tokens=params.min_tokens,
+        stop_token_ids=list(params.stop_token_ids or ()),
+        eos_token_ids=sorted(params.eos_token_ids),
+        ignore_eos=params.ignore_eos,
+        logprobs=params.logprobs,
+        prompt_logprobs=params.prompt_logprobs,
+    )

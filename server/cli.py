@@ -90,6 +90,9 @@ def _serve(args: argparse.Namespace) -> int:
         "max_num_batched_tokens": args.max_num_batched_tokens, "block_size": args.block_size,
         "long_prefill_token_threshold": args.long_prefill_token_threshold,
         "chat_template": chat_template, "seed": args.seed,
+        "distributed_executor_backend": args.distributed_executor_backend,
+        "memory_utilization": args.memory_utilization,
+        "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
     }
     try:
         engine_args = EngineArgs(**{k: v for k, v in engine_kw.items() if v is not None})
@@ -160,6 +163,14 @@ def _add_serve_parser(sub) -> None:
                    help="most prompt tokens one request computes per step (0: no limit; "
                         "default: the platform's choice, 512 on CPU)")
     p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp"],
+                   help="uni (default): the model runs in the engine's process; mp: a worker "
+                        "process per rank")
+    p.add_argument("--memory-utilization", type=float, default=None,
+                   help="share of the device memory the engine may use, KV cache included "
+                        "(default 0.9; like vLLM's --gpu-memory-utilization)")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="KV cache size in bytes (wins over --memory-utilization)")
     p.add_argument("--dtype", default=None,
                    choices=["auto", "bfloat16", "bf16", "float32", "fp32", "float16", "fp16"])
     p.add_argument("--seed", type=int, default=None)
