@@ -42,16 +42,22 @@ def write_kv(
     _check_rows(value, "value")
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache's last dimension must be contiguous")
-    write_kv_kernel[(num_tokens,)](
+    head_pad = triton.next_power_of_2(head_size)
+    cfg = configs.elementwise
+    block_c = min(triton.next_power_of_2(num_kv_heads) * head_pad, max(head_pad, cfg.block_n))
+    block_t = max(1, cfg.block_n // block_c)
+    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(num_kv_heads * head_pad, block_c))
+    write_kv_kernel[grid](
         key, value, kv_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        num_kv_heads,
+        num_tokens, num_kv_heads,
         BLOCK_SIZE=kv_cache.shape[2],
         HEAD=head_size,
-        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-        HEAD_PAD=triton.next_power_of_2(head_size),
-        num_warps=configs.elementwise.num_warps,
+        HEAD_PAD=head_pad,
+        BLOCK_T=block_t,
+        BLOCK_C=block_c,
+        num_warps=cfg.num_warps,
     )
 
 
@@ -84,8 +90,9 @@ def paged_attention(
     group_pad = triton.next_power_of_2(group)
     block_m = cfg.decode_block_m if decode_only else cfg.block_m
     block_q = max(1, block_m // group_pad)
-    tile_n = cfg.decode_tile_n if decode_only else cfg.tile_n
     head_pad = triton.next_power_of_2(head_size)
+    tile_n = cfg.decode_tile_n if decode_only else cfg.tile_n
+    tile_n = min(tile_n, max(16, cfg.tile_elements // head_pad))
     num_seqs = metadata.num_seqs
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_segments)
     dtype = kv_cache.dtype

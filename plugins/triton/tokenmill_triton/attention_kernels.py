@@ -26,28 +26,28 @@ def write_kv_kernel(
     key_ptr, value_ptr, cache_ptr, slot_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cache_kv, stride_cache_block, stride_cache_slot, stride_cache_head,
-    num_kv_heads,
+    num_tokens, num_kv_heads,
     BLOCK_SIZE: tl.constexpr,
     HEAD: tl.constexpr,
-    HEADS_PAD: tl.constexpr,
     HEAD_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr,  # tokens per program
+    BLOCK_C: tl.constexpr,  # (head, dim) columns per program: a multiple of HEAD_PAD
 ):
-    """One program per token: its key and value rows into their slot (slot < 0: padding)."""
-    token = tl.program_id(0)
-    slot = tl.load(slot_ptr + token).to(tl.int64)
-    if slot < 0:
-        return
-    heads = tl.arange(0, HEADS_PAD)
-    dims = tl.arange(0, HEAD_PAD)
-    mask = (heads[:, None] < num_kv_heads) & (dims[None, :] < HEAD)
-    k = tl.load(key_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
-    v = tl.load(
-        value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask
-    )
-    block = slot // BLOCK_SIZE
-    offset = slot % BLOCK_SIZE
-    base = cache_ptr + block * stride_cache_block + offset * stride_cache_slot
-    dest = base + heads[:, None] * stride_cache_head + dims[None, :]
+    """Program (t, c): tokens [t * BLOCK_T, ...) x columns [c * BLOCK_C, ...) of their key and
+    value rows into their slots (slot < 0: padding, skipped)."""
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    head = cols // HEAD_PAD
+    dim = cols % HEAD_PAD
+    slot = tl.load(slot_ptr + tokens, mask=tokens < num_tokens, other=-1).to(tl.int64)
+    row_ok = slot >= 0
+    col_ok = (head < num_kv_heads) & (dim < HEAD)
+    mask = row_ok[:, None] & col_ok[None, :]
+    t64 = tokens.to(tl.int64)[:, None]
+    k = tl.load(key_ptr + t64 * stride_kt + (head * stride_kh + dim)[None, :], mask=mask)
+    v = tl.load(value_ptr + t64 * stride_vt + (head * stride_vh + dim)[None, :], mask=mask)
+    row = (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_slot
+    dest = cache_ptr + row[:, None] + (head * stride_cache_head + dim)[None, :]
     tl.store(dest, k.to(cache_ptr.dtype.element_ty), mask=mask)
     tl.store(dest + stride_cache_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 

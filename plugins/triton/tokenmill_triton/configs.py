@@ -38,6 +38,8 @@ class AttentionConfig:
     decode_num_warps: int = 4
     num_segments: int = 16
     split_k_min_seq_len: int = 2048
+    # keys x head dims of one K or V tile at most: head size 256 halves a 64-key tile
+    tile_elements: int = 64 * 128
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,24 +16,25 @@ from tokenmill_triton.configs import ElementwiseConfig
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, summed_ptr,
-    stride_x, stride_r, stride_o, stride_s, n_cols, eps,
+    stride_x, stride_r, stride_o, stride_s, n_rows, n_cols, eps,
     HAS_RESIDUAL: tl.constexpr,
+    ROWS: tl.constexpr,  # rows per program: several when rows are short
     BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
+    cols = tl.arange(0, BLOCK)[None, :]
+    mask = (rows < n_rows) & (cols < n_cols)
+    x = tl.load(x_ptr + rows * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        r = tl.load(residual_ptr + rows * stride_r + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(summed_ptr.dtype.element_ty)
-        tl.store(summed_ptr + row * stride_s + cols, x, mask=mask)
+        tl.store(summed_ptr + rows * stride_s + cols, x, mask=mask)
     x32 = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=0) / n_cols + eps)
+    rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=1) / n_cols + eps)
     # the reference rounds the normalised row to the input dtype, then multiplies by weight
-    normed = (x32 * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    normed = (x32 * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(weight_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(
@@ -67,14 +68,18 @@ def _rms_norm(x, residual, weight, eps, config):
         res = residual.reshape(-1, hidden).contiguous()
         summed = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, residual.dtype),
                              device=x.device)
-    if rows.shape[0]:
-        _rms_norm_kernel[(rows.shape[0],)](
+    n_rows = rows.shape[0]
+    if n_rows:
+        block = triton.next_power_of_2(hidden)
+        per_program = min(triton.next_power_of_2(n_rows), max(1, config.block_n // block))
+        _rms_norm_kernel[(triton.cdiv(n_rows, per_program),)](
             rows, res if res is not None else rows, weight.contiguous(), out,
             summed if summed is not None else out,
             rows.stride(0), res.stride(0) if res is not None else 0, out.stride(0),
-            summed.stride(0) if summed is not None else 0, hidden, eps,
+            summed.stride(0) if summed is not None else 0, n_rows, hidden, eps,
             HAS_RESIDUAL=residual is not None,
-            BLOCK=triton.next_power_of_2(hidden),
+            ROWS=per_program,
+            BLOCK=block,
             num_warps=config.num_warps,
         )
     out = out.view(x.shape)
@@ -84,32 +89,37 @@ def _rms_norm(x, residual, weight, eps, config):
 @triton.jit
 def _rotary_kernel(
     positions_ptr, x_ptr, out_ptr, cos_sin_ptr,
-    stride_xt, stride_xh, stride_ot, stride_oh, stride_cache, num_heads,
+    stride_xt, stride_xh, stride_ot, stride_oh, stride_cache, num_tokens, num_heads,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     HEAD: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     HEADS_PAD: tl.constexpr,
+    TOKENS: tl.constexpr,  # tokens per program
 ):
-    """One program per token: rotate-half on the first 2 * HALF dims of every head, copy the
-    rest."""
-    token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
-    heads = tl.arange(0, HEADS_PAD)[:, None]
-    half = tl.arange(0, HALF_PAD)[None, :]
-    head_ok = heads < num_heads
+    """Rotate-half on the first 2 * HALF dims of every head of TOKENS tokens; copy the rest.
+    Tiles are [TOKENS, HEADS_PAD, HALF_PAD]."""
+    tokens = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
+    token_ok = tokens < num_tokens
+    pos = tl.load(positions_ptr + tokens, mask=token_ok, other=0).to(tl.int64)
+    t = tokens.to(tl.int64)[:, None, None]
+    heads = tl.arange(0, HEADS_PAD)[None, :, None]
+    half = tl.arange(0, HALF_PAD)[None, None, :]
+    head_ok = token_ok[:, None, None] & (heads < num_heads)
     rot_mask = head_ok & (half < HALF)
-    cos = tl.load(cos_sin_ptr + pos * stride_cache + half, mask=half < HALF, other=0.0)
-    sin = tl.load(cos_sin_ptr + pos * stride_cache + HALF + half, mask=half < HALF, other=0.0)
-    x_row = x_ptr + token * stride_xt + heads * stride_xh
-    o_row = out_ptr + token * stride_ot + heads * stride_oh
+    cache_row = cos_sin_ptr + pos[:, None, None] * stride_cache + half
+    cache_mask = token_ok[:, None, None] & (half < HALF)
+    cos = tl.load(cache_row, mask=cache_mask, other=0.0)
+    sin = tl.load(cache_row + HALF, mask=cache_mask, other=0.0)
+    x_row = x_ptr + t * stride_xt + heads * stride_xh
+    o_row = out_ptr + t * stride_ot + heads * stride_oh
     x1 = tl.load(x_row + half, mask=rot_mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_row + HALF + half, mask=rot_mask, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
     tl.store(o_row + half, (x1 * cos - x2 * sin).to(dtype), mask=rot_mask)
     tl.store(o_row + HALF + half, (x2 * cos + x1 * sin).to(dtype), mask=rot_mask)
     if 2 * HALF < HEAD:  # the dims past rotary_dim are copied unchanged
-        rest = tl.arange(0, HEAD_PAD)[None, :]
+        rest = tl.arange(0, HEAD_PAD)[None, None, :]
         rest_mask = head_ok & (rest >= 2 * HALF) & (rest < HEAD)
         tl.store(o_row + rest, tl.load(x_row + rest, mask=rest_mask), mask=rest_mask)
 
@@ -135,27 +145,31 @@ def _rotate(positions, x, cache, half, config):
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     num_tokens, num_heads, head = x.shape
     if num_tokens:
-        _rotary_kernel[(num_tokens,)](
+        heads_pad, head_pad = triton.next_power_of_2(num_heads), triton.next_power_of_2(head)
+        per_program = min(triton.next_power_of_2(num_tokens),
+                          max(1, config.block_n // (heads_pad * head_pad)))
+        _rotary_kernel[(triton.cdiv(num_tokens, per_program),)](
             positions, x, out, cache,
-            x.stride(0), x.stride(1), out.stride(0), out.stride(1), cache.stride(0), num_heads,
-            HALF=half, HALF_PAD=triton.next_power_of_2(half), HEAD=head,
-            HEAD_PAD=triton.next_power_of_2(head), HEADS_PAD=triton.next_power_of_2(num_heads),
-            num_warps=config.num_warps,
+            x.stride(0), x.stride(1), out.stride(0), out.stride(1), cache.stride(0),
+            num_tokens, num_heads,
+            HALF=half, HALF_PAD=triton.next_power_of_2(half), HEAD=head, HEAD_PAD=head_pad,
+            HEADS_PAD=heads_pad, TOKENS=per_program, num_warps=config.num_warps,
         )
     return out
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, d, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < d
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0)
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_rows, d, ROWS: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)[None, :]
+    mask = (rows < n_rows) & (cols < d)
+    gate = tl.load(x_ptr + rows * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + rows * stride_x + d + cols, mask=mask, other=0.0)
     dtype = out_ptr.dtype.element_ty
     # rounded as torch rounds silu(gate) * up: silu in float32 to the dtype, then the product
     silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (silu * up.to(tl.float32)).to(dtype), mask=mask)
+    tl.store(out_ptr + rows * stride_o + cols, (silu * up.to(tl.float32)).to(dtype), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor, config: ElementwiseConfig) -> torch.Tensor:
@@ -165,11 +179,13 @@ def silu_and_mul(x: torch.Tensor, config: ElementwiseConfig) -> torch.Tensor:
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty((rows.shape[0], d), dtype=x.dtype, device=x.device)
-    if rows.shape[0]:
+    n_rows = rows.shape[0]
+    if n_rows:
         block = min(config.block_n, triton.next_power_of_2(d))
-        _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(d, block))](
-            rows, out, rows.stride(0), out.stride(0), d, BLOCK=block, num_warps=config.num_warps
-        )
+        per_program = min(triton.next_power_of_2(n_rows), max(1, config.block_n // block))
+        grid = (triton.cdiv(n_rows, per_program), triton.cdiv(d, block))
+        _silu_and_mul_kernel[grid](rows, out, rows.stride(0), out.stride(0), n_rows, d,
+                                   ROWS=per_program, BLOCK=block, num_warps=config.num_warps)
     return out.view(*x.shape[:-1], d)
 
 
