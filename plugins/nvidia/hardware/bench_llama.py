@@ -136,6 +136,8 @@ def run(args: argparse.Namespace) -> str:
                   max_num_batched_tokens=max(plan.prefill_len, plan.big_batch * plan.prompt_len))
     if args.dry_run:
         common["num_kv_blocks"] = 64
+    else:  # batch 64 x 257 tokens is 2.1 GB of KV; the core's default pool is 2 GiB
+        common["kv_cache_memory_bytes"] = 24 << 30
     llm = LLM(str(model_dir), **common)
     active = llm.engine.platform
     hw = active.hardware_spec()

@@ -84,7 +84,8 @@ def paged_attention(
     cfg = configs.attention
     decode_only = metadata.max_query_len == 1
     if num_segments is None:
-        long_enough = metadata.max_seq_len >= cfg.split_k_min_seq_len
+        # a captured graph replays for every context length later: split whenever capturing
+        long_enough = metadata.max_seq_len >= cfg.split_k_min_seq_len or _capturing(query)
         num_segments = cfg.num_segments if decode_only and long_enough else 1
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
@@ -135,6 +136,11 @@ def paged_attention(
             num_warps=configs.elementwise.num_warps,
         )
     return out
+
+
+def _capturing(x: torch.Tensor) -> bool:
+    """Whether a CUDA / HIP graph is being captured on the current stream."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _check_rows(x: torch.Tensor, name: str) -> None:

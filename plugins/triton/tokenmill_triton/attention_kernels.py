@@ -55,7 +55,7 @@ def write_kv_kernel(
 @triton.jit
 def _find_sequence(query_start_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
     """The last sequence i whose first query block index (start_i // BLOCK_Q + i) <= q_block."""
-    lo = 0
+    lo: tl.int32 = 0  # a loop-carried int32 from the start (a Python 0 is a constexpr)
     hi = num_seqs
     while lo < hi:
         mid = (lo + hi) // 2

@@ -28,13 +28,15 @@ class DistributedCommunicator(Communicator):
                 f"{platform_name} platform for a communicator over a group"
             )
         backend = dist.get_backend(group)
-        if backend not in accepted_backends:
+        # "nccl", or per device type as "cpu:gloo,cuda:nccl"
+        names = {part.rpartition(":")[2] for part in backend.split(",")}
+        if not names & accepted_backends:
             raise ValueError(
                 f"the {platform_name} platform needs a process group with backend "
                 f"{' or '.join(sorted(accepted_backends))}, got {backend!r}"
             )
         self._group = group
-        self._native = backend in _NATIVE_REDUCE_SCATTER
+        self._native = bool(names & _NATIVE_REDUCE_SCATTER)
 
     @property
     def rank(self) -> int:
