@@ -2,12 +2,18 @@
 interpreter (TRITON_INTERPRET=1, CPU tensors), and the suite refuses the nvidia plugin with
 a deliberately broken Triton attention kernel (tests/conformance/broken_triton_plugin.py).
 
-The certificates in docs/certificates/*-interpreter.* are written by the same command
-(plugins/triton/certify-interpreter.sh). Each certification runs in a fresh process: Triton
-decides at import whether kernels are interpreted, and this session must not see it.
+With TOKENMILL_WRITE_CERTIFICATES=1 the certification test also copies the certificates it
+checked to docs/certificates/<platform>-interpreter.{json,md}: that is how
+plugins/triton/certify-interpreter.sh writes them. Each certification runs in a fresh
+process: Triton decides at import whether kernels are interpreted, and this session must
+not see it.
 """
 
 from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
 
 import pytest
 from test_conformance import HERE, certify, tiers
@@ -16,6 +22,7 @@ pytest.importorskip("tokenmill_nvidia")
 pytest.importorskip("tokenmill_rocm")
 
 INTERPRETER = {"TRITON_INTERPRET": "1"}
+CERTIFICATES = HERE.parents[1] / "docs" / "certificates"
 
 
 @pytest.mark.parametrize("platform", ["nvidia", "rocm"])
@@ -42,14 +49,21 @@ def test_gpu_plugin_certifies_t0_to_t3_in_the_triton_interpreter(tmp_path, platf
     ):
         assert ids.get(expected) == "passed", (expected, ids.get(expected))
     assert "tokenmill-conformance: " + repr(platform) in output
-    assert "| T1 " in markdown
+    assert "| T1 " in markdown and "- platform version: triton" in markdown
+    if os.environ.get("TOKENMILL_WRITE_CERTIFICATES") == "1":
+        CERTIFICATES.mkdir(parents=True, exist_ok=True)
+        for suffix in ("json", "md"):
+            shutil.copy(Path(tmp_path) / f"cert.{suffix}",
+                        CERTIFICATES / f"{platform}-interpreter.{suffix}")
 
 
 def test_broken_triton_kernel_is_refused_by_t1(tmp_path):
     plugin = HERE / "broken_triton_plugin.py"
     code, output, cert, markdown = certify(
         tmp_path, "--platform", "broken-triton", "--plugin", str(plugin), "--tier", "T0-T1",
-        "--", "-k", "test_contract or test_edge_batches or test_unwritten_slots or test_ops",
+        # the broken kernel runs one interpreted program per (token, head): a few cases only
+        "--", "-k", "test_contract or (last_partial_block and full) or (unwritten_slots and full "
+        "and float32) or (test_op_matches_reference and rms_norm)",
         env=INTERPRETER,
     )
     assert code == 1, output[-4000:]
@@ -60,6 +74,7 @@ def test_broken_triton_kernel_is_refused_by_t1(tmp_path):
     poisoned = "t1/test_attention.py::test_unwritten_slots_are_never_read[full-float32]"
     assert partial_block in failed and poisoned in failed
     # only attention is broken: the plugin's Triton ops still pass
-    assert not any("test_ops.py" in f for f in failed)
+    outcomes = {t["id"]: t["outcome"] for t in cert["tests"]}
+    assert outcomes["t1/test_ops.py::test_op_matches_reference[rms_norm-float32]"] == "passed"
     assert "REFUSED: failing required tiers ['T1']" in output
     assert "**NOT CERTIFIED**" in markdown

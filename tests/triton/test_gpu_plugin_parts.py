@@ -169,3 +169,19 @@ def test_device_allocator_limits_and_double_free():
     with pytest.raises(ValueError, match="already freed"):
         allocator.free(buffer)
     assert allocator.bytes_in_use() == 0
+
+
+def test_cuda_graph_buckets_and_the_interpreter_runs_eagerly(monkeypatch):
+    from tokenmill_nvidia import plugin
+    from tokenmill_nvidia.graphs import CudaGraphCapture
+
+    graphs = CudaGraphCapture()
+    assert graphs.batch_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 48, 64]
+    assert graphs.batch_sizes(3) == [1, 2, 3] and graphs.batch_sizes(1) == [1]
+    assert graphs.batch_sizes(4096)[-1] == 512
+    with pytest.raises(KeyError, match="no graph was captured for batch size 8"):
+        graphs.replay(8)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    platform = plugin.tokenmill_platform()
+    assert not platform.capabilities.graphs and plugin.GPU_CAPABILITIES.graphs
+    assert plugin.tokenmill_graph_capture(platform) is None

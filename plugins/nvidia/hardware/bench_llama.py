@@ -152,6 +152,8 @@ def run(args: argparse.Namespace) -> str:
         moved = weight_bytes + batch * mean_ctx * kv_per_token
         rows.append((f"decode, batch {batch}", step * 1e3, moved / step / 1e12,
                      "TB/s", moved / step / hw.memory_bandwidth, "HBM bandwidth", 0.8))
+    graphs = getattr(llm.engine.executor.worker.runner, "decode_graphs", None)
+    replays = graphs.num_replays if graphs is not None else 0
     prompt = [[(11 * j) % (shape["vocab_size"] - 2) + 2 for j in range(plan.prefill_len)]]
     timed_generate(llm, prompt, 1)  # warm-up
     prefill = min(timed_generate(llm, prompt, 1) for _ in range(plan.repeats + 1))
@@ -162,10 +164,10 @@ def run(args: argparse.Namespace) -> str:
     peak = measured_peak(plan.matmul_n, torch.device(device))
     rows.append((f"prefill, {plan.prefill_len} tokens", prefill * 1e3, flops / prefill / 1e12,
                  "TFLOP/s", flops / prefill / peak, "measured bf16 matmul peak", 0.6))
-    return report(args, hw, rows, peak)
+    return report(args, hw, rows, peak, replays)
 
 
-def report(args, hw, rows, peak: float) -> str:
+def report(args, hw, rows, peak: float, replays: int) -> str:
     versions = {name: _version(name) for name in
                 ("tokenmill", "tokenmill-triton", "tokenmill-nvidia", "torch", "triton")}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -180,8 +182,10 @@ def report(args, hw, rows, peak: float) -> str:
         f"{peak / 1e12:.0f} TFLOP/s",
         "- versions: " + ", ".join(f"{k} {v}" for k, v in versions.items())
         + (f", CUDA {torch.version.cuda}" if torch.version.cuda else ""),
-        "- model: random-weight Llama-3-8B shape in bf16 (tokenmill.LLM, eager: no graphs)"
+        "- model: random-weight Llama-3-8B shape in bf16 (tokenmill.LLM)"
         if not args.dry_run else "- model: tiny random Llama (dry run)",
+        f"- decode steps replayed from CUDA graphs: {replays}"
+        + (" (none: every step ran eagerly)" if replays == 0 else ""),
         "",
         "| case | ms per step | achieved | roofline | fraction | goal |",
         "|---|---|---|---|---|---|",

@@ -7,7 +7,8 @@ hardware table (hardware.py) and probe (probe.py). Importing it imports neither 
 initialises CUDA; the hooks import what they need.
 
 Two modes, decided by the probe:
-- a GPU: device "cuda", NCCL, the CUDA caching allocator, bf16 by default;
+- a GPU: device "cuda", NCCL, the CUDA caching allocator, bf16 by default, CUDA graphs of
+  the decode step per padded batch-size bucket (graphs.py);
 - `TRITON_INTERPRET=1`: the same Triton kernels in Triton's interpreter on CPU tensors
   (device "cpu", gloo), so CI without a GPU certifies the kernels' logic. Triton 3.9's
   interpreter gets bf16 `tl.dot` wrong, so bf16 tiles are upcast to float32 there
@@ -31,6 +32,7 @@ from tokenmill.platforms.interfaces import (
     Capabilities,
     Communicator,
     DetectionResult,
+    GraphCapture,
     HardwareSpec,
     MemoryInfo,
     Platform,
@@ -47,7 +49,7 @@ GPU_CAPABILITIES = Capabilities(
     block_sizes=frozenset({16, 32, 64, 128}),
     head_sizes=frozenset({64, 128, 256}),
     collectives=True,
-    graphs=False,  # CUDA graph capture lands with the core's graph-capture interface
+    graphs=True,  # CUDA graphs of the decode step (graphs.py); never in the interpreter
     sleep_mode=True,
 )
 # The interpreter runs every program in Python (~1 ms per tensor op), so the certified set
@@ -91,7 +93,7 @@ def _host_memory_info() -> MemoryInfo:
 
 @hookimpl
 def tokenmill_api_version() -> str:
-    return "1.1"
+    return "1.2"  # 1.2: tokenmill_graph_capture returns a GraphCapture
 
 
 @hookimpl
@@ -172,6 +174,15 @@ def tokenmill_hardware_spec(platform: Platform) -> HardwareSpec:
     from tokenmill_nvidia.hardware import device_spec
 
     return device_spec(torch.cuda.current_device())
+
+
+@hookimpl
+def tokenmill_graph_capture(platform: Platform) -> GraphCapture | None:
+    if _interpreter(platform):  # graphs need a GPU stream; the interpreter has none
+        return None
+    from tokenmill_nvidia.graphs import CudaGraphCapture
+
+    return CudaGraphCapture()
 
 
 @hookimpl
