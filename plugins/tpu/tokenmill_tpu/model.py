@@ -136,6 +136,9 @@ class StepShape:
 
     tile_size: int
     interpret: bool
+    # the KV array's sharding, kept on the output: an output laid out differently from the
+    # input would make the next step's call a new compilation
+    kv_sharding: jax.sharding.Sharding | None = None
 
 
 def _layer(cfg: ModelConfig, shape: StepShape, batch: dict, carry, layer):
@@ -199,4 +202,6 @@ def forward(params: dict, kv: jax.Array, batch: dict, *, cfg: ModelConfig, shape
     logits = jnp.dot(rows, head, precision=jax.lax.Precision.HIGHEST).astype(jnp.float32)
     if cfg.final_logit_softcap:
         logits = jnp.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
+    if shape.kv_sharding is not None:
+        kv = jax.lax.with_sharding_constraint(kv, shape.kv_sharding)
     return logits, kv

@@ -6,7 +6,7 @@ runs `tokenmill_tpu.model.forward` (KV write, Pallas attention, logits; the KV a
 donated, so it is updated in place) and samples (`tokenmill_tpu.sampler`). Shapes are
 bucketed by token count and sequence count only (`tokenmill_tpu.buckets`; query tiles,
 sampled rows and the block table width follow from them or from max_model_len), so a run
-compiles a handful of shapes and none once warm; `compile_count()` says how many.
+compiles a handful of shapes and none once warm (`tokenmill_tpu.compiles` counts them).
 
 Tensor parallelism is sharding: with a mesh of N devices the attention and MLP weights
 are split by heads and by the intermediate dimension (`tokenmill_tpu.mesh`), the KV cache
@@ -33,7 +33,7 @@ from tokenmill.step import StepDescription, StepResult, StructuredMasks
 from tokenmill_tpu.buckets import bucket
 from tokenmill_tpu.convert import numpy_dtype, to_torch
 from tokenmill_tpu.kernels import plan_tiles
-from tokenmill_tpu.mesh import make_mesh, shard_kv, shard_params
+from tokenmill_tpu.mesh import make_mesh, shard_params, zeros_kv
 from tokenmill_tpu.model import ModelConfig, StepShape, forward, model_config
 from tokenmill_tpu.sampler import JaxSampler, fallback_reason
 from tokenmill_tpu.weights import convert_weights, rope_tables
@@ -76,8 +76,8 @@ class TpuModelRunner:
         self.params = shard_params(self.mesh, cfg, params)
         self.rope = jnp.asarray(rope)
         kv_shape = (cfg.num_layers, num_blocks, block_size, 2 * cfg.num_kv_heads, cfg.head_size)
-        self.kv = shard_kv(self.mesh, cfg, jnp.zeros(kv_shape, numpy_dtype(dtype)))
-        self.shape = StepShape(tile_size=TILE_SIZE, interpret=interpret)
+        self.kv = zeros_kv(self.mesh, cfg, kv_shape, numpy_dtype(dtype))
+        self.shape = StepShape(TILE_SIZE, interpret, kv_sharding=self.kv.sharding)
         self.requests = RequestStateTable(torch.device("cpu"))
         self.sampler = JaxSampler(seed=seed)
         self.torch_sampler = Sampler()
@@ -108,10 +108,6 @@ class TpuModelRunner:
             max_model_len=max_model_len, dtype=dtype, seed=seed,
             tensor_parallel_size=tensor_parallel_size, interpret=interpret,
         )
-
-    def compile_count(self) -> int:
-        """How many shapes the step function has been compiled for in this process."""
-        return forward._cache_size()
 
     def execute(self, step: StepDescription) -> StepResult:
         """Run one step; returns the sampled tokens (and logprobs where asked)."""
