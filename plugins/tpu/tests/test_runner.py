@@ -79,3 +79,25 @@ def test_penalties_fall_back_to_the_core_sampler(tiny, caplog):
     assert runner.sampler.num_fallback_rows > 0
     assert any("penalties" in r.message for r in caplog.records)
     assert all(len(tokens) == 4 for tokens in got)
+
+
+def test_prompt_logprobs_match_transformers(tiny):
+    from transformers import AutoModelForCausalLM
+
+    from tokenmill.step import NewRequest, StepDescription
+
+    prompt = PROMPTS[2]
+    runner = make_runner(tiny, "qwen3")
+    spec = SamplingSpec(temperature=0.0, prompt_logprobs=2)
+    new = NewRequest("p", prompt, [], spec, None, [3, 4, 5], 0)
+    step = StepDescription(step_id=0, new_requests=[new], scheduled_request_ids=["p"],
+                           num_scheduled_tokens=[len(prompt)],
+                           prompt_logprob_ranges={"p": (0, len(prompt) - 1)})
+    start, got = runner.execute(step).prompt_logprobs["p"]
+    hf = AutoModelForCausalLM.from_pretrained(tiny("qwen3")[2], dtype=torch.float32)
+    expected = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
+    assert start == 0 and len(got) == len(prompt) - 1
+    for p, lp in enumerate(got):
+        assert lp.token_ids[0] == prompt[p + 1]
+        assert lp.logprobs[0] == pytest.approx(expected[p, prompt[p + 1]].item(), abs=1e-4)
+        assert lp.token_ids[1] == int(expected[p].argmax())

@@ -137,9 +137,11 @@ class TpuModelRunner:
         logit_rows: list[int] = []
         sample_rows: list[ScheduledRow] = []
         lp_rows: dict[str, tuple[int, tuple[int, int]]] = {}
+        offsets = []  # each row's first token in the flat batch
         for row in batch:
             start, n = row.start, row.num_tokens
             offset = len(ids)
+            offsets.append(offset)
             ids += row.state.token_ids(start, start + n)
             pos = np.arange(start, start + n)
             positions.append(pos)
@@ -150,11 +152,10 @@ class TpuModelRunner:
             if row.sample:
                 sample_rows.append(row)
                 logit_rows.append(offset + n - 1)
-        for row in batch:  # prompt-logprob rows after the sampling rows
+        for row, offset in zip(batch, offsets):  # prompt-logprob rows after the sampling rows
             rid = row.state.request_id
             lo, hi = step.prompt_logprob_ranges.get(rid, (0, 0))
             if hi > lo:
-                offset = sum(r.num_tokens for r in batch[: batch.index(row)])
                 lp_rows[rid] = (len(logit_rows), (lo, hi))
                 logit_rows += [offset + p - row.start for p in range(lo, hi)]
         num_tokens = bucket(len(ids), MIN_TOKENS_BUCKET)
