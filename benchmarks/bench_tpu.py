@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
+
+from tokenmill.model.loader import checkpoint_weights, default_model_path, load_model_info
+from tokenmill.step import CachedRequest, NewRequest, SamplingSpec, StepDescription
 from tokenmill_tpu.compiles import CompileCounter
 from tokenmill_tpu.runner import TpuModelRunner
-
-from tokenmill.model.loader import _gguf_config_and_weights, default_model_path
-from tokenmill.step import CachedRequest, NewRequest, SamplingSpec, StepDescription
 
 BLOCK = 16
 
@@ -103,7 +102,9 @@ def main() -> None:
     args = parser.parse_args()
     import jax
 
-    hf_config, weights = _gguf_config_and_weights(Path(args.model or default_model_path()))
+    info = load_model_info(args.model or default_model_path(), load_tokenizer=False)
+    hf_config = info.hf_config
+    weights = checkpoint_weights(info.model_path, hf_config)
     (runner, build) = timed(lambda: TpuModelRunner.from_weights(
         hf_config, weights, dtype=torch.float32, num_blocks=256, block_size=BLOCK,
         max_model_len=1024, tensor_parallel_size=args.tp, interpret=True))

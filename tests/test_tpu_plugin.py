@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from tokenmill_tpu import detect, hardware
 
 ROOT = Path(__file__).resolve().parents[1]

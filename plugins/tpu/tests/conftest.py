@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from tokenmill_tpu.detect import forced_cpu_device_count, requested_platforms
 from transformers import AutoConfig
+
+from tokenmill_tpu.detect import forced_cpu_device_count, requested_platforms
 
 sys.path.insert(0, str(Path(__file__).parent))
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from tokenmill_tpu.kernels import plan_tiles, ragged_paged_attention, write_kv
 
 H, KVH, D, BS, NB, LAYERS, TILE = 6, 2, 32, 16, 32, 3, 8

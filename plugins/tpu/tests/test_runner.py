@@ -11,10 +11,10 @@ import logging
 import pytest
 import torch
 from driver import generate
-from tokenmill_tpu.compiles import CompileCounter
-from tokenmill_tpu.runner import TpuModelRunner
 
 from tokenmill.step import SamplingSpec
+from tokenmill_tpu.compiles import CompileCounter
+from tokenmill_tpu.runner import TpuModelRunner
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(20, 60)), [3] * 17]
 MAX_TOKENS = 6

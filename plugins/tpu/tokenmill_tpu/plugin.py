@@ -14,6 +14,8 @@ devices (TPU HBM, or the forced host devices) and compiles the step once per buc
 
 from __future__ import annotations
 
+import os
+
 import pluggy
 import psutil
 import torch
@@ -28,11 +30,14 @@ from tokenmill.platforms.interfaces import (
     DetectionResult,
     HardwareSpec,
     MemoryInfo,
+    ModelRunnerBase,
+    ModelRunnerContext,
     Platform,
 )
 from tokenmill_tpu.detect import forced_cpu_device_count, probe
 
 hookimpl = pluggy.HookimplMarker("tokenmill")
+TENSOR_PARALLEL_ENV = "TOKENMILL_TPU_TENSOR_PARALLEL"
 
 CAPABILITIES = Capabilities(
     attention_kinds=frozenset({AttentionKind.FULL, AttentionKind.SLIDING_WINDOW}),
@@ -43,6 +48,14 @@ CAPABILITIES = Capabilities(
     head_sizes=frozenset({64, 128}),
     collectives=True,
 )
+
+
+def tensor_parallel_size() -> int:
+    """`$TOKENMILL_TPU_TENSOR_PARALLEL` (default 1): JAX devices the runner's mesh spans."""
+    text = os.environ.get(TENSOR_PARALLEL_ENV, "1")
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"${TENSOR_PARALLEL_ENV}={text!r} must be a positive integer")
+    return int(text)
 
 
 def _backend() -> str:
@@ -65,7 +78,7 @@ def _memory_info() -> MemoryInfo:
 
 @hookimpl
 def tokenmill_api_version() -> str:
-    return "1.1"
+    return "1.2"  # 1.2: tokenmill_model_runner takes a ModelRunnerContext
 
 
 @hookimpl
@@ -126,6 +139,26 @@ def tokenmill_hardware_spec(platform: Platform) -> HardwareSpec:
     import jax
 
     return hardware.tpu_spec(jax.local_devices()[0].device_kind)
+
+
+@hookimpl
+def tokenmill_model_runner(platform: Platform, context: ModelRunnerContext) -> ModelRunnerBase | None:
+    """The JAX runner for every model type it knows (the core's runner for the others),
+    tensor parallel over `$TOKENMILL_TPU_TENSOR_PARALLEL` JAX devices of this process."""
+    from tokenmill_tpu.model import SUPPORTED_MODEL_TYPES
+    from tokenmill_tpu.runner import TpuModelRunner
+
+    if context.hf_config.model_type not in SUPPORTED_MODEL_TYPES:
+        return None
+    if context.parallel.world_size != 1:
+        raise ValueError(
+            f"the tpu runner runs in one process over its JAX devices (tensor parallel by "
+            f"sharding); got an engine of {context.parallel.world_size} worker processes. "
+            f"Use one worker and set ${TENSOR_PARALLEL_ENV}=N"
+        )
+    return TpuModelRunner.from_context(
+        context, interpret=_backend() == "cpu", tensor_parallel_size=tensor_parallel_size(),
+    )
 
 
 @hookimpl

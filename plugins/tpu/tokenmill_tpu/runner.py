@@ -17,6 +17,7 @@ output and down projections).
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 
 from tokenmill.ops.reference import apply_token_bitmask
+from tokenmill.platforms.interfaces import ModelRunnerBase, ModelRunnerContext
 from tokenmill.runner_state import RequestStateTable, ScheduledRow
 from tokenmill.sampler import Sampler, SamplingRow, prompt_logprobs
 from tokenmill.step import StepDescription, StepResult, StructuredMasks
@@ -51,8 +53,11 @@ class RunnerStats:
     shapes: set[tuple[int, int, int]] = field(default_factory=set)  # (tokens, seqs, rows)
 
 
-class TpuModelRunner:
-    """Runs steps of one model on the JAX devices of `mesh` (all of them: tensor parallel)."""
+class TpuModelRunner(ModelRunnerBase):
+    """Runs steps of one model on the JAX devices of its mesh (all of them: tensor parallel).
+
+    The core calls `kv_block_bytes`, `initialize_kv_cache(num_blocks)`, then `execute`
+    once per step (`tokenmill.platforms.interfaces.ModelRunnerBase`)."""
 
     def __init__(
         self,
@@ -60,7 +65,6 @@ class TpuModelRunner:
         params: dict[str, Any],
         rope: np.ndarray,
         *,
-        num_blocks: int,
         block_size: int,
         max_model_len: int,
         dtype: torch.dtype,
@@ -70,14 +74,15 @@ class TpuModelRunner:
     ) -> None:
         self.cfg = cfg
         self.block_size = block_size
-        self.num_blocks = num_blocks
+        self.dtype = dtype
         self.max_pages = -(-max_model_len // block_size)
         self.mesh = make_mesh(tensor_parallel_size)
         self.params = shard_params(self.mesh, cfg, params)
         self.rope = jnp.asarray(rope)
-        kv_shape = (cfg.num_layers, num_blocks, block_size, 2 * cfg.num_kv_heads, cfg.head_size)
-        self.kv = zeros_kv(self.mesh, cfg, kv_shape, numpy_dtype(dtype))
-        self.shape = StepShape(TILE_SIZE, interpret, kv_sharding=self.kv.sharding)
+        self.interpret = interpret
+        self.num_blocks = 0
+        self.kv: jax.Array | None = None
+        self.shape: StepShape | None = None
         self.requests = RequestStateTable(torch.device("cpu"))
         self.sampler = JaxSampler(seed=seed)
         self.torch_sampler = Sampler()
@@ -88,29 +93,62 @@ class TpuModelRunner:
     def from_weights(
         cls,
         hf_config: Any,
-        weights: Any,
+        weights: Iterable[tuple[str, torch.Tensor]],
         *,
         dtype: torch.dtype,
-        num_blocks: int,
         block_size: int,
         max_model_len: int,
+        num_blocks: int | None = None,
         tensor_parallel_size: int = 1,
         interpret: bool,
         seed: int = 0,
     ) -> TpuModelRunner:
         """Build from an HF config and HF-named (name, torch tensor) pairs (the core's
-        loaders give these), converting every weight once."""
+        loaders give these), converting every weight once; with `num_blocks`, also
+        allocate the KV cache."""
         cfg = model_config(hf_config)
         params = convert_weights(cfg, weights, dtype)
         rope = rope_tables(hf_config, cfg, hf_config.max_position_embeddings)
-        return cls(
-            cfg, params, rope, num_blocks=num_blocks, block_size=block_size,
-            max_model_len=max_model_len, dtype=dtype, seed=seed,
-            tensor_parallel_size=tensor_parallel_size, interpret=interpret,
+        runner = cls(
+            cfg, params, rope, block_size=block_size, max_model_len=max_model_len,
+            dtype=dtype, seed=seed, tensor_parallel_size=tensor_parallel_size,
+            interpret=interpret,
         )
+        if num_blocks is not None:
+            runner.initialize_kv_cache(num_blocks)
+        return runner
+
+    @classmethod
+    def from_context(cls, context: ModelRunnerContext, *, interpret: bool,
+                     tensor_parallel_size: int) -> TpuModelRunner:
+        """The runner the core asks for through `tokenmill_model_runner`."""
+        return cls.from_weights(
+            context.hf_config, context.weights(), dtype=context.dtype,
+            block_size=context.kv_cache.block_size, max_model_len=context.max_model_len,
+            tensor_parallel_size=tensor_parallel_size, interpret=interpret, seed=context.seed,
+        )
+
+    def kv_block_bytes(self) -> int:
+        """One block of every layer: block_size x 2 x kv_heads x head_size elements each."""
+        cfg = self.cfg
+        itemsize = numpy_dtype(self.dtype).itemsize
+        return cfg.num_layers * self.block_size * 2 * cfg.kv_size * itemsize
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        cfg = self.cfg
+        shape = (cfg.num_layers, num_blocks, self.block_size, 2 * cfg.num_kv_heads, cfg.head_size)
+        self.num_blocks = num_blocks
+        self.kv = zeros_kv(self.mesh, cfg, shape, numpy_dtype(self.dtype))
+        self.shape = StepShape(TILE_SIZE, self.interpret, kv_sharding=self.kv.sharding)
+
+    def shutdown(self) -> None:
+        self.kv = None
+        self.params = {}
 
     def execute(self, step: StepDescription) -> StepResult:
         """Run one step; returns the sampled tokens (and logprobs where asked)."""
+        if self.kv is None:
+            raise RuntimeError("TpuModelRunner.initialize_kv_cache must run before execute")
         batch = self.requests.update(step)
         result = StepResult()
         if not batch:

@@ -8,7 +8,7 @@ tokens torch's generator would draw for the same seed (the core's sampler uses t
 RNG), and no test claims they are.
 
 Rows that need what this sampler does not implement (repetition / presence / frequency
-penalties, min_tokens still masking stop tokens, logprobs, a structured-output mask) go
+penalties, logit_bias, min_tokens still masking stop tokens, logprobs, a structured-output mask) go
 to the core's torch `Sampler` on host copies of their logits, with an INFO log line once
 per reason; `JaxSampler.num_fallback_rows` counts them so tests can check the fast path.
 """
@@ -32,6 +32,8 @@ def fallback_reason(spec: SamplingSpec, state: RequestState) -> str | None:
     """Why this row needs the core's sampler, or None when the JAX sampler covers it."""
     if spec.logprobs is not None:
         return "logprobs"
+    if getattr(spec, "logit_bias", None):
+        return "logit_bias"
     if (spec.repetition_penalty, spec.presence_penalty, spec.frequency_penalty) != (1.0, 0.0, 0.0):
         return "penalties"
     masked = spec.stop_token_ids or (spec.eos_token_ids and not spec.ignore_eos)
