@@ -93,7 +93,9 @@ class JaxSampler:
         # a seeded request's generator carries its seed (tokenmill.runner_state)
         seed = None if state is None or state.generator is None else state.generator.initial_seed()
         if seed is not None:
-            key = jax.random.fold_in(jax.random.PRNGKey(seed), len(state.output_token_ids))
+            # PRNGKey takes 32 bits without x64; a seed's low 32 bits name its stream
+            key = jax.random.PRNGKey(seed & 0xFFFFFFFF)
+            key = jax.random.fold_in(key, len(state.output_token_ids))
         else:
             key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(self.seed), step_id), row)
         return np.asarray(key)
