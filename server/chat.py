@@ -128,7 +128,7 @@ async def render_chat(
 
     `AsyncLLM.render_chat` without `tools`; it moves there once the core takes `tools=`.
     """
-    template = chat_template or engine.args.chat_template or engine.engine.loaded.chat_template
+    template = chat_template or engine.chat_template
 
     def render() -> tuple[str, list[int]]:
         try:

@@ -122,6 +122,16 @@ def load_model_and_tokenizer(
     )
 
 
+def load_tokenizer(model: str, tokenizer: str | None = None) -> Any:
+    """The tokenizer `load_model_and_tokenizer` loads for `model`, without the weights (what
+    an API server beside an engine process needs). Raises as that function does for a bad
+    path."""
+    path = _resolve_model_path(model)
+    if path.suffix == ".gguf":
+        return _load_tokenizer(tokenizer, gguf=path)
+    return _load_tokenizer(tokenizer or str(path), gguf=None)
+
+
 def _resolve_model_path(model: str) -> Path:
     """The checkpoint path: an HF directory, a `.gguf` file, or a directory holding one GGUF."""
     path = Path(model).expanduser()
