@@ -96,6 +96,10 @@ def _close(ctx: zmq.Context, out_sock: zmq.Socket, in_sock: zmq.Socket) -> None:
     ctx.term()
 
 
+class _Orphaned(Exception):
+    """The API server process exited; nobody reads this engine's outputs."""
+
+
 class EngineCoreLoop:
     """The step loop over an `LLMEngine`, fed by and reporting to the frontend's sockets."""
 
@@ -131,9 +135,17 @@ class EngineCoreLoop:
                 elif was_busy or self._pending:  # went idle: the frontend's gauges catch up
                     was_busy = False
                     self._send([])
+        except _Orphaned:
+            logger.warning("the API server process is gone; the engine exits")
+            return 0
         except BaseException as e:  # noqa: BLE001 - the frontend must fail every request
             logger.exception("the engine step loop failed; the engine process exits")
-            self.out_sock.send(self.encoder.encode(EngineCoreDead(f"the engine failed: {e!r}")))
+            try:
+                self.out_sock.send(
+                    self.encoder.encode(EngineCoreDead(f"the engine failed: {e!r}")), zmq.NOBLOCK
+                )
+            except zmq.Again:
+                pass  # nobody is listening; exiting is all that is left
             return 1
         return 0
 
@@ -142,7 +154,19 @@ class EngineCoreLoop:
             deltas = self._pending + deltas
             self._pending = []
         message = EngineCoreOutputs(deltas, self.engine.scheduler_stats())
-        self.out_sock.send(self.encoder.encode(message), copy=False)
+        self._send_bytes(self.encoder.encode(message))
+
+    def _send_bytes(self, data: bytes) -> None:
+        """A PUSH socket whose peer is gone blocks forever; wait in short polls instead,
+        and give up when the API server process is gone."""
+        while True:
+            try:
+                self.out_sock.send(data, zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                if os.getppid() != self.parent_pid:
+                    raise _Orphaned() from None
+                self.out_sock.poll(100, zmq.POLLOUT)
 
     def _drain_inputs(self) -> None:
         while True:

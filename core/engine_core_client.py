@@ -165,7 +165,8 @@ class EngineCoreProcClient:
         self._in.bind(self.addresses.inputs)
         self._out = self._ctx.socket(zmq.PULL)
         self._out.bind(self.addresses.outputs)
-        self._send_lock = threading.Lock()
+        self._send_lock = threading.Lock()  # guards _in and _closed
+        self._closed = False
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineCoreMessage)
         self._stopping = threading.Event()
@@ -222,13 +223,31 @@ class EngineCoreProcClient:
         self._send(*requests)
 
     def abort(self, request_ids: list[str]) -> None:
+        """Best effort: a dead engine holds nothing to free."""
         if request_ids and not self._dead.is_set():
-            self._send(EngineCoreAbort(request_ids))
+            try:
+                self._send(EngineCoreAbort(request_ids))
+            except EngineDeadError:
+                pass
 
     def _send(self, *messages) -> None:
+        """Send without ever blocking on a dead engine: a PUSH socket whose peer is gone
+        waits forever, so wait for room in short polls while the process lives."""
         with self._send_lock:
             for message in messages:
-                self._in.send(self._encoder.encode(message), copy=False)
+                data = self._encoder.encode(message)
+                while True:
+                    if self._closed:
+                        raise EngineDeadError("the engine process is gone")
+                    try:
+                        self._in.send(data, zmq.NOBLOCK, copy=False)
+                        break
+                    except zmq.Again:
+                        if not self.proc.is_alive():
+                            raise EngineDeadError(
+                                f"the engine process died (exit code {self.proc.exitcode})"
+                            ) from None
+                        self._in.poll(100, zmq.POLLOUT)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the engine process (asking first, then SIGTERM, then SIGKILL) and the
@@ -240,8 +259,8 @@ class EngineCoreProcClient:
         if self.proc.is_alive():
             try:
                 self._send(EngineCoreShutdown())
-            except zmq.ZMQError:
-                pass  # the socket is gone already: the signals below still stop it
+            except (zmq.ZMQError, EngineDeadError):
+                pass  # it is exiting already, or the signals below stop it
             self.proc.join(timeout_s)
         if self.proc.is_alive():
             self.proc.terminate()
@@ -255,9 +274,13 @@ class EngineCoreProcClient:
             self._close()
 
     def _close(self) -> None:
-        self._in.close(linger=0)
-        self._out.close(linger=0)
-        self._ctx.term()
+        with self._send_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._in.close(linger=0)
+            self._out.close(linger=0)
+            self._ctx.term()
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def _read(self, on_outputs: OnOutputs, on_dead: OnDead) -> None:
