@@ -21,9 +21,9 @@ from tokenmill.platforms.interfaces import AllocatorPurpose
 from tokenmill.platforms.registry import ActivePlatform, PlatformRegistry, load_platform
 from tokenmill.request import Request, RequestStatus
 from tokenmill.runner import ModelRunner
-from tokenmill.sampler import make_generator
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.scheduler import Scheduler, SchedulerConfig
+from tokenmill.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from tokenmill.step import StructuredMasks
 from tokenmill.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -165,7 +165,7 @@ class LLMEngine:
             prompt_token_ids=request.prompt_token_ids,
             sampling_params=params,
             cache_salt=request.cache_salt,
-            generator=make_generator(params.seed, self.device),
+            seed=params.seed,
         )
         if grammar is not None:
             self.structured.add_request(child.request_id, grammar)
@@ -208,9 +208,21 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
-        masks = None
-        if self.structured.num_requests:
-            masks = self.structured.step_masks([s.request_id for s in plan.scheduled if s.sample])
-        result = self.runner.execute(plan, self.scheduler.requests, masks)
+        plan.step.structured = self._structured_masks(plan)
+        result = self.runner.execute(plan.step)
         self.scheduler.update_computed(plan)
         return self.core_outputs.process(result)
+
+    def _structured_masks(self, plan: SchedulerOutput) -> StructuredMasks | None:
+        """This step's grammar masks for its constrained sampling rows, or None."""
+        if not self.structured.num_requests:
+            return None
+        masks = self.structured.step_masks([s.request_id for s in plan.scheduled if s.sample])
+        if masks is None:
+            return None
+        return StructuredMasks(
+            bitmask=masks.bitmask.numpy().astype("<i4", copy=False).tobytes(),
+            num_words=masks.bitmask.shape[1],
+            row_indices=masks.row_indices,
+            ended_rows=masks.ended_rows,
+        )

@@ -23,14 +23,12 @@ from tokenmill.outputs import (
     EngineCoreRequest,
     Logprob,
     PositionLogprobs,
-    RawLogprobs,
     RequestOutput,
 )
 from tokenmill.request import Request, RequestStatus
-from tokenmill.runner import RunnerOutput
-from tokenmill.sampler import Logprobs
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler import Scheduler
+from tokenmill.step import Logprobs, StepResult
 from tokenmill.structured import StructuredOutputError
 from tokenmill.structured.manager import StructuredOutputManager
 
@@ -66,10 +64,6 @@ def add_error_kind(error: ValueError) -> str:
     return ADD_ERROR_STRUCTURED if isinstance(error, StructuredOutputError) else ADD_ERROR_VALUE
 
 
-def _raw(lp: Logprobs) -> RawLogprobs:
-    return RawLogprobs(lp.token_ids, lp.logprobs, lp.ranks)
-
-
 class CoreOutputProcessor:
     """The engine core's half: token-level bookkeeping, no tokenizer."""
 
@@ -97,7 +91,7 @@ class CoreOutputProcessor:
             self.structured.remove_request(request_id)
         return self.scheduler.finish(request_id, status) is not None
 
-    def process(self, result: RunnerOutput) -> list[EngineCoreOutput]:
+    def process(self, result: StepResult) -> list[EngineCoreOutput]:
         """Apply one step's results; a delta for every sequence the step changed."""
         deltas: dict[str, EngineCoreOutput] = {}
         for rid, (start, lps) in result.prompt_logprobs.items():
@@ -108,8 +102,8 @@ class CoreOutputProcessor:
             fresh = lps[max(0, done - start) :]
             if fresh:
                 self._prompt_lps_done[rid] = max(done, start + len(lps))
-                deltas[rid] = EngineCoreOutput(rid, new_prompt_logprobs=[_raw(lp) for lp in fresh])
-        for rid, token_id in result.sampled.items():
+                deltas[rid] = EngineCoreOutput(rid, new_prompt_logprobs=list(fresh))
+        for rid, token_id in result.sampled_token_ids.items():
             request = self.scheduler.requests.get(rid)
             if request is None:  # aborted during the step
                 continue
@@ -138,7 +132,7 @@ class CoreOutputProcessor:
         if request.num_output_tokens == 1:
             delta.num_cached_tokens = request.num_cached_tokens
         if logprobs is not None and request.sampling_params.logprobs is not None:
-            delta.new_logprobs = [_raw(logprobs)]
+            delta.new_logprobs = [logprobs]
         grammar_ended = False
         if self.structured is not None and rid in self.structured:
             error = self.structured.accept(rid, token_id)
@@ -352,7 +346,7 @@ class OutputProcessor:
                 abort_ids.append(seq.request_id)
         return self._build(parent), abort_ids
 
-    def _convert(self, lp: RawLogprobs) -> PositionLogprobs:
+    def _convert(self, lp: Logprobs) -> PositionLogprobs:
         return {
             tid: Logprob(logprob=v, rank=r, decoded_token=self._text_of(tid))
             for tid, v, r in zip(lp.token_ids, lp.logprobs, lp.ranks)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.step import Logprobs
 
 
 @dataclass(slots=True)
@@ -51,15 +52,6 @@ class RequestOutput:
 # sends back per-step deltas, new tokens only. See core/engine_core.py.
 
 
-class RawLogprobs(msgspec.Struct, array_like=True, gc=False):
-    """One position's logprobs as the sampler made them, not yet decoded to text: the
-    chosen (or actual prompt) token first, then the top-k in rank order."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    ranks: list[int]  # 1-based rank of each token in the distribution
-
-
 class EngineCoreRequest(msgspec.Struct, tag="add", array_like=True, omit_defaults=True):
     """One sequence for the engine core to run. n > 1 is fanned out by the frontend into
     one of these per child (`params.n == 1`, the child's own seed)."""
@@ -96,8 +88,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
 
     request_id: str
     new_token_ids: list[int] = []
-    new_logprobs: list[RawLogprobs] | None = None
-    new_prompt_logprobs: list[RawLogprobs] | None = None
+    new_logprobs: list[Logprobs] | None = None
+    new_prompt_logprobs: list[Logprobs] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = -1

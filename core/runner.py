@@ -6,28 +6,18 @@ comes from the platform, attention from the platform's backend.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
+import msgspec
+import numpy as np
 import torch
 
 from tokenmill.ops.reference import apply_token_bitmask as reference_apply_token_bitmask
 from tokenmill.platforms.interfaces import AttentionMetadata, token_positions
-from tokenmill.request import Request
-from tokenmill.sampler import Logprobs, Sampler, SamplingRow, prompt_logprobs
-from tokenmill.scheduler import SchedulerOutput
-from tokenmill.structured.manager import StructuredStep
-
-
-@dataclass(slots=True)
-class RunnerOutput:
-    """Per sampled request: the new token and, if asked, its logprobs."""
-
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, Logprobs] = field(default_factory=dict)
-    # request id -> (start, logprobs of prompt positions [start, end)) computed this step
-    prompt_logprobs: dict[str, tuple[int, list[Logprobs]]] = field(default_factory=dict)
+from tokenmill.runner_state import RequestStateTable, ScheduledRow
+from tokenmill.sampler import Sampler, SamplingRow, prompt_logprobs
+from tokenmill.step import StepDescription, StepResult, StructuredMasks
 
 
 class ModelRunner:
@@ -46,87 +36,91 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler()
+        self.requests = RequestStateTable(device)  # the worker's per-request state
         self.apply_token_bitmask = apply_token_bitmask  # the platform's op (or the reference)
 
     @torch.inference_mode()
-    def execute(
-        self,
-        step: SchedulerOutput,
-        requests: Mapping[str, Request],
-        masks: StructuredStep | None = None,
-    ) -> RunnerOutput:
-        """Run one step. `masks`: structured output's token masks for some sampling rows,
-        applied to their logits before sampling (so logprobs are of the masked
-        distribution)."""
-        inputs = self._prepare_inputs(step)
+    def execute(self, step: StepDescription) -> StepResult:
+        """Run one step. `step.structured`: structured output's token masks for some
+        sampling rows, applied to their logits before sampling (so logprobs are of the
+        masked distribution)."""
+        batch = self.requests.update(step)
+        out = StepResult()
+        if not batch:
+            return out
+        inputs = self._prepare_inputs(batch, step)
         for backend in self.backends:
             backend.prepare(inputs.metadata)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
 
-        out = RunnerOutput()
         if inputs.sample_rows:
             logits = self.model.compute_logits(hidden[inputs.sample_indices])
             rows = [
                 SamplingRow(
-                    params=requests[rid].sampling_params,
-                    prompt_token_ids=requests[rid].prompt_token_ids,
-                    output_token_ids=requests[rid].output_token_ids,
-                    generator=requests[rid].generator,
+                    params=r.state.sampling,
+                    prompt_token_ids=r.state.prompt_token_ids,
+                    output_token_ids=r.state.output_token_ids,
+                    generator=r.state.generator,
                 )
-                for rid in inputs.sample_rows
+                for r in inputs.sample_rows
             ]
-            if masks is not None:
-                self._apply_masks(logits, rows, masks)
+            if step.structured is not None:
+                self._apply_masks(logits, rows, step.structured)
             sampled = self.sampler(logits, rows)
-            for rid, token_id, lp in zip(inputs.sample_rows, sampled.token_ids, sampled.logprobs):
-                out.sampled[rid] = token_id
+            for r, token_id, lp in zip(inputs.sample_rows, sampled.token_ids, sampled.logprobs):
+                rid = r.state.request_id
+                out.sampled_token_ids[rid] = token_id
                 if lp is not None:
                     out.logprobs[rid] = lp
         for rid, (indices, (lo, hi)) in inputs.prompt_logprob_rows.items():
             logits = self.model.compute_logits(hidden[indices])
-            request = requests[rid]
+            state = self.requests.requests[rid]
             # the logits at position p predict the token at p + 1
-            next_ids = request.all_token_ids[lo + 1 : hi + 1]
-            k = request.sampling_params.prompt_logprobs
+            next_ids = state.token_ids(lo + 1, hi + 1)
+            k = state.sampling.prompt_logprobs
             out.prompt_logprobs[rid] = (lo, prompt_logprobs(logits, next_ids, k))
         return out
 
-    def _apply_masks(self, logits: torch.Tensor, rows: list[SamplingRow], masks: StructuredStep) -> None:
+    def _apply_masks(
+        self, logits: torch.Tensor, rows: list[SamplingRow], masks: StructuredMasks
+    ) -> None:
+        words = np.frombuffer(masks.bitmask, dtype="<i4").reshape(-1, masks.num_words)
         self.apply_token_bitmask(
             logits,
-            masks.bitmask.to(logits.device),
+            torch.from_numpy(words.copy()).to(logits.device),
             torch.tensor(masks.row_indices, dtype=torch.int64, device=logits.device),
         )
         for i in masks.ended_rows:
             # a complete constraint allows only EOS: it wins over min_tokens, which would
             # otherwise mask EOS too and leave nothing to sample
             if rows[i].params.min_tokens:
-                rows[i].params = dataclasses.replace(rows[i].params, min_tokens=0)
+                rows[i].params = msgspec.structs.replace(rows[i].params, min_tokens=0)
 
-    def _prepare_inputs(self, step: SchedulerOutput) -> _StepInputs:
+    def _prepare_inputs(self, batch: list[ScheduledRow], step: StepDescription) -> _StepInputs:
         token_ids: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
-        sample_rows: list[str] = []
+        sample_rows: list[ScheduledRow] = []
         sample_indices: list[int] = []
         lp_rows: dict[str, tuple[list[int], tuple[int, int]]] = {}
-        for s in step.scheduled:
-            n = len(s.token_ids)
+        for row in batch:
+            n, start = row.num_tokens, row.start
             offset = len(token_ids)
-            token_ids.extend(s.token_ids)
+            token_ids.extend(row.state.token_ids(start, start + n))
             query_lens.append(n)
-            seq_lens.append(s.start_position + n)
-            if s.sample:
-                sample_rows.append(s.request_id)
+            seq_lens.append(start + n)
+            if row.sample:
+                sample_rows.append(row)
                 sample_indices.append(offset + n - 1)
-            lo, hi = s.prompt_logprobs_range
+            rid = row.state.request_id
+            lo, hi = step.prompt_logprob_ranges.get(rid, (0, 0))
             if hi > lo:
-                idx = [offset + p - s.start_position for p in range(lo, hi)]
-                lp_rows[s.request_id] = (idx, (lo, hi))
+                idx = [offset + p - start for p in range(lo, hi)]
+                lp_rows[rid] = (idx, (lo, hi))
 
         dev = self.device
         metadata = AttentionMetadata.build(
-            query_lens, seq_lens, [s.block_ids for s in step.scheduled], self.block_size, dev
+            query_lens, seq_lens, [r.state.block_ids for r in batch], self.block_size, dev
         )
         _, positions = token_positions(query_lens, seq_lens)
         return _StepInputs(
@@ -147,7 +141,7 @@ class _StepInputs:
     input_ids: torch.Tensor  # int64 [num_tokens]
     positions: torch.Tensor  # int64 [num_tokens]
     metadata: AttentionMetadata
-    sample_rows: list[str]  # request ids that sample, in row order
+    sample_rows: list[ScheduledRow]  # the rows that sample, in row order
     sample_indices: torch.Tensor  # int64 [len(sample_rows)]: their last token's index
     # request id -> (token indices, prompt positions [lo, hi)) for prompt logprobs
     prompt_logprob_rows: dict[str, tuple[torch.Tensor, tuple[int, int]]]

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.step import Logprobs, SamplingSpec
 
 # Rows with top_p but no top_k first look for their nucleus among this many top tokens and
 # fall back to a full sort only when it holds less than top_p of the mass.
@@ -32,19 +33,10 @@ _BLOCK = 256
 class SamplingRow:
     """One request to sample this step."""
 
-    params: SamplingParams
+    params: SamplingParams | SamplingSpec  # the sampler reads SamplingSpec's fields only
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # tokens generated so far, before this step
     generator: torch.Generator | None  # from make_generator(params.seed); None: global RNG
-
-
-@dataclass(slots=True)
-class Logprobs:
-    """Logprobs at one position: the chosen token first, then the top-k in rank order."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    ranks: list[int]  # 1-based rank of each token in the distribution
 
 
 @dataclass(slots=True)
@@ -58,6 +50,14 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
     if seed is None:
         return None
     return torch.Generator(device=device).manual_seed(seed)
+
+
+def replay_draws(generator: torch.Generator, num_draws: int) -> None:
+    """Advance `generator` past `num_draws` sampling steps, exactly as `Sampler` draws
+    (one float64 uniform per step of a random row): a request resumed after a preemption
+    on a fresh generator then continues its random stream where it left off."""
+    for _ in range(num_draws):
+        torch.rand((), dtype=torch.float64, device=generator.device, generator=generator)
 
 
 class Sampler:
