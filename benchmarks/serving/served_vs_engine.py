@@ -27,6 +27,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,9 +35,6 @@ import engines
 import workloads as wl
 from loadgen import Target, run_workload
 from stats import percentile
-
-HERE = Path(__file__).resolve().parent
-
 
 def _model_path(arg: str | None) -> str:
     from tokenmill.model.loader import default_model_path
@@ -141,7 +139,8 @@ def main() -> int:
     )
     target = Target(f"http://127.0.0.1:{args.port}", engines.SERVED, spec.extra_body)
     runs: dict[str, list[float]] = {k: [] for k in ("engine_tps", "served_tps", "engine_itl", "served_itl")}
-    with engines.EngineProcess(spec, args.port, HERE / "results" / "served_vs_engine.log"):
+    log = Path(tempfile.gettempdir()) / "served_vs_engine.log"
+    with engines.EngineProcess(spec, args.port, log):
         # warm-up: both sides once, small
         engine_batch(engine, batch_ids[:4], 8)
         asyncio.run(run_workload(target, wl.uniform(words, 4, 64, 8, tag="warm"), 4, 120, 300))
