@@ -36,6 +36,7 @@ import workloads as wl
 from loadgen import Target, run_workload
 from stats import percentile
 
+
 def _model_path(arg: str | None) -> str:
     from tokenmill.model.loader import default_model_path
 
