@@ -35,8 +35,8 @@ from typing import Any, Protocol
 import jinja2
 
 from tokenmill.config import EngineArgs
-from tokenmill.engine import LLMEngine
-from tokenmill.engine_core_client import EngineCoreProcClient, EngineDeadError, InprocClient
+from tokenmill.engine import EngineDeadError, LLMEngine
+from tokenmill.engine_core_client import EngineCoreProcClient, InprocClient
 from tokenmill.output_processor import OutputProcessor, check_prompt
 from tokenmill.outputs import EngineCoreOutputs, RequestOutput, SchedulerStats
 from tokenmill.sampling_params import SamplingParams
@@ -121,14 +121,15 @@ class AsyncLLM:
         self._next_id = 0
 
     def _init_frontend_for_process(self, args: EngineArgs, client: EngineCoreProcClient) -> None:
-        from tokenmill.model.loader import default_model_path, load_tokenizer
+        from tokenmill.model.loader import default_model_path, load_model_info
         from tokenmill.structured.manager import StructuredOutputManager
 
         try:
-            self.tokenizer = load_tokenizer(args.model or default_model_path(), args.tokenizer)
+            info = load_model_info(args.model or default_model_path(), tokenizer=args.tokenizer)
         except BaseException:
             client.shutdown()
             raise
+        self.tokenizer = info.tokenizer
         ready = client.ready
         self.args = args
         self.max_model_len = ready.max_model_len

@@ -77,8 +77,11 @@ def run_engine_core(inputs: str, outputs: str, parent_pid: int, log_level: int) 
         eos_token_ids=sorted(engine.loaded.eos_token_ids),
         chat_template=engine.loaded.chat_template,
     )))
-    code = EngineCoreLoop(engine, in_sock, out_sock, parent_pid).run()
-    _close(ctx, out_sock, in_sock)
+    try:
+        code = EngineCoreLoop(engine, in_sock, out_sock, parent_pid).run()
+    finally:
+        engine.shutdown()  # the workers (their processes, with the "mp" executor)
+        _close(ctx, out_sock, in_sock)
     raise SystemExit(code)
 
 
@@ -94,6 +97,13 @@ def _close(ctx: zmq.Context, out_sock: zmq.Socket, in_sock: zmq.Socket) -> None:
     out_sock.close(linger=2000)  # let the last message (a failure report) leave
     in_sock.close(linger=0)
     ctx.term()
+
+
+def check_failed(engine) -> None:
+    """Raise EngineDeadError once the engine's workers have failed (their requests were
+    just failed in the last deltas): the core cannot serve anything more."""
+    if engine.failure is not None:
+        engine.check_health()
 
 
 class _Orphaned(Exception):
@@ -122,9 +132,11 @@ class EngineCoreLoop:
                 busy = engine.has_unfinished_requests()
                 if self.in_sock.poll(0 if busy else _IDLE_POLL_MS):
                     self._drain_inputs()
-                elif not busy and os.getppid() != self.parent_pid:
-                    logger.warning("the API server process is gone; the engine exits")
-                    return 0
+                elif not busy:
+                    if os.getppid() != self.parent_pid:
+                        logger.warning("the API server process is gone; the engine exits")
+                        return 0
+                    engine.check_health()  # a worker that died while idle ends the core
                 if self._stopping:
                     break
                 if engine.has_unfinished_requests():
@@ -132,6 +144,7 @@ class EngineCoreLoop:
                     was_busy = True
                     if deltas or self._pending:
                         self._send(deltas)
+                    check_failed(engine)
                 elif was_busy or self._pending:  # went idle: the frontend's gauges catch up
                     was_busy = False
                     self._send([])

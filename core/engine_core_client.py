@@ -27,7 +27,8 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from tokenmill.engine_core import EngineCoreAddresses, run_engine_core
+from tokenmill.engine import EngineDeadError
+from tokenmill.engine_core import EngineCoreAddresses, check_failed, run_engine_core
 from tokenmill.output_processor import add_error_kind
 from tokenmill.outputs import (
     EngineCoreAbort,
@@ -50,10 +51,6 @@ OnDead = Callable[[BaseException], None]
 _IDLE_WAIT_S = 0.05
 # How long the busy engine thread waits for new requests after a step with no output.
 _NO_OUTPUT_WAIT_S = 0.001
-
-
-class EngineDeadError(RuntimeError):
-    """The engine core stopped; no request can be served any more."""
 
 
 class InprocClient:
@@ -109,10 +106,13 @@ class InprocClient:
                 wait_s = (0.0 if deltas else _NO_OUTPUT_WAIT_S) if busy else _IDLE_WAIT_S
                 if not self._drain(wait_s, pending):
                     break
+                if not busy:
+                    engine.check_health()  # a worker that died while idle ends the core
                 deltas = engine.core_step() if engine.has_unfinished_requests() else []
                 if deltas or pending or (was_busy and not engine.has_unfinished_requests()):
                     self._on_outputs(EngineCoreOutputs(pending + deltas, engine.scheduler_stats()))
                     pending = []
+                check_failed(engine)
                 was_busy = engine.has_unfinished_requests()
         except BaseException as e:  # noqa: BLE001 - every in-flight request must learn of it
             logger.exception("the engine thread crashed; the engine is now dead")

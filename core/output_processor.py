@@ -91,6 +91,17 @@ class CoreOutputProcessor:
             self.structured.remove_request(request_id)
         return self.scheduler.finish(request_id, status) is not None
 
+    def fail_all(self, reason: str) -> list[EngineCoreOutput]:
+        """Finish every sequence in flight with FINISHED_ERROR and `reason` (the workers
+        cannot continue them); their last deltas."""
+        deltas = []
+        for rid in list(self.scheduler.requests):
+            self.finish(rid, RequestStatus.FINISHED_ERROR)
+            deltas.append(EngineCoreOutput(
+                rid, finish_reason=RequestStatus.FINISHED_ERROR.value, stop_reason=reason
+            ))
+        return deltas
+
     def process(self, result: StepResult) -> list[EngineCoreOutput]:
         """Apply one step's results; a delta for every sequence the step changed."""
         deltas: dict[str, EngineCoreOutput] = {}
