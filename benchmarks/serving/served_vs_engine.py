@@ -15,7 +15,9 @@ core alone, measured alternately in one run so a busy machine weighs on both sid
   of its decode steps.
 
 Both sides use the same model, dtype, threads (OMP_NUM_THREADS, default 2) and engine
-arguments. Prints a Markdown table of medians and served/engine ratios; --json saves runs.
+arguments. Prints a Markdown table: medians of each side, and the served / engine ratio of
+each round (the two sides of a round run back to back, alternating which goes first) with
+their median; --json saves the runs.
 """
 
 from __future__ import annotations
@@ -158,15 +160,19 @@ def main() -> int:
             print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in runs.items()),
                   flush=True)
     med = {k: statistics.median(v) for k, v in runs.items()}
+    # paired: each round's served / engine, both sides measured minutes apart
+    tps_ratios = [s / e for s, e in zip(runs["served_tps"], runs["engine_tps"])]
+    itl_ratios = [s / e for s, e in zip(runs["served_itl"], runs["engine_itl"])]
     print(f"\nmachine: {platform.processor() or platform.machine()}, {args.threads} threads, "
           f"torch {torch.__version__}, load average {os.getloadavg()[0]:.1f}, "
           f"median of {args.rounds} alternated rounds\n")
-    print("| measure | engine only | served | served / engine |")
-    print("|---|---|---|---|")
+    print("| measure | engine only | served | served / engine, per round | median |")
+    print("|---|---|---|---|---|")
     print(f"| {args.num} x ({args.input_len} in, {args.output_len} out) output tok/s | "
-          f"{med['engine_tps']:.1f} | {med['served_tps']:.1f} | {med['served_tps'] / med['engine_tps']:.3f} |")
+          f"{med['engine_tps']:.1f} | {med['served_tps']:.1f} | "
+          f"{' '.join(f'{r:.3f}' for r in tps_ratios)} | {statistics.median(tps_ratios):.3f} |")
     print(f"| batch-1 inter-token latency, ms | {med['engine_itl']:.2f} | {med['served_itl']:.2f} | "
-          f"{med['served_itl'] / med['engine_itl']:.3f} |")
+          f"{' '.join(f'{r:.3f}' for r in itl_ratios)} | {statistics.median(itl_ratios):.3f} |")
     print("\nper round: " + json.dumps({k: [round(x, 2) for x in v] for k, v in runs.items()}))
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
