@@ -14,6 +14,7 @@ import torch
 from tokenmill.config import DEFAULT_KV_CACHE_BYTES, EngineArgs
 from tokenmill.kv.arena import KVArena
 from tokenmill.kv.manager import KVCacheManager
+from tokenmill.model.generation_config import describe, load_generation_defaults
 from tokenmill.model.loader import LoadedModel, default_model_path, load_model_and_tokenizer
 from tokenmill.output_processor import OutputProcessor
 from tokenmill.outputs import RequestOutput
@@ -56,8 +57,11 @@ class LLMEngine:
         self.dtype = resolve_dtype(args.dtype, self.platform)
         torch.manual_seed(args.seed)
 
+        model_path = args.model or default_model_path()
+        # what requests that leave temperature, top_p... unset sample with
+        self.generation_defaults, source = load_generation_defaults(model_path, args.generation_config)
         self.loaded: LoadedModel = load_model_and_tokenizer(
-            args.model or default_model_path(),
+            model_path,
             dtype=self.dtype,
             device=self.device,
             ops=self.platform.ops,
@@ -114,6 +118,10 @@ class LLMEngine:
             "engine ready: platform=%s dtype=%s kv_blocks=%d (%d tokens) max_model_len=%d",
             self.platform.name, self.dtype, self.arena.num_blocks, capacity, self.max_model_len,
         )
+        logger.info(
+            "default sampling parameters for requests that leave them unset (%s): %s; "
+            "generation_config='vllm' turns them off", source, describe(self.generation_defaults),
+        )
 
     # ---- requests --------------------------------------------------------------------
     def next_request_id(self) -> str:
@@ -137,7 +145,8 @@ class LLMEngine:
         if params.structured_outputs is not None:
             grammar = self.structured.compile(params.structured_outputs)
         params = dataclasses.replace(
-            params, eos_token_ids=frozenset(self.loaded.eos_token_ids) | params.eos_token_ids
+            params.with_defaults(self.generation_defaults),
+            eos_token_ids=frozenset(self.loaded.eos_token_ids) | params.eos_token_ids,
         )
         children = []
         for i in range(params.n):

@@ -84,6 +84,7 @@ def _serve(args: argparse.Namespace) -> int:
         "max_num_batched_tokens": args.max_num_batched_tokens, "block_size": args.block_size,
         "long_prefill_token_threshold": args.long_prefill_token_threshold,
         "chat_template": chat_template, "seed": args.seed,
+        "generation_config": args.generation_config,
     }
     try:
         engine_args = EngineArgs(**{k: v for k, v in engine_kw.items() if v is not None})
@@ -155,6 +156,11 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--dtype", default=None,
                    choices=["auto", "bfloat16", "bf16", "float32", "fp32", "float16", "fp16"])
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--generation-config", default=None, metavar="auto|vllm|DIR",
+                   help="default sampling parameters for requests that leave them unset: "
+                   "'auto' (default) takes the model's generation_config.json, or tokenmill's "
+                   "settings for the default model; 'vllm' (or 'none') turns them off; a "
+                   "directory uses its generation_config.json")
     p.add_argument("--chat-template", default=None, help="a file holding a jinja chat template")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='serve tool_choice "auto": parse the model\'s own tool calls')
