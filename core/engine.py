@@ -11,20 +11,20 @@ import logging
 
 import torch
 
-from tokenmill.config import DEFAULT_KV_CACHE_BYTES, EngineArgs
-from tokenmill.kv.arena import KVArena
+from tokenmill.config import EngineArgs
+from tokenmill.distributed.config import WorkerConfig
+from tokenmill.distributed.errors import ExecutorError
+from tokenmill.distributed.executor import Executor, make_executor
 from tokenmill.kv.manager import KVCacheManager
 from tokenmill.model.generation_config import describe, load_generation_defaults
-from tokenmill.model.loader import LoadedModel, default_model_path, load_model_and_tokenizer
+from tokenmill.model.loader import ModelInfo, default_model_path, load_model_info
 from tokenmill.output_processor import OutputProcessor
 from tokenmill.outputs import RequestOutput
-from tokenmill.platforms.interfaces import AllocatorPurpose
 from tokenmill.platforms.registry import ActivePlatform, PlatformRegistry, load_platform
 from tokenmill.request import Request
-from tokenmill.runner import ModelRunner
-from tokenmill.sampler import make_generator
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.scheduler import Scheduler, SchedulerConfig
+from tokenmill.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from tokenmill.step import StructuredMasks
 from tokenmill.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -47,6 +47,10 @@ def resolve_dtype(name: str, platform: ActivePlatform) -> torch.dtype:
     return dtype
 
 
+class EngineDeadError(RuntimeError):
+    """The engine's workers failed; it takes no more requests. Says why."""
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs, registry: PlatformRegistry | None = None) -> None:
         """`registry`: where to find `args.platform`; None discovers installed plugins
@@ -60,35 +64,27 @@ class LLMEngine:
         model_path = args.model or default_model_path()
         # what requests that leave temperature, top_p... unset sample with
         self.generation_defaults, source = load_generation_defaults(model_path, args.generation_config)
-        self.loaded: LoadedModel = load_model_and_tokenizer(
-            model_path,
-            dtype=self.dtype,
-            device=self.device,
-            ops=self.platform.ops,
-            attention_backend=self.platform.attention_backend,
-            block_size=args.block_size,
-            tokenizer=args.tokenizer,
-        )
+        self.loaded: ModelInfo = load_model_info(model_path, tokenizer=args.tokenizer)
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = min(args.max_model_len or self.loaded.max_model_len, self.loaded.max_model_len)
-        model = self.loaded.model
 
-        self.arena = KVArena.create(
-            self.platform.allocator(AllocatorPurpose.KV_ARENA),
-            model.attention_specs,
-            num_blocks=args.num_kv_blocks,
-            num_bytes=args.kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES,
-            device=self.device,
-        )
-        capacity = self.arena.num_blocks * args.block_size
+        self.executor = self._start_workers(registry is not None)
+        try:
+            self.num_kv_blocks = self.executor.initialize()
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        capacity = self.num_kv_blocks * args.block_size
         if capacity < self.max_model_len:
             if args.max_model_len is not None:
+                self.executor.shutdown()
                 raise ValueError(
                     f"max_model_len={args.max_model_len} does not fit the KV pool of {capacity} "
                     "tokens; lower max_model_len or give the KV cache more memory"
                 )
             self.max_model_len = capacity
-        self.kv = KVCacheManager(self.arena.num_blocks, args.block_size, args.enable_prefix_caching)
+        self.failure: ExecutorError | None = None  # set when the workers cannot go on
+        self.kv = KVCacheManager(self.num_kv_blocks, args.block_size, args.enable_prefix_caching)
         threshold = args.long_prefill_token_threshold
         if threshold is None:
             threshold = self.platform.platform.long_prefill_token_threshold or 0
@@ -97,11 +93,6 @@ class LLMEngine:
                 args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len, threshold
             ),
             self.kv,
-        )
-        backends = list({id(b): b for b in model.attention_backends}.values())
-        self.runner = ModelRunner(
-            model, self.arena.layer_caches, backends, args.block_size, self.device,
-            apply_token_bitmask=self.platform.ops.apply_token_bitmask,
         )
         self.structured = StructuredOutputManager(
             self.tokenizer,
@@ -115,13 +106,40 @@ class LLMEngine:
         )
         self._ids = itertools.count()
         logger.info(
-            "engine ready: platform=%s dtype=%s kv_blocks=%d (%d tokens) max_model_len=%d",
-            self.platform.name, self.dtype, self.arena.num_blocks, capacity, self.max_model_len,
+            "engine ready: platform=%s dtype=%s executor=%s kv_blocks=%d (%d tokens) "
+            "max_model_len=%d", self.platform.name, self.dtype, args.distributed_executor_backend,
+            self.num_kv_blocks, capacity, self.max_model_len,
         )
         logger.info(
             "default sampling parameters for requests that leave them unset (%s): %s; "
             "generation_config='vllm' turns them off", source, describe(self.generation_defaults),
         )
+
+    def _start_workers(self, in_process_registry: bool) -> Executor:
+        """The executor for args.distributed_executor_backend, its workers not yet set up."""
+        args = self.args
+        config = WorkerConfig(
+            model_path=self.loaded.model_path,
+            platform=self.platform.name,
+            dtype=str(self.dtype).removeprefix("torch."),
+            block_size=args.block_size,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=self.max_model_len,
+            seed=args.seed,
+            num_kv_blocks=args.num_kv_blocks,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            memory_utilization=args.memory_utilization,
+            distributed_executor_backend=args.distributed_executor_backend,
+        )
+        return make_executor(
+            args.distributed_executor_backend, config, self.platform, self.loaded.hf_config,
+            in_process_registry,
+        )
+
+    def shutdown(self) -> None:
+        """Stop the workers (their processes, for "mp"); idempotent."""
+        self.executor.shutdown()
 
     # ---- requests --------------------------------------------------------------------
     def next_request_id(self) -> str:
@@ -138,6 +156,7 @@ class LLMEngine:
         """Queue a request. Raises ValueError naming the problem if it can never run, and
         its subclass StructuredOutputError if its structured output constraint is invalid or
         takes too long to compile; nothing is queued then."""
+        self.check_health()
         if request_id in self.outputs.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._check_prompt(prompt_token_ids, params)
@@ -156,7 +175,7 @@ class LLMEngine:
                 prompt_token_ids=list(prompt_token_ids),
                 sampling_params=params,
                 cache_salt=cache_salt,
-                generator=make_generator(seed, self.device),
+                seed=seed,
             )
             children.append(child)
             if grammar is not None:
@@ -192,12 +211,54 @@ class LLMEngine:
 
     # ---- the step --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule, execute, process: one engine step."""
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
-        masks = None
-        if self.structured.num_requests:
-            masks = self.structured.step_masks([s.request_id for s in plan.scheduled if s.sample])
-        result = self.runner.execute(plan, self.scheduler.requests, masks)
+        plan.step.structured = self._structured_masks(plan)
+        try:
+            result = self.executor.execute(plan.step)
+        except ExecutorError as e:
+            return self._fail(e)
         self.scheduler.update_computed(plan)
         return self.outputs.process(result)
+
+    # ---- health ----------------------------------------------------------------------
+    def check_health(self) -> None:
+        """Raises EngineDeadError naming the cause once the workers cannot go on."""
+        if self.failure is None:
+            try:
+                self.executor.check_health()
+            except ExecutorError as e:
+                self._fail(e)
+        if self.failure is not None:
+            raise EngineDeadError(f"the engine cannot run: {self.failure}") from self.failure
+
+    @property
+    def is_healthy(self) -> bool:
+        try:
+            self.check_health()
+        except EngineDeadError:
+            return False
+        return True
+
+    def _fail(self, error: ExecutorError) -> list[RequestOutput]:
+        """The workers failed: every request in flight finishes with an error naming why."""
+        logger.error("engine failed: %s; failing %d requests", error, len(self.outputs.parents))
+        self.failure = error
+        self.executor.shutdown()  # the ranks still alive cannot go on without the others
+        return self.outputs.fail_all(f"engine failed: {error}")
+
+    def _structured_masks(self, plan: SchedulerOutput) -> StructuredMasks | None:
+        """This step's grammar masks for its constrained sampling rows, or None."""
+        if not self.structured.num_requests:
+            return None
+        masks = self.structured.step_masks([s.request_id for s in plan.scheduled if s.sample])
+        if masks is None:
+            return None
+        return StructuredMasks(
+            bitmask=masks.bitmask.numpy().astype("<i4", copy=False).tobytes(),
+            num_words=masks.bitmask.shape[1],
+            row_indices=masks.row_indices,
+            ended_rows=masks.ended_rows,
+        )

@@ -8,9 +8,8 @@ from dataclasses import dataclass, field
 from tokenmill.detokenizer import IncrementalDetokenizer, find_stop
 from tokenmill.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from tokenmill.request import Request, RequestStatus
-from tokenmill.runner import RunnerOutput
-from tokenmill.sampler import Logprobs
 from tokenmill.scheduler import Scheduler
+from tokenmill.step import Logprobs, StepResult
 from tokenmill.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -87,7 +86,7 @@ class OutputProcessor:
         state = self.parents.get(request_id)
         return list(state.children) if state else []
 
-    def process(self, result: RunnerOutput) -> list[RequestOutput]:
+    def process(self, result: StepResult) -> list[RequestOutput]:
         """Apply one step's results; return an output for every parent that changed."""
         touched: dict[str, _ParentState] = {}
         for rid, (start, lps) in result.prompt_logprobs.items():
@@ -98,7 +97,7 @@ class OutputProcessor:
                 num_done = len(parent.prompt_logprobs) - 1
                 fresh = lps[max(0, num_done - start) :]
                 parent.prompt_logprobs.extend(self._convert(lp) for lp in fresh)
-        for rid, token_id in result.sampled.items():
+        for rid, token_id in result.sampled_token_ids.items():
             request = self.scheduler.requests.get(rid)
             if request is None:  # aborted during the step
                 continue
@@ -156,6 +155,23 @@ class OutputProcessor:
                 if self.structured is not None:
                     self.structured.remove_request(rid)
         return self._build(parent)
+
+    def fail_all(self, reason: str) -> list[RequestOutput]:
+        """Finish every unfinished sequence with FINISHED_ERROR and `reason` as its stop
+        reason (the engine cannot continue them); returns the final outputs."""
+        outputs = []
+        for parent in list(self.parents.values()):
+            for rid, seq in parent.children.items():
+                if seq.finish_reason is not None:
+                    continue
+                seq.stop_reason = reason
+                request = self.scheduler.requests.get(rid)
+                if request is not None:
+                    self._finish(request, seq, RequestStatus.FINISHED_ERROR)
+                else:
+                    seq.finish_reason = RequestStatus.FINISHED_ERROR.value
+            outputs.append(self._build(parent))
+        return outputs
 
     def _check_stop(
         self, request: Request, seq: _SeqState, token_id: int, grammar_ended: bool = False

@@ -5,7 +5,6 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from tokenmill.kv.hashing import BlockHash
 from tokenmill.sampling_params import SamplingParams
@@ -51,7 +50,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     block_hashes: list[BlockHash] = field(default_factory=list)
-    generator: Any = None  # the sampler's per-request RNG (device-specific), or None
+    seed: int | None = None  # this sequence's sampling seed (params.seed + child index)
     first_token_time: float | None = None
 
     def __post_init__(self) -> None:

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 from tokenmill.kv.manager import KVCacheManager
 from tokenmill.request import Request, RequestStatus
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.step import CachedRequest, NewRequest, SamplingSpec, StepDescription
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +42,15 @@ class ScheduledRequest:
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    """A whole step: what to compute, in batch order."""
+    """A whole step: what to compute, in batch order.
+
+    `scheduled` is the scheduler's own view (the engine advances its requests with it);
+    `step` is the same step as the workers get it, self-contained (`tokenmill.step`).
+    """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_preempted: int = 0
+    step: StepDescription = field(default_factory=lambda: StepDescription(step_id=-1))
 
     @property
     def num_tokens(self) -> int:
@@ -83,6 +90,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.workers = WorkerView()  # what the workers hold, to send them deltas only
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -107,6 +115,8 @@ class Scheduler:
             out.num_preempted += 1
         for request, num_new in scheduled:
             out.scheduled.append(self._describe(request, num_new))
+        if scheduled:  # an empty step is not run: ended ids wait for the next one
+            out.step = self.workers.describe_step(scheduled, out.scheduled)
         return out
 
     def _schedule_decodes(self, out: SchedulerOutput) -> list[tuple[Request, int]]:
@@ -221,10 +231,13 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         self.kv.free(request)
+        aborted = status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
+        self.workers.forget(request_id, aborted)
         return request
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
+        self.workers.preempt(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -239,3 +252,100 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+
+class WorkerView:
+    """What the workers hold of each request, so that a step carries deltas only.
+
+    A request is sent whole (`NewRequest`) the first time it is scheduled and again after a
+    preemption (the workers drop it then); otherwise as a `CachedRequest` with the tokens
+    and blocks it gained since. Ids that finish or are preempted are reported once, in
+    the next step described.
+    """
+
+    def __init__(self) -> None:
+        self._sent: dict[str, tuple[int, int]] = {}  # id -> (num tokens, num blocks) sent
+        self._finished: list[str] = []
+        self._aborted: list[str] = []
+        self._preempted: list[str] = []
+        self._step_id = 0
+
+    def forget(self, request_id: str, aborted: bool) -> None:
+        """The request ended: workers free its state (if they ever had it)."""
+        if self._sent.pop(request_id, None) is not None:
+            (self._aborted if aborted else self._finished).append(request_id)
+
+    def preempt(self, request_id: str) -> None:
+        if self._sent.pop(request_id, None) is not None:
+            self._preempted.append(request_id)
+
+    def describe_step(
+        self,
+        requests: list[tuple[Request, int]],
+        scheduled: list[ScheduledRequest],
+    ) -> StepDescription:
+        """The workers' step for `requests` (each with its number of new tokens), whose
+        scheduler-side descriptions are `scheduled`."""
+        step = StepDescription(
+            step_id=self._step_id,
+            finished_request_ids=self._finished,
+            aborted_request_ids=self._aborted,
+            preempted_request_ids=self._preempted,
+        )
+        self._step_id += 1
+        self._finished, self._aborted, self._preempted = [], [], []
+        for (request, num_new), item in zip(requests, scheduled, strict=True):
+            rid = request.request_id
+            sent = self._sent.get(rid)
+            if sent is None:
+                step.new_requests.append(
+                    NewRequest(
+                        request_id=rid,
+                        prompt_token_ids=request.prompt_token_ids,
+                        output_token_ids=list(request.output_token_ids),
+                        sampling=sampling_spec(request.sampling_params),
+                        seed=request.seed,
+                        block_ids=item.block_ids,
+                        num_computed_tokens=item.start_position,
+                    )
+                )
+            else:
+                num_tokens, num_blocks = sent
+                step.cached_requests.append(
+                    CachedRequest(
+                        request_id=rid,
+                        new_token_ids=request.all_token_ids[num_tokens:],
+                        new_block_ids=item.block_ids[num_blocks:],
+                        num_computed_tokens=item.start_position,
+                    )
+                )
+            self._sent[rid] = (request.num_tokens, len(item.block_ids))
+            step.scheduled_request_ids.append(rid)
+            step.num_scheduled_tokens.append(num_new)
+            lo, hi = item.prompt_logprobs_range
+            if hi > lo:
+                step.prompt_logprob_ranges[rid] = (lo, hi)
+        return step
+
+
+def sampling_spec(params: SamplingParams) -> SamplingSpec:
+    """The part of `params` the workers' sampler reads, every field concrete. The engine
+    has filled the model's generation defaults in already; fields still unset (params
+    that did not come through an engine) take the neutral values."""
+    params = params.with_defaults()
+    return SamplingSpec(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        min_tokens=params.min_tokens,
+        stop_token_ids=list(params.stop_token_ids or ()),
+        eos_token_ids=sorted(params.eos_token_ids),
+        ignore_eos=params.ignore_eos,
+        logprobs=params.logprobs,
+        prompt_logprobs=params.prompt_logprobs,
+        logit_bias=params.logit_bias,
+    )

@@ -1,0 +1,118 @@
+"""The worker's table of the requests it runs, kept up to date from each step description.
+
+What the sampler needs per request (token ids for penalties, sampling parameters, the
+seeded generator) and what the runner needs (block table, computed tokens) live here, on
+the worker's side of the step seam; the engine core sends each request whole once and
+deltas after (see `tokenmill.step`). Any model runner may use this table: it holds no
+model or device state but the generators.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.sampler import make_generator, replay_draws
+from tokenmill.step import SamplingSpec, StepDescription
+
+
+@dataclass(slots=True)
+class RequestState:
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # generated so far (the worker's copy)
+    sampling: SamplingSpec
+    generator: torch.Generator | None  # seeded per request; None: the global RNG
+    block_ids: list[int]  # the whole block table
+    num_computed_tokens: int  # tokens in the KV cache before the current step
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Token ids at positions [start, end) of prompt + output."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRow:
+    """One request's share of the step, as the worker resolves it from its table."""
+
+    state: RequestState
+    num_tokens: int  # tokens computed this step, from state.num_computed_tokens on
+    sample: bool  # the step completes the request's known tokens: it samples
+
+    @property
+    def start(self) -> int:
+        return self.state.num_computed_tokens
+
+
+class StepProtocolError(RuntimeError):
+    """A step refers to a request the worker does not hold, or re-adds one it holds."""
+
+
+class RequestStateTable:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.requests: dict[str, RequestState] = {}
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def update(self, step: StepDescription) -> list[ScheduledRow]:
+        """Apply `step` to the table; return its batch in order."""
+        for ids in (step.finished_request_ids, step.aborted_request_ids,
+                    step.preempted_request_ids):
+            for rid in ids:
+                self.requests.pop(rid, None)  # never scheduled here (e.g. rank-local): fine
+        for new in step.new_requests:
+            if new.request_id in self.requests:
+                raise StepProtocolError(
+                    f"step {step.step_id} adds request {new.request_id!r} that the worker "
+                    "already holds; the engine core must finish or preempt it first"
+                )
+            generator = make_generator(new.seed, self.device)
+            if generator is not None and not new.sampling.greedy:
+                replay_draws(generator, len(new.output_token_ids))
+            self.requests[new.request_id] = RequestState(
+                request_id=new.request_id,
+                prompt_token_ids=list(new.prompt_token_ids),
+                output_token_ids=list(new.output_token_ids),
+                sampling=new.sampling,
+                generator=generator,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+            )
+        for cached in step.cached_requests:
+            state = self._get(cached.request_id, step)
+            state.output_token_ids.extend(cached.new_token_ids)
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+        rows = []
+        for rid, num_tokens in zip(step.scheduled_request_ids, step.num_scheduled_tokens,
+                                   strict=True):
+            state = self._get(rid, step)
+            end = state.num_computed_tokens + num_tokens
+            if end > state.num_tokens:
+                raise StepProtocolError(
+                    f"step {step.step_id} schedules {num_tokens} tokens of request {rid!r} "
+                    f"from {state.num_computed_tokens}, past the {state.num_tokens} it holds"
+                )
+            rows.append(ScheduledRow(state, num_tokens, sample=end == state.num_tokens))
+        return rows
+
+    def _get(self, request_id: str, step: StepDescription) -> RequestState:
+        state = self.requests.get(request_id)
+        if state is None:
+            raise StepProtocolError(
+                f"step {step.step_id} refers to request {request_id!r}, which the worker "
+                "does not hold (it was never sent as a new request, or was dropped)"
+            )
+        return state
