@@ -17,6 +17,7 @@ from tokenmill.distributed.errors import ExecutorError
 from tokenmill.distributed.executor import Executor, make_executor
 from tokenmill.kv.groups import plan_groups
 from tokenmill.kv.manager import KVCacheManager
+from tokenmill.model.generation_config import describe, load_generation_defaults
 from tokenmill.model.loader import ModelInfo, default_model_path, load_model_info
 from tokenmill.model.registry import attention_specs_for
 from tokenmill.output_processor import CoreOutputProcessor, OutputProcessor, check_prompt
@@ -62,9 +63,10 @@ class LLMEngine:
         self.dtype = resolve_dtype(args.dtype, self.platform)
         torch.manual_seed(args.seed)
 
-        self.loaded: ModelInfo = load_model_info(
-            args.model or default_model_path(), tokenizer=args.tokenizer
-        )
+        model_path = args.model or default_model_path()
+        # what requests that leave temperature, top_p... unset sample with
+        self.generation_defaults, source = load_generation_defaults(model_path, args.generation_config)
+        self.loaded: ModelInfo = load_model_info(model_path, tokenizer=args.tokenizer)
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = min(args.max_model_len or self.loaded.max_model_len, self.loaded.max_model_len)
 
@@ -119,6 +121,10 @@ class LLMEngine:
             "max_model_len=%d", self.platform.name, self.dtype, args.distributed_executor_backend,
             self.num_kv_blocks, capacity, self.max_model_len,
         )
+        logger.info(
+            "default sampling parameters for requests that leave them unset (%s): %s; "
+            "generation_config='vllm' turns them off", source, describe(self.generation_defaults),
+        )
 
     def _start_workers(self, in_process_registry: bool) -> Executor:
         """The executor for args.distributed_executor_backend, its workers not yet set up."""
@@ -169,7 +175,8 @@ class LLMEngine:
         if params.structured_outputs is not None:
             self.structured.compile(params.structured_outputs)
         params = dataclasses.replace(
-            params, eos_token_ids=frozenset(self.loaded.eos_token_ids) | params.eos_token_ids
+            params.with_defaults(self.generation_defaults),
+            eos_token_ids=frozenset(self.loaded.eos_token_ids) | params.eos_token_ids,
         )
         core_requests = self.outputs.add(request_id, prompt, prompt_token_ids, params)
         for core_request in core_requests:

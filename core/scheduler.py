@@ -341,7 +341,10 @@ class WorkerView:
 
 
 def sampling_spec(params: SamplingParams) -> SamplingSpec:
-    """The part of `params` the workers' sampler reads."""
+    """The part of `params` the workers' sampler reads, every field concrete. The engine
+    has filled the model's generation defaults in already; fields still unset (params
+    that did not come through an engine) take the neutral values."""
+    params = params.with_defaults()
     return SamplingSpec(
         temperature=params.temperature,
         top_p=params.top_p,
