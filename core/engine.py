@@ -15,8 +15,11 @@ from tokenmill.config import EngineArgs
 from tokenmill.distributed.config import WorkerConfig
 from tokenmill.distributed.errors import ExecutorError
 from tokenmill.distributed.executor import Executor, make_executor
+from tokenmill.kv.groups import plan_groups
 from tokenmill.kv.manager import KVCacheManager
+from tokenmill.model.generation_config import describe, load_generation_defaults
 from tokenmill.model.loader import ModelInfo, default_model_path, load_model_info
+from tokenmill.model.registry import attention_specs_for
 from tokenmill.output_processor import CoreOutputProcessor, OutputProcessor, check_prompt
 from tokenmill.outputs import EngineCoreOutput, EngineCoreRequest, RequestOutput, SchedulerStats
 from tokenmill.platforms.registry import ActivePlatform, PlatformRegistry, load_platform
@@ -60,9 +63,10 @@ class LLMEngine:
         self.dtype = resolve_dtype(args.dtype, self.platform)
         torch.manual_seed(args.seed)
 
-        self.loaded: ModelInfo = load_model_info(
-            args.model or default_model_path(), tokenizer=args.tokenizer
-        )
+        model_path = args.model or default_model_path()
+        # what requests that leave temperature, top_p... unset sample with
+        self.generation_defaults, source = load_generation_defaults(model_path, args.generation_config)
+        self.loaded: ModelInfo = load_model_info(model_path, tokenizer=args.tokenizer)
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = min(args.max_model_len or self.loaded.max_model_len, self.loaded.max_model_len)
 
@@ -72,7 +76,19 @@ class LLMEngine:
         except BaseException:
             self.executor.shutdown()
             raise
-        capacity = self.num_kv_blocks * args.block_size
+        # KV groups: one block table per group of layers of one attention type
+        hf_config = self.loaded.hf_config
+        specs = attention_specs_for(hf_config, self.dtype, args.block_size)
+        self.kv = KVCacheManager(
+            self.num_kv_blocks, args.block_size, args.enable_prefix_caching,
+            plan_groups(specs).groups,
+        )
+        threshold = args.long_prefill_token_threshold
+        if threshold is None:
+            threshold = self.platform.platform.long_prefill_token_threshold or 0
+        # the longest context one request can hold (a window holds its blocks + a chunk's)
+        max_chunk = min(threshold or args.max_num_batched_tokens, args.max_num_batched_tokens)
+        capacity = self.kv.max_request_tokens(max_chunk)
         if capacity < self.max_model_len:
             if args.max_model_len is not None:
                 self.executor.shutdown()
@@ -82,10 +98,6 @@ class LLMEngine:
                 )
             self.max_model_len = capacity
         self.failure: ExecutorError | None = None  # set when the workers cannot go on
-        self.kv = KVCacheManager(self.num_kv_blocks, args.block_size, args.enable_prefix_caching)
-        threshold = args.long_prefill_token_threshold
-        if threshold is None:
-            threshold = self.platform.platform.long_prefill_token_threshold or 0
         self.scheduler = Scheduler(
             SchedulerConfig(
                 args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len, threshold
@@ -108,6 +120,10 @@ class LLMEngine:
             "engine ready: platform=%s dtype=%s executor=%s kv_blocks=%d (%d tokens) "
             "max_model_len=%d", self.platform.name, self.dtype, args.distributed_executor_backend,
             self.num_kv_blocks, capacity, self.max_model_len,
+        )
+        logger.info(
+            "default sampling parameters for requests that leave them unset (%s): %s; "
+            "generation_config='vllm' turns them off", source, describe(self.generation_defaults),
         )
 
     def _start_workers(self, in_process_registry: bool) -> Executor:
@@ -159,7 +175,8 @@ class LLMEngine:
         if params.structured_outputs is not None:
             self.structured.compile(params.structured_outputs)
         params = dataclasses.replace(
-            params, eos_token_ids=frozenset(self.loaded.eos_token_ids) | params.eos_token_ids
+            params.with_defaults(self.generation_defaults),
+            eos_token_ids=frozenset(self.loaded.eos_token_ids) | params.eos_token_ids,
         )
         core_requests = self.outputs.add(request_id, prompt, prompt_token_ids, params)
         for core_request in core_requests:

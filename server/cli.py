@@ -91,6 +91,7 @@ def _serve(args: argparse.Namespace) -> int:
         "distributed_executor_backend": args.distributed_executor_backend,
         "memory_utilization": args.memory_utilization,
         "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
+        "generation_config": args.generation_config,
     }
     try:
         engine_args = EngineArgs(**{k: v for k, v in engine_kw.items() if v is not None})
@@ -158,6 +159,11 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--dtype", default=None,
                    choices=["auto", "bfloat16", "bf16", "float32", "fp32", "float16", "fp16"])
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--generation-config", default=None, metavar="auto|vllm|DIR",
+                   help="default sampling parameters for requests that leave them unset: "
+                   "'auto' (default) takes the model's generation_config.json, or tokenmill's "
+                   "settings for the default model; 'vllm' (or 'none') turns them off; a "
+                   "directory uses its generation_config.json")
     p.add_argument("--chat-template", default=None, help="a file holding a jinja chat template")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='serve tool_choice "auto": parse the model\'s own tool calls')

@@ -43,6 +43,13 @@ else
     python3 -m venv --system-site-packages "$work/venv"
     # shellcheck disable=SC1091
     . "$work/venv/bin/activate"
+    # A venv's bundled setuptools may predate 70.1 (no built-in bdist_wheel, so building
+    # without network fails): drop it when it is older, and use the machine's.
+    if ! python3 -c 'import setuptools, sys
+v = tuple(int(x) for x in setuptools.__version__.split(".")[:2])
+sys.exit(0 if v >= (70, 1) else 1)' 2>/dev/null; then
+        pip uninstall -q -y setuptools || true
+    fi
     packages=(-e . -e plugins/triton -e plugins/nvidia -e ./conformance_tests)
     if [[ -n "${WHEELHOUSE:-}" ]]; then
         pip install -q --no-index --find-links "$WHEELHOUSE" "${packages[@]}"
