@@ -190,7 +190,9 @@ class LLMEngine:
         self.check_health()
         if request.request_id in self.scheduler.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        params = request.params
+        # the model's generation defaults for what the request left unset (a no-op when the
+        # frontend's add_request filled them already)
+        params = request.params.with_defaults(self.generation_defaults)
         check_prompt(
             request.prompt_token_ids, params, self.loaded.hf_config.vocab_size, self.max_model_len
         )

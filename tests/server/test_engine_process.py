@@ -9,13 +9,15 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import anthropic
 import httpx
 import openai
 import pytest
-from conftest import TINY_NAME, running_server, wait_idle
+from conftest import TINY_NAME, free_port, running_server, scrape, wait_idle
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.async_engine import AsyncLLM, EngineDeadError
@@ -39,6 +41,7 @@ def served(tiny_model):
             yield url, engine
     finally:
         engine.shutdown()
+    assert not engine._client.proc.is_alive()  # shut down, not left behind
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +111,10 @@ def test_n_seeds_logprobs_and_stop_strings(served, offline):
     assert r.choices[0].text == text[: text.index(stop)]
     wait_idle(engine)
     assert engine.stats.kv_usage == 0.0
+    # the gauges come from the engine process's stats, the counters from the frontend
+    metrics = scrape(url)
+    assert metrics[("tokenmill:num_requests_running", ())] == 0
+    assert metrics[("tokenmill:request_success_total", (("finished_reason", "stop"),))] >= 1
 
 
 def _schema(schema: dict) -> dict:
@@ -205,3 +212,42 @@ def test_a_failed_start_says_why(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(RuntimeError, match="the engine failed to start"):
         AsyncLLM(EngineArgs(model=str(tmp_path), **ENGINE_KW), engine_process=True)
+
+
+def test_engine_process_exits_when_the_api_server_is_killed(tiny_model):
+    port = free_port()
+    cmd = [sys.executable, "-m", "tokenmill.server.cli", "serve", str(tiny_model), "--port",
+           str(port), "--dtype", "float32", "--block-size", "4", "--log-level", "warning"]
+    api = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert api.poll() is None and time.monotonic() < deadline, "serve did not start"
+            time.sleep(0.2)
+        engine_pids = [int(p) for p in subprocess.run(
+            ["pgrep", "-f", "-P", str(api.pid), "multiprocessing.spawn"],
+            capture_output=True, text=True).stdout.split()]
+        assert len(engine_pids) == 1
+        api.kill()
+        api.wait(10)
+        deadline = time.monotonic() + 10
+        while _alive(engine_pids[0]):
+            assert time.monotonic() < deadline, "the engine process outlived its API server"
+            time.sleep(0.1)
+    finally:
+        if api.poll() is None:
+            api.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie waiting for init to reap it is gone
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
