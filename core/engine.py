@@ -175,8 +175,7 @@ class LLMEngine:
         if params.structured_outputs is not None:
             self.structured.compile(params.structured_outputs)
         params = dataclasses.replace(
-            params.with_defaults(self.generation_defaults),
-            eos_token_ids=frozenset(self.loaded.eos_token_ids) | params.eos_token_ids,
+            params, eos_token_ids=frozenset(self.loaded.eos_token_ids) | params.eos_token_ids
         )
         core_requests = self.outputs.add(request_id, prompt, prompt_token_ids, params)
         for core_request in core_requests:
@@ -199,6 +198,8 @@ class LLMEngine:
         grammar = None
         if params.structured_outputs is not None:
             grammar = self.structured.compile(params.structured_outputs)
+        # every sequence passes here (offline, served in-process or from another process)
+        params = params.with_defaults(self.generation_defaults)
         if not params.eos_token_ids >= self.loaded.eos_token_ids:
             params = dataclasses.replace(
                 params, eos_token_ids=frozenset(self.loaded.eos_token_ids) | params.eos_token_ids
