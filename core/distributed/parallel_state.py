@@ -1,0 +1,200 @@
+"""Process groups for every product of the parallel dimensions, and the communicator of each.
+
+Layout: the world's ranks form a grid of `dims` (outermost first, default
+`("dp", "pp", "tp")`); a rank's coordinates are its digits in that mixed radix, the last
+dimension varying fastest:
+
+    rank = ((dp_index * pp_size) + pp_index) * tp_size + tp_index        (dims dp, pp, tp)
+
+so the ranks of one TP group are contiguous (they talk most, on a host they share the
+fastest links), a PP group strides by tp and a DP group by tp * pp. A *group of dimension
+d* holds the ranks that agree on every coordinate but d's; each rank belongs to exactly
+one group per dimension. Any further dimension (ep, cp, ...) is a name in `dims` and a
+size in `sizes`: nothing here knows what a dimension means.
+
+The groups are torch.distributed groups over the process-group backend given to
+`init_parallel_state` (gloo: torch's own, over TCP, which every platform can use for
+rendezvous and small control tensors); each group gets the active platform's communicator
+(`ActivePlatform.communicator(group)`), which is what the model calls for collectives. A
+platform whose collectives need another transport builds it from the group it is handed.
+
+One parallel state per process: `init_parallel_state` sets it, `get_parallel_state` reads
+it (a one-rank state when none was set, so single-process code asks nothing), and
+`destroy_parallel_state` tears the process groups down.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from tokenmill.platforms.interfaces import Communicator
+
+DEFAULT_DIMS = ("dp", "pp", "tp")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelLayout:
+    """The grid of ranks: `dims` (outermost first) and their `sizes`."""
+
+    dims: tuple[str, ...]
+    sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.dims) != len(self.sizes) or len(set(self.dims)) != len(self.dims):
+            raise ValueError(f"dims {self.dims} and sizes {self.sizes} must pair up, names unique")
+        bad = [(d, s) for d, s in zip(self.dims, self.sizes) if not isinstance(s, int) or s < 1]
+        if bad:
+            raise ValueError(f"parallel sizes must be positive integers, got {bad}")
+
+    @classmethod
+    def of(cls, dims: Sequence[str] = DEFAULT_DIMS, **sizes: int) -> ParallelLayout:
+        """A layout over `dims` with sizes by name (missing ones are 1): `of(tp=2, pp=2)`."""
+        unknown = set(sizes) - set(dims)
+        if unknown:
+            raise ValueError(f"sizes given for {sorted(unknown)}, which are not in dims {tuple(dims)}")
+        return cls(tuple(dims), tuple(int(sizes.get(d, 1)) for d in dims))
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.sizes)
+
+    def size(self, dim: str) -> int:
+        return self.sizes[self._index(dim)]
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """The coordinates of `rank`, by dimension name."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside a world of {self.world_size}")
+        out: dict[str, int] = {}
+        for dim, size in zip(reversed(self.dims), reversed(self.sizes)):
+            rank, out[dim] = divmod(rank, size)
+        return {d: out[d] for d in self.dims}
+
+    def rank_of(self, coords: dict[str, int]) -> int:
+        rank = 0
+        for dim, size in zip(self.dims, self.sizes):
+            index = coords.get(dim, 0)
+            if not 0 <= index < size:
+                raise ValueError(f"coordinate {dim}={index} is outside size {size}")
+            rank = rank * size + index
+        return rank
+
+    def groups(self, dim: str) -> list[list[int]]:
+        """Every group of `dim`: the ranks that differ only in `dim`, in its order."""
+        self._index(dim)
+        seen: dict[tuple, list[int]] = {}
+        for rank in range(self.world_size):
+            others = tuple(v for d, v in self.coords(rank).items() if d != dim)
+            seen.setdefault(others, []).append(rank)
+        return list(seen.values())
+
+    def group_of(self, dim: str, rank: int) -> list[int]:
+        return next(g for g in self.groups(dim) if rank in g)
+
+    def _index(self, dim: str) -> int:
+        if dim not in self.dims:
+            raise ValueError(f"dimension {dim!r} is not in the layout's {self.dims}")
+        return self.dims.index(dim)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupCoordinator:
+    """This rank's group of one dimension: its ranks (global), its rank within it, and the
+    platform communicator over it (None for a group of one: nothing to communicate)."""
+
+    dim: str
+    ranks: tuple[int, ...]
+    rank_in_group: int
+    communicator: Communicator | None
+    process_group: Any = None
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank_in_group == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelState:
+    layout: ParallelLayout
+    rank: int
+    groups: dict[str, GroupCoordinator]
+
+    def group(self, dim: str) -> GroupCoordinator:
+        if dim not in self.groups:
+            return GroupCoordinator(dim, (self.rank,), 0, None)  # a dimension of size 1
+        return self.groups[dim]
+
+    @property
+    def tp(self) -> GroupCoordinator:
+        return self.group("tp")
+
+
+_SINGLE = ParallelState(ParallelLayout.of(), 0, {})
+_state: ParallelState | None = None
+
+
+def build_groups(layout: ParallelLayout, rank: int, platform: Any) -> dict[str, GroupCoordinator]:
+    """This rank's group of every dimension, over an initialised torch.distributed world.
+
+    Every rank must call this with the same layout: `dist.new_group` is collective, so
+    every group of every dimension is created on every rank, in the same order.
+    """
+    if dist.get_world_size() != layout.world_size:
+        raise ValueError(
+            f"the layout {dict(zip(layout.dims, layout.sizes))} needs {layout.world_size} "
+            f"ranks; torch.distributed has {dist.get_world_size()}"
+        )
+    out: dict[str, GroupCoordinator] = {}
+    for dim in layout.dims:
+        for ranks in layout.groups(dim):
+            group = dist.new_group(ranks) if len(ranks) > 1 else None
+            if rank in ranks:
+                communicator = platform.communicator(group) if group is not None else None
+                out[dim] = GroupCoordinator(dim, tuple(ranks), ranks.index(rank), communicator, group)
+    return out
+
+
+def init_parallel_state(
+    layout: ParallelLayout,
+    rank: int,
+    platform: Any,
+    init_method: str,
+    backend: str = "gloo",
+) -> ParallelState:
+    """Join the world (`init_method`: e.g. "tcp://127.0.0.1:PORT", the same on every rank),
+    build every group of `layout` and make the result this process's parallel state.
+    `platform` is the ActivePlatform whose communicator each group gets."""
+    global _state
+    if _state is not None:
+        raise RuntimeError("the parallel state is already initialised in this process")
+    if layout.world_size > 1:
+        if not dist.is_initialized():
+            dist.init_process_group(
+                backend, init_method=init_method, rank=rank, world_size=layout.world_size
+            )
+        groups = build_groups(layout, rank, platform)
+    else:
+        groups = {}
+    _state = ParallelState(layout, rank, groups)
+    return _state
+
+
+def get_parallel_state() -> ParallelState:
+    """This process's parallel state; a one-rank state when none was initialised."""
+    return _state if _state is not None else _SINGLE
+
+
+def destroy_parallel_state() -> None:
+    global _state
+    if _state is not None and dist.is_initialized():
+        dist.destroy_process_group()
+    _state = None
