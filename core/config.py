@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 DType = Literal["auto", "bfloat16", "bf16", "float32", "fp32", "float16", "fp16"]
 
@@ -41,7 +41,12 @@ class EngineArgs(BaseModel):
         "(vLLM's gpu_memory_utilization)",
     )
     distributed_executor_backend: Literal["uni", "mp"] = Field(
-        "uni", description="uni: the worker runs in the engine's process; mp: a process per rank"
+        "uni",
+        description="uni: the worker runs in the engine's process; mp: a process per rank "
+        "(the default when tensor_parallel_size > 1)",
+    )
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="ranks the model's heads, MLP and vocab are split over"
     )
     num_kv_blocks: int | None = Field(None, ge=1, description="override the KV pool size")
     seed: int = 0
@@ -59,6 +64,22 @@ class EngineArgs(BaseModel):
     structured_output_compile_timeout_s: float = Field(
         5.0, gt=0, description="a constraint that takes longer to compile is refused"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tp_backend(cls, data: Any) -> Any:
+        """tensor_parallel_size > 1 needs a process per rank: 'mp' unless another is named."""
+        if not isinstance(data, dict) or (data.get("tensor_parallel_size") or 1) <= 1:
+            return data
+        backend = data.get("distributed_executor_backend")
+        if backend is None:
+            return {**data, "distributed_executor_backend": "mp"}
+        if backend == "uni":
+            raise ValueError(
+                f"tensor_parallel_size={data['tensor_parallel_size']} needs a process per rank: "
+                "distributed_executor_backend='uni' runs one; use 'mp'"
+            )
+        return data
 
     @field_validator("generation_config")
     @classmethod

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import socket
 
 import torch
 
@@ -19,6 +20,7 @@ from tokenmill.kv.groups import plan_groups
 from tokenmill.kv.manager import KVCacheManager
 from tokenmill.model.generation_config import describe, load_generation_defaults
 from tokenmill.model.loader import ModelInfo, default_model_path, load_model_info
+from tokenmill.model.parallel import local_config
 from tokenmill.model.registry import attention_specs_for
 from tokenmill.output_processor import CoreOutputProcessor, OutputProcessor, check_prompt
 from tokenmill.outputs import EngineCoreOutput, EngineCoreRequest, RequestOutput, SchedulerStats
@@ -51,6 +53,13 @@ def resolve_dtype(name: str, platform: ActivePlatform) -> torch.dtype:
 
 class EngineDeadError(RuntimeError):
     """The engine's workers failed; it takes no more requests. Says why."""
+
+
+def _rendezvous() -> str:
+    """A torch.distributed init method on a free loopback port, for this host's workers."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
 
 
 class LLMEngine:
@@ -142,7 +151,12 @@ class LLMEngine:
             kv_cache_memory_bytes=args.kv_cache_memory_bytes,
             memory_utilization=args.memory_utilization,
             distributed_executor_backend=args.distributed_executor_backend,
+            world_size=args.tensor_parallel_size,
+            tensor_parallel_size=args.tensor_parallel_size,
+            dist_init_method=_rendezvous() if args.tensor_parallel_size > 1 else None,
         )
+        if args.tensor_parallel_size > 1:  # a bad size fails here, before any process starts
+            local_config(self.loaded.hf_config, args.tensor_parallel_size)
         return make_executor(
             args.distributed_executor_backend, config, self.platform, self.loaded.hf_config,
             in_process_registry,

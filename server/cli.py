@@ -89,6 +89,7 @@ def _serve(args: argparse.Namespace) -> int:
         "long_prefill_token_threshold": args.long_prefill_token_threshold,
         "chat_template": chat_template, "seed": args.seed,
         "distributed_executor_backend": args.distributed_executor_backend,
+        "tensor_parallel_size": args.tensor_parallel_size,
         "memory_utilization": args.memory_utilization,
         "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
         "generation_config": args.generation_config,
@@ -151,6 +152,8 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp"],
                    help="uni (default): the model runs in the engine's process; mp: a worker "
                         "process per rank")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+                   help="ranks the model is split over (default 1); > 1 runs the mp backend")
     p.add_argument("--memory-utilization", type=float, default=None,
                    help="share of the device memory the engine may use, KV cache included "
                         "(default 0.9; like vLLM's --gpu-memory-utilization)")

@@ -21,3 +21,5 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     memory_utilization: float = 0.9  # share of the device memory_info's total to use
     world_size: int = 1
     distributed_executor_backend: str = "uni"
+    tensor_parallel_size: int = 1  # the TP group spans all world_size ranks when > 1
+    dist_init_method: str | None = None  # torch.distributed rendezvous, e.g. tcp://host:port

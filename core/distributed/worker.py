@@ -14,6 +14,11 @@ from typing import Any
 import torch
 
 from tokenmill.distributed.config import WorkerConfig
+from tokenmill.distributed.parallel_state import (
+    ParallelLayout,
+    destroy_parallel_state,
+    init_parallel_state,
+)
 from tokenmill.kv.sizing import kv_cache_budget
 from tokenmill.model.loader import build_model, checkpoint_weights, load_model_info
 from tokenmill.model.registry import attention_specs_for
@@ -49,6 +54,7 @@ class Worker:
         self.runner: ModelRunnerBase | None = None
         self.context: ModelRunnerContext | None = None
         self._memory_at_start: MemoryInfo | None = None
+        self._owns_parallel_state = False
 
     # ---- set-up, in the executor's order -----------------------------------------------
     def init_device(self) -> None:
@@ -57,6 +63,8 @@ class Worker:
         if self.hf_config is None:
             self.hf_config = load_model_info(self.config.model_path, load_tokenizer=False).hf_config
         torch.manual_seed(self.config.seed)
+        if self.config.tensor_parallel_size > 1:
+            self._init_parallel_state()
         # before any weights: the KV cache is sized from what the engine adds to this
         self._memory_at_start = self.platform.platform.memory_info()
 
@@ -128,6 +136,10 @@ class Worker:
                     block_bytes, why)
         return num_blocks
 
+    def kv_block_bytes(self) -> int:
+        """Bytes of one KV block on this rank (its own KV heads only, with tensor parallel)."""
+        return self._runner.kv_block_bytes()
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self._runner.initialize_kv_cache(num_blocks)
 
@@ -141,6 +153,23 @@ class Worker:
         if self.runner is not None:
             self.runner.shutdown()
             self.runner = None
+        if self._owns_parallel_state:
+            destroy_parallel_state()
+            self._owns_parallel_state = False
+
+    def _init_parallel_state(self) -> None:
+        """Join the TP group of all `world_size` ranks (tokenmill.distributed.parallel_state)."""
+        config = self.config
+        if config.world_size != config.tensor_parallel_size or config.dist_init_method is None:
+            raise ValueError(
+                f"tensor_parallel_size={config.tensor_parallel_size} needs world_size equal to "
+                f"it (got {config.world_size}) and a dist_init_method (got "
+                f"{config.dist_init_method!r})"
+            )
+        layout = ParallelLayout.of(tp=config.tensor_parallel_size)
+        init_parallel_state(layout, self.rank, self._platform, config.dist_init_method)
+        self._owns_parallel_state = True
+        logger.info("rank %d: joined the tensor parallel group of %d", self.rank, layout.world_size)
 
     # ---- helpers -----------------------------------------------------------------------
     @property

@@ -21,7 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.distributed.parallel_state import get_parallel_state
 from tokenmill.kv.groups import KVLayout, plan_groups
+from tokenmill.model import parallel
 from tokenmill.model.layers import (
     Attention,
     BackendChoice,
@@ -204,6 +206,11 @@ class CausalLM(nn.Module):
         super().__init__()
         self.hf_config = hf_config
         self.dtype = dtype
+        # tensor parallel: the layers are built at one rank's shapes (tokenmill.model.parallel)
+        self.tp = get_parallel_state().tp
+        full_config = hf_config
+        if self.tp.world_size > 1:
+            hf_config = parallel.local_config(hf_config, self.tp.world_size)
         self.attention_specs: list[AttentionSpec] = self.attention_specs_for(
             hf_config, dtype, block_size
         )
@@ -220,6 +227,8 @@ class CausalLM(nn.Module):
         self.lm_head = None
         if not self.tie_word_embeddings:
             self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, False, dtype)
+        if self.tp.world_size > 1:
+            parallel.apply_tensor_parallel(self, full_config, self.tp)
         self.requires_grad_(False)
 
     @classmethod
@@ -282,9 +291,13 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 [n, vocab] logits for hidden states [n, hidden] (matmul in the model dtype)."""
         if self._logits_fn is not None:
-            return self._logits_fn(hidden).float()
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+            logits = self._logits_fn(hidden)
+        else:
+            weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            logits = F.linear(hidden, weight)
+        if self.tp.world_size > 1:  # each rank has a block of the vocab
+            logits = parallel.gather_logits(logits, self.hf_config.vocab_size, self.tp)
+        return logits.float()
 
     def prepack(self) -> None:
         """Hand every loaded matmul weight to the platform's `prepack_linear` (once, after
@@ -328,6 +341,11 @@ class CausalLM(nn.Module):
                         f"checkpoint weight {hf_name!r} has no parameter in "
                         f"{type(self).__name__} ({self.hf_config.model_type}); is the config "
                         "right?"
+                    )
+                if self.tp.world_size > 1:  # only this rank's slice reaches the device
+                    module_name, _, param_name = name.rpartition(".")
+                    converted = parallel.narrow_for_rank(
+                        modules[module_name], param_name, shard, converted
                     )
                 if shard is None:
                     param = params[name]

@@ -1,0 +1,199 @@
+"""Tensor parallelism for the llama-family model: what each rank owns, and its collectives.
+
+A model is built for tensor parallel size t in three moves, all in `CausalLM.__init__`:
+
+1. `local_config` shrinks the HF config to one rank's share (heads, KV heads,
+   intermediate size, vocab rows), so the ordinary layers come out at their per-rank
+   shapes: qkv_proj and gate_up_proj are then column-parallel (each rank computes its
+   heads / its slice of the intermediate activations) and the KV cache holds this rank's
+   KV heads only.
+2. `apply_tensor_parallel` swaps o_proj and down_proj for `RowParallelLinear` (their
+   partial sums are all-reduced through the TP group's communicator) and the embedding
+   for `VocabParallelEmbedding`, sharing the parameters already allocated, and records on
+   every sharded module which slice of each checkpoint tensor it owns (`tp_shards`).
+3. `load_weights` narrows each checkpoint tensor to that slice (`narrow_for_rank`) before
+   copying it to the device: a rank's device only ever holds its own shard.
+
+Heads: query heads split evenly (num_heads % t == 0). KV heads split evenly when there
+are at least t of them (num_kv_heads % t == 0); with fewer, each KV head is replicated on
+t / num_kv_heads consecutive ranks (t % num_kv_heads == 0), so a rank's query heads always
+find their KV head locally. Vocab rows are split in ceil(vocab / t) blocks, the last
+zero-padded; logits are all-gathered on every rank and the padding cut off.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.distributed.parallel_state import GroupCoordinator
+from tokenmill.model.layers import Linear
+from tokenmill.ops import Ops
+
+TP_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+    """Rows (dim 0) or columns (dim 1) [start, start + length) of a checkpoint tensor,
+    zero-padded to `padded` along that dim (vocab shards)."""
+
+    dim: int
+    start: int
+    length: int
+    padded: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadShards:
+    num_heads: int  # this rank's query heads
+    num_kv_heads: int  # this rank's KV heads (1 when replicated)
+    kv_head_start: int  # the first checkpoint KV head this rank holds
+
+
+def head_shards(num_heads: int, num_kv_heads: int, tp: int, rank: int) -> HeadShards:
+    """This rank's query and KV heads; ValueError naming the sizes when t does not fit."""
+    if num_heads % tp:
+        raise ValueError(
+            f"tensor_parallel_size={tp} does not divide the model's {num_heads} attention heads"
+        )
+    if num_kv_heads >= tp:
+        if num_kv_heads % tp:
+            raise ValueError(
+                f"tensor_parallel_size={tp} does not divide the model's {num_kv_heads} KV heads"
+            )
+        local_kv = num_kv_heads // tp
+        return HeadShards(num_heads // tp, local_kv, rank * local_kv)
+    if tp % num_kv_heads:
+        raise ValueError(
+            f"tensor_parallel_size={tp} is not a multiple of the model's {num_kv_heads} KV "
+            "heads, so they cannot be replicated evenly"
+        )
+    return HeadShards(num_heads // tp, 1, rank // (tp // num_kv_heads))
+
+
+def padded_vocab_shard(vocab_size: int, tp: int) -> int:
+    return -(-vocab_size // tp)
+
+
+def local_config(hf_config: Any, tp: int) -> Any:
+    """A copy of `hf_config` with one rank's heads, intermediate size and vocab rows."""
+    if hf_config.model_type not in TP_MODEL_TYPES:
+        raise ValueError(
+            f"tensor parallel supports model types {TP_MODEL_TYPES}, not "
+            f"{hf_config.model_type!r}; use tensor_parallel_size=1"
+        )
+    num_heads = hf_config.num_attention_heads
+    num_kv = getattr(hf_config, "num_key_value_heads", None) or num_heads
+    shards = head_shards(num_heads, num_kv, tp, 0)
+    if hf_config.intermediate_size % tp:
+        raise ValueError(
+            f"tensor_parallel_size={tp} does not divide intermediate_size="
+            f"{hf_config.intermediate_size}"
+        )
+    local = copy.deepcopy(hf_config)
+    local.head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+    local.num_attention_heads = shards.num_heads
+    local.num_key_value_heads = shards.num_kv_heads
+    local.intermediate_size = hf_config.intermediate_size // tp
+    local.vocab_size = padded_vocab_shard(hf_config.vocab_size, tp)
+    return local
+
+
+class RowParallelLinear(Linear):
+    """A linear whose input features are split across the TP group: each rank multiplies
+    its slice, the partial sums are all-reduced, then the (whole, replicated) bias added.
+    Built over the parameters of the `Linear` it replaces (no new allocation)."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, tp: GroupCoordinator):
+        nn.Module.__init__(self)
+        self.weight = weight
+        self.bias = bias
+        self.__dict__["tp"] = tp  # not a submodule
+        self._apply_packed = None
+
+    def prepack(self, ops: Ops) -> None:
+        self._apply_packed = ops.prepack_linear(self.weight, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._apply_packed is not None:
+            partial = self._apply_packed(x)
+        else:
+            partial = F.linear(x, self.weight)
+        out = self.tp.communicator.all_reduce(partial)
+        return out if self.bias is None else out + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This rank's block of embedding rows; ids outside it look up zeros, and the ranks'
+    lookups are all-reduced so every rank gets every token's row."""
+
+    def __init__(self, weight: nn.Parameter, vocab_start: int, tp: GroupCoordinator) -> None:
+        super().__init__()
+        self.weight = weight
+        self.vocab_start = vocab_start
+        self.__dict__["tp"] = tp
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight)
+        rows = rows.masked_fill(outside.unsqueeze(-1), 0)
+        return self.tp.communicator.all_reduce(rows)
+
+
+def gather_logits(local: torch.Tensor, vocab_size: int, tp: GroupCoordinator) -> torch.Tensor:
+    """Every rank's block of logits [n, vocab / t], concatenated and cut to the real vocab."""
+    return tp.communicator.all_gather(local.contiguous(), dim=-1)[..., :vocab_size]
+
+
+def apply_tensor_parallel(lm: nn.Module, hf_config: Any, tp: GroupCoordinator) -> None:
+    """Make `lm` (a llama-family CausalLM built from `local_config`) this rank's shard."""
+    t, rank = tp.world_size, tp.rank_in_group
+    num_heads = hf_config.num_attention_heads
+    num_kv = getattr(hf_config, "num_key_value_heads", None) or num_heads
+    shards = head_shards(num_heads, num_kv, t, rank)
+    vocab_rows = padded_vocab_shard(hf_config.vocab_size, t)
+    vocab = Slice(0, rank * vocab_rows, min(vocab_rows, hf_config.vocab_size - rank * vocab_rows),
+                  vocab_rows)
+    body = lm.model
+    body.embed_tokens = VocabParallelEmbedding(body.embed_tokens.weight, vocab.start, tp)
+    body.embed_tokens.tp_shards = {"weight": vocab}
+    if lm.lm_head is not None:
+        lm.lm_head.tp_shards = {"weight": vocab}
+    for layer in body.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        head = attn.head_size
+        q = Slice(0, rank * shards.num_heads * head, shards.num_heads * head)
+        kv = Slice(0, shards.kv_head_start * head, shards.num_kv_heads * head)
+        attn.qkv_proj.tp_shards = {"weight": [q, kv, kv], "bias": [q, kv, kv]}
+        attn.o_proj = RowParallelLinear(attn.o_proj.weight, attn.o_proj.bias, tp)
+        attn.o_proj.tp_shards = {"weight": Slice(1, q.start, q.length)}
+        inter = mlp.down_proj.weight.shape[1]
+        cols = Slice(0, rank * inter, inter)
+        mlp.gate_up_proj.tp_shards = {"weight": [cols, cols], "bias": [cols, cols]}
+        mlp.down_proj = RowParallelLinear(mlp.down_proj.weight, mlp.down_proj.bias, tp)
+        mlp.down_proj.tp_shards = {"weight": Slice(1, cols.start, cols.length)}
+
+
+def narrow_for_rank(
+    module: nn.Module, param_name: str, shard: int | None, tensor: torch.Tensor
+) -> torch.Tensor:
+    """The part of checkpoint `tensor` this rank's `module.param_name` (fused shard `shard`)
+    holds; the tensor itself for an unsharded parameter."""
+    rules = getattr(module, "tp_shards", None)
+    rule = None if rules is None else rules.get(param_name)
+    if rule is None:
+        return tensor
+    if isinstance(rule, list):
+        rule = rule[shard]
+    part = tensor.narrow(rule.dim, rule.start, rule.length)
+    if rule.padded is not None and rule.padded > rule.length:
+        pad = [0, 0] * (part.dim() - 1 - rule.dim) + [0, rule.padded - rule.length]
+        part = F.pad(part, pad)
+    return part
