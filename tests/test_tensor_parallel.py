@@ -30,33 +30,44 @@ def _tokens(llm: LLM) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(tiny_dirs):
-    """One process's greedy tokens and KV block size per model."""
+    """One process's greedy tokens, KV block size and parameter bytes per model."""
     out = {}
     for arch in ("llama", "qwen2"):
         llm = _llm(tiny_dirs[arch])
-        out[arch] = (_tokens(llm), llm.engine.executor.collective_rpc("kv_block_bytes")[0])
+        rpc = llm.engine.executor.collective_rpc
+        out[arch] = (_tokens(llm), rpc("kv_block_bytes")[0], rpc("parameter_bytes")[0])
         llm.engine.shutdown()
     return out
 
 
-@pytest.mark.parametrize("arch, tp", [("llama", 2), ("llama", 4), ("qwen2", 2)])
+def _check_tp(llm: LLM, reference, arch: str, tp: int) -> None:
+    assert llm.engine.args.distributed_executor_backend == "mp"  # picked for tp > 1
+    assert len(llm.engine.executor.pids) == tp
+    want_tokens, full_block_bytes, full_param_bytes = reference[arch]
+    assert _tokens(llm) == want_tokens
+    rpc = llm.engine.executor.collective_rpc
+    # each rank caches its KV heads only: 2 KV heads split over 2 ranks, or one
+    # (replicated) per rank with 4
+    assert rpc("kv_block_bytes") == [full_block_bytes // 2] * tp
+    # weights are sharded on load: no rank holds more than its share (plus the small
+    # replicated norms, biases and, at tp=4, the replicated KV projections)
+    per_rank = rpc("parameter_bytes")
+    assert max(per_rank) < full_param_bytes / tp * 1.25, (per_rank, full_param_bytes)
+    assert sum(per_rank) >= full_param_bytes
+
+
+@pytest.mark.parametrize("arch, tp", [("llama", 4), ("qwen2", 2)])
 def test_tp_matches_one_process_token_for_token(tiny_dirs, reference, arch, tp):
     llm = _llm(tiny_dirs[arch], tensor_parallel_size=tp)
     try:
-        assert llm.engine.args.distributed_executor_backend == "mp"  # picked for tp > 1
-        assert len(llm.engine.executor.pids) == tp
-        want_tokens, full_block_bytes = reference[arch]
-        assert _tokens(llm) == want_tokens
-        # each rank caches its KV heads only: 2 KV heads split over 2 ranks, or one
-        # (replicated) per rank with 4
-        per_rank = llm.engine.executor.collective_rpc("kv_block_bytes")
-        assert per_rank == [full_block_bytes // 2] * tp
+        _check_tp(llm, reference, arch, tp)
     finally:
         llm.engine.shutdown()
 
 
-def test_killed_tp_worker_fails_requests_cleanly(tiny_dirs):
+def test_tp2_matches_then_a_killed_worker_fails_requests_cleanly(tiny_dirs, reference):
     llm = _llm(tiny_dirs["llama"], tensor_parallel_size=2)
+    _check_tp(llm, reference, "llama", 2)
     engine = llm.engine
     tok = llm.get_tokenizer()
     params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)

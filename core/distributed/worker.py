@@ -140,6 +140,14 @@ class Worker:
         """Bytes of one KV block on this rank (its own KV heads only, with tensor parallel)."""
         return self._runner.kv_block_bytes()
 
+    def parameter_bytes(self) -> int:
+        """Bytes of the model parameters this rank holds (its shard, with tensor parallel);
+        0 for a platform's own runner, whose weights the core does not see."""
+        model = getattr(self._runner, "model", None)
+        if model is None:
+            return 0
+        return sum(p.numel() * p.element_size() for p in model.parameters())
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self._runner.initialize_kv_cache(num_blocks)
 
