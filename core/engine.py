@@ -156,6 +156,11 @@ class LLMEngine:
             dist_init_method=_rendezvous() if args.tensor_parallel_size > 1 else None,
         )
         if args.tensor_parallel_size > 1:  # a bad size fails here, before any process starts
+            if not self.platform.platform.capabilities.collectives:
+                raise ValueError(
+                    f"tensor_parallel_size={args.tensor_parallel_size} needs collectives; "
+                    f"platform {self.platform.name!r} declares none (capabilities.collectives)"
+                )
             local_config(self.loaded.hf_config, args.tensor_parallel_size)
         return make_executor(
             args.distributed_executor_backend, config, self.platform, self.loaded.hf_config,

@@ -336,6 +336,9 @@ class ParallelConfig:
     world_size: int = 1  # worker processes (ranks) of the engine
     rank: int = 0  # this worker's rank; rank 0 returns the step results
     distributed_executor_backend: str = "uni"  # "uni" (in-process) or "mp" (a process per rank)
+    # > 1: the ranks form one tensor parallel group (tokenmill.distributed.parallel_state
+    # holds its communicator); a runner of the plugin's own must shard its model itself
+    tensor_parallel_size: int = 1
 
 
 @dataclass(frozen=True, slots=True)

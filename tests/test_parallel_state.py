@@ -69,6 +69,7 @@ def _rank_main(rank: int, world: int, init_method: str) -> None:
             assert group.communicator.world_size == group.world_size
             assert group.communicator.rank == group.rank_in_group
             sums[dim] = int(group.communicator.all_reduce(torch.tensor([1 << rank])).item())
+            assert group.communicator.bytes == {"all_reduce": 8}  # one int64 counted
         want = {d: sum(1 << r for r in layout.group_of(d, rank)) for d in layout.dims}
         assert sums == want, (sizes, rank, sums, want)
     dist.destroy_process_group()

@@ -37,6 +37,61 @@ from tokenmill.platforms.interfaces import Communicator
 DEFAULT_DIMS = ("dp", "pp", "tp")
 
 
+class CountingCommunicator(Communicator):
+    """A group's communicator that counts what passes through it: per collective, the
+    calls and the payload bytes this rank hands in (for all_gather, the gathered result's:
+    what every rank ends up holding). Counting is two integer adds beside a collective."""
+
+    def __init__(self, inner: Communicator) -> None:
+        self.inner = inner
+        self.calls: dict[str, int] = {}
+        self.bytes: dict[str, int] = {}
+
+    def _count(self, op: str, num_bytes: int) -> None:
+        self.calls[op] = self.calls.get(op, 0) + 1
+        self.bytes[op] = self.bytes.get(op, 0) + num_bytes
+
+    @property
+    def rank(self) -> int:
+        return self.inner.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.inner.world_size
+
+    def all_reduce(self, tensor):
+        self._count("all_reduce", tensor.numel() * tensor.element_size())
+        return self.inner.all_reduce(tensor)
+
+    def all_gather(self, tensor, dim: int = 0):
+        self._count("all_gather", tensor.numel() * tensor.element_size() * self.world_size)
+        return self.inner.all_gather(tensor, dim)
+
+    def reduce_scatter(self, tensor, dim: int = 0):
+        self._count("reduce_scatter", tensor.numel() * tensor.element_size())
+        return self.inner.reduce_scatter(tensor, dim)
+
+    def all_to_all(self, tensor):
+        self._count("all_to_all", tensor.numel() * tensor.element_size())
+        return self.inner.all_to_all(tensor)
+
+    def send(self, tensor, dst: int) -> None:
+        self._count("send", tensor.numel() * tensor.element_size())
+        self.inner.send(tensor, dst)
+
+    def recv(self, tensor, src: int):
+        self._count("recv", tensor.numel() * tensor.element_size())
+        return self.inner.recv(tensor, src)
+
+    def broadcast(self, tensor, src: int = 0):
+        self._count("broadcast", tensor.numel() * tensor.element_size())
+        return self.inner.broadcast(tensor, src)
+
+    def barrier(self) -> None:
+        self._count("barrier", 0)
+        self.inner.barrier()
+
+
 @dataclasses.dataclass(frozen=True)
 class ParallelLayout:
     """The grid of ranks: `dims` (outermost first) and their `sizes`."""
@@ -110,7 +165,7 @@ class GroupCoordinator:
     dim: str
     ranks: tuple[int, ...]
     rank_in_group: int
-    communicator: Communicator | None
+    communicator: CountingCommunicator | None
     process_group: Any = None
 
     @property
@@ -137,6 +192,13 @@ class ParallelState:
     def tp(self) -> GroupCoordinator:
         return self.group("tp")
 
+    def communicated_bytes(self) -> dict[str, int]:
+        """Payload bytes through each dimension's communicator so far ({} on one rank)."""
+        return {
+            dim: sum(g.communicator.bytes.values())
+            for dim, g in self.groups.items() if g.communicator is not None
+        }
+
 
 _SINGLE = ParallelState(ParallelLayout.of(), 0, {})
 _state: ParallelState | None = None
@@ -158,7 +220,9 @@ def build_groups(layout: ParallelLayout, rank: int, platform: Any) -> dict[str, 
         for ranks in layout.groups(dim):
             group = dist.new_group(ranks) if len(ranks) > 1 else None
             if rank in ranks:
-                communicator = platform.communicator(group) if group is not None else None
+                communicator = (
+                    CountingCommunicator(platform.communicator(group)) if group is not None else None
+                )
                 out[dim] = GroupCoordinator(dim, tuple(ranks), ranks.index(rank), communicator, group)
     return out
 

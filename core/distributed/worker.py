@@ -17,6 +17,7 @@ from tokenmill.distributed.config import WorkerConfig
 from tokenmill.distributed.parallel_state import (
     ParallelLayout,
     destroy_parallel_state,
+    get_parallel_state,
     init_parallel_state,
 )
 from tokenmill.kv.sizing import kv_cache_budget
@@ -148,6 +149,10 @@ class Worker:
             return 0
         return sum(p.numel() * p.element_size() for p in model.parameters())
 
+    def communicated_bytes(self, dim: str) -> int:
+        """Payload bytes this rank has passed through dimension `dim`'s communicator."""
+        return get_parallel_state().communicated_bytes().get(dim, 0)
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self._runner.initialize_kv_cache(num_blocks)
 
@@ -211,6 +216,7 @@ class Worker:
                 world_size=config.world_size,
                 rank=self.rank,
                 distributed_executor_backend=config.distributed_executor_backend,
+                tensor_parallel_size=config.tensor_parallel_size,
             ),
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,
