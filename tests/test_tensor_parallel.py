@@ -101,6 +101,16 @@ def test_bad_tp_sizes_fail_before_any_process_starts(tiny_dirs):
     assert EngineArgs().distributed_executor_backend == "uni"
 
 
+def test_serve_flag_is_validated(capsys):
+    from tokenmill.server.cli import main
+
+    assert main(["serve", "--tensor-parallel-size", "0", "--port", "1"]) == 2
+    assert "tensor_parallel_size" in capsys.readouterr().err
+    argv = ["serve", "-tp", "2", "--distributed-executor-backend", "uni", "--port", "1"]
+    assert main(argv) == 2
+    assert "distributed_executor_backend='uni'" in capsys.readouterr().err
+
+
 def test_tp1_builds_the_plain_model(tiny_dirs):
     """tp=1: no parallel module, so no communicator call, in the model."""
     from tokenmill.model.parallel import RowParallelLinear, VocabParallelEmbedding
