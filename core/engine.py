@@ -85,12 +85,14 @@ class LLMEngine:
         except BaseException:
             self.executor.shutdown()
             raise
-        # KV groups: one block table per group of layers of one attention type
-        hf_config = self.loaded.hf_config
-        specs = attention_specs_for(hf_config, self.dtype, args.block_size)
+        # KV groups: one block table per group of layers of one attention type, where the
+        # runner keeps them (the core's); a plugin's own runner gets one table for all layers
+        groups = None
+        if all(self.executor.collective_rpc("uses_kv_groups")):
+            specs = attention_specs_for(self.loaded.hf_config, self.dtype, args.block_size)
+            groups = plan_groups(specs).groups
         self.kv = KVCacheManager(
-            self.num_kv_blocks, args.block_size, args.enable_prefix_caching,
-            plan_groups(specs).groups,
+            self.num_kv_blocks, args.block_size, args.enable_prefix_caching, groups
         )
         threshold = args.long_prefill_token_threshold
         if threshold is None:
