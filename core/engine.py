@@ -76,12 +76,14 @@ class LLMEngine:
         except BaseException:
             self.executor.shutdown()
             raise
-        # KV groups: one block table per group of layers of one attention type
-        hf_config = self.loaded.hf_config
-        specs = attention_specs_for(hf_config, self.dtype, args.block_size)
+        # KV groups: one block table per group of layers of one attention type, where the
+        # runner keeps them (the core's); a plugin's own runner gets one table for all layers
+        groups = None
+        if all(self.executor.collective_rpc("uses_kv_groups")):
+            specs = attention_specs_for(self.loaded.hf_config, self.dtype, args.block_size)
+            groups = plan_groups(specs).groups
         self.kv = KVCacheManager(
-            self.num_kv_blocks, args.block_size, args.enable_prefix_caching,
-            plan_groups(specs).groups,
+            self.num_kv_blocks, args.block_size, args.enable_prefix_caching, groups
         )
         threshold = args.long_prefill_token_threshold
         if threshold is None:
@@ -175,8 +177,7 @@ class LLMEngine:
         if params.structured_outputs is not None:
             self.structured.compile(params.structured_outputs)
         params = dataclasses.replace(
-            params.with_defaults(self.generation_defaults),
-            eos_token_ids=frozenset(self.loaded.eos_token_ids) | params.eos_token_ids,
+            params, eos_token_ids=frozenset(self.loaded.eos_token_ids) | params.eos_token_ids
         )
         core_requests = self.outputs.add(request_id, prompt, prompt_token_ids, params)
         for core_request in core_requests:
@@ -199,6 +200,8 @@ class LLMEngine:
         grammar = None
         if params.structured_outputs is not None:
             grammar = self.structured.compile(params.structured_outputs)
+        # every sequence passes here (offline, served in-process or from another process)
+        params = params.with_defaults(self.generation_defaults)
         if not params.eos_token_ids >= self.loaded.eos_token_ids:
             params = dataclasses.replace(
                 params, eos_token_ids=frozenset(self.loaded.eos_token_ids) | params.eos_token_ids

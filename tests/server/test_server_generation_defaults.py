@@ -1,5 +1,6 @@
 """Through a real server: requests that leave the sampling fields unset get the model's
-generation config (here top_k=1: greedy), over the OpenAI and Anthropic APIs alike."""
+generation config (here top_k=1: greedy), over the OpenAI and Anthropic APIs alike, with
+the engine core in the server's process and in a process of its own."""
 
 from __future__ import annotations
 
@@ -9,22 +10,34 @@ import shutil
 import anthropic
 import openai
 import pytest
-from conftest import TINY_NAME, running_server, tiny_engine
+from conftest import TINY_NAME, running_server
 
+from tokenmill.async_engine import AsyncLLM
+from tokenmill.config import EngineArgs
 from tokenmill.server.app import build_app
 
 MESSAGES = [{"role": "user", "content": "Paris is the capital of"}]
 
 
 @pytest.fixture(scope="module")
-def base_url(tiny_model, tmp_path_factory):
+def model(tiny_model, tmp_path_factory):
     model = tmp_path_factory.mktemp("server-gencfg") / "llama"
     shutil.copytree(tiny_model, model)
     (model / "generation_config.json").write_text(json.dumps({"top_k": 1, "eos_token_id": 2}))
-    engine = tiny_engine(model)
-    assert engine.engine.generation_defaults == {"top_k": 1}
-    with running_server(build_app(engine, [TINY_NAME])) as url:
-        yield url
+    return model
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["in-process", "engine-process"])
+def base_url(model, request):
+    args = EngineArgs(model=str(model), dtype="float32", block_size=4, num_kv_blocks=512)
+    engine = AsyncLLM(args, engine_process=request.param)
+    try:
+        if not request.param:
+            assert engine.engine.generation_defaults == {"top_k": 1}
+        with running_server(build_app(engine, [TINY_NAME])) as url:
+            yield url
+    finally:
+        engine.shutdown()
 
 
 def test_unset_sampling_fields_take_the_models_defaults(base_url):

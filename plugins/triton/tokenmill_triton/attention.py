@@ -167,7 +167,7 @@ class TritonPagedAttention(AttentionBackend):
             and spec.dtype in SUPPORTED_DTYPES
             and MIN_HEAD_SIZE <= spec.head_size <= MAX_HEAD_SIZE
             and spec.num_heads % spec.num_kv_heads == 0
-        )
+        )  # sinks (spec.sinks) are a kernel argument: supported either way
 
     def forward(
         self,
@@ -177,10 +177,17 @@ class TritonPagedAttention(AttentionBackend):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Writes key/value into `kv_cache`, then attends; does not modify the inputs."""
+        """Writes key/value into `kv_cache`, then attends; does not modify the inputs.
+        `sinks`: float32 [num_heads] learned logits, given exactly when `spec.sinks`."""
+        if (sinks is not None) != spec.sinks:
+            raise ValueError(f"spec.sinks={spec.sinks} but sinks {'not ' * (sinks is None)}given")
         write_kv(key, value, kv_cache, metadata.slot_mapping, self.configs)
         scale = spec.scale if spec.scale is not None else spec.head_size**-0.5
         q = query if query.dtype == kv_cache.dtype else query.to(kv_cache.dtype)
-        out = paged_attention(q, kv_cache, metadata, scale, self.configs, spec.sliding_window)
+        if sinks is not None:
+            sinks = sinks.to(device=q.device, dtype=torch.float32).contiguous()
+        out = paged_attention(q, kv_cache, metadata, scale, self.configs, spec.sliding_window,
+                              sinks)
         return out if out.dtype == query.dtype else out.to(query.dtype)
