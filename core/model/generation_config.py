@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tokenmill.model.loader import DEFAULT_GGUF_FILE
 from tokenmill.sampling_params import NEUTRAL_DEFAULTS, SamplingParams
 
 GenerationDefaults = dict[str, float | int]
@@ -29,7 +30,7 @@ OFF = ("vllm", "none")
 # with `temperature=0.2, top_p=0.9, do_sample=True`
 # (https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct, "How to use").
 SHIPPED: dict[str, GenerationDefaults] = {
-    "SmolLM2-135M-Instruct.Q4_1.gguf": {"temperature": 0.2, "top_p": 0.9},
+    DEFAULT_GGUF_FILE: {"temperature": 0.2, "top_p": 0.9},  # SmolLM2-135M-Instruct.Q4_1.gguf
 }
 
 
@@ -70,4 +71,5 @@ def _read(file: Path) -> GenerationDefaults:
 
 
 def describe(defaults: GenerationDefaults) -> str:
+    """The defaults as the engine logs them: `temperature=0.2 top_p=0.9`, or `none`."""
     return " ".join(f"{k}={v}" for k, v in defaults.items()) or "none"

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from test_conformance import HERE, certify, tiers
 
+pytestmark = pytest.mark.certify  # minutes: .ci/run runs these with -m certify
+
 pytest.importorskip("tokenmill_nvidia")
 pytest.importorskip("tokenmill_rocm")
 

@@ -9,7 +9,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tokenmill_conformance.certificate import validate
+
+pytestmark = pytest.mark.certify  # minutes: .ci/run runs these with -m certify
 
 JAX_CPU_4 = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.certify  # minutes: .ci/run runs these with -m certify
+
 pytest.importorskip("tokenmill_nvidia")
 
 ROOT = Path(__file__).resolve().parents[2]
