@@ -40,6 +40,23 @@ class EngineArgs(BaseModel):
         5.0, gt=0, description="a constraint that takes longer to compile is refused"
     )
 
+    # KV offload (core/kv_connector/, docs/kv-offload.md): each set tier joins the stack
+    kv_offload_host_bytes: int | None = Field(
+        None, description="host-memory tier size, bytes or a string like '8GiB'"
+    )
+    kv_offload_disk_path: str | None = Field(None, description="directory of the disk tier")
+    kv_offload_disk_bytes: int | None = Field(None, description="disk tier size ('100GiB')")
+    kv_offload_remote: str | None = Field(
+        None, description="remote tier URL; its scheme names the tier (redis://host:6379)"
+    )
+
+    @field_validator("kv_offload_host_bytes", "kv_offload_disk_bytes", mode="before")
+    @classmethod
+    def _size(cls, v: int | str | None, info) -> int | None:
+        from tokenmill.kv_connector.registry import parse_size
+
+        return None if v is None else parse_size(v, info.field_name)
+
     @field_validator("block_size")
     @classmethod
     def _power_of_two(cls, v: int) -> int:

@@ -14,6 +14,7 @@ import torch
 from tokenmill.config import DEFAULT_KV_CACHE_BYTES, EngineArgs
 from tokenmill.kv.arena import KVArena
 from tokenmill.kv.manager import KVCacheManager
+from tokenmill.kv_connector.engine_setup import make_offload
 from tokenmill.model.loader import LoadedModel, default_model_path, load_model_and_tokenizer
 from tokenmill.output_processor import OutputProcessor
 from tokenmill.outputs import RequestOutput
@@ -99,6 +100,10 @@ class LLMEngine:
             model, self.arena.layer_caches, backends, args.block_size, self.device,
             apply_token_bitmask=self.platform.ops.apply_token_bitmask,
         )
+        self.offload = make_offload(args, self.loaded, self.arena, self.platform)
+        if self.offload is not None:
+            self.scheduler.connector = self.offload.scheduler_side
+            self.runner.kv_connector = self.offload.worker_side
         self.structured = StructuredOutputManager(
             self.tokenizer,
             vocab_size=self.loaded.hf_config.vocab_size,
@@ -185,11 +190,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, execute, process: one engine step."""
         plan = self.scheduler.schedule()
-        if plan.is_empty:
+        if plan.step is None:
             return []
         plan.step.structured = self._structured_masks(plan)
         result = self.runner.execute(plan.step)
         self.scheduler.update_computed(plan)
+        self.scheduler.update_from_connector(result.kv_connector)
         return self.outputs.process(result)
 
     def _structured_masks(self, plan: SchedulerOutput) -> StructuredMasks | None:

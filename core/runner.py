@@ -13,6 +13,7 @@ import msgspec
 import numpy as np
 import torch
 
+from tokenmill.kv_connector.worker import KVConnectorWorker
 from tokenmill.ops.reference import apply_token_bitmask as reference_apply_token_bitmask
 from tokenmill.platforms.interfaces import AttentionMetadata, token_positions
 from tokenmill.runner_state import RequestStateTable, ScheduledRow
@@ -38,6 +39,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests = RequestStateTable(device)  # the worker's per-request state
         self.apply_token_bitmask = apply_token_bitmask  # the platform's op (or the reference)
+        self.kv_connector: KVConnectorWorker | None = None  # KV offload's worker side
 
     @torch.inference_mode()
     def execute(self, step: StepDescription) -> StepResult:
@@ -46,12 +48,21 @@ class ModelRunner:
         masked distribution)."""
         batch = self.requests.update(step)
         out = StepResult()
+        connector, meta = self.kv_connector, step.kv_connector
+        if connector is not None and meta is not None:
+            connector.start_loads(meta.loads)  # overlapped with this step's forward pass
         if not batch:
+            if connector is not None:  # only loads in flight: wait a little for one
+                out.kv_connector = connector.report(wait_s=0.005)
             return out
         inputs = self._prepare_inputs(batch, step)
         for backend in self.backends:
             backend.prepare(inputs.metadata)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+        if connector is not None:
+            if meta is not None:
+                connector.save(meta.saves)  # the blocks this step filled
+            out.kv_connector = connector.report()
 
         if inputs.sample_rows:
             logits = self.model.compute_logits(hidden[inputs.sample_indices])

@@ -19,6 +19,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tokenmill.kv.manager import KVCacheManager
+from tokenmill.kv_connector.messages import WorkerReport
+from tokenmill.kv_connector.scheduler_side import KVConnectorScheduler
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.step import CachedRequest, NewRequest, SamplingSpec, StepDescription
@@ -90,15 +92,19 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.workers = WorkerView()  # what the workers hold, to send them deltas only
+        # KV offload (core/kv_connector/): set by the engine when tiers are configured
+        self.connector: KVConnectorScheduler | None = None
+        self.loading: dict[str, Request] = {}  # WAITING_FOR_KV: their loads in flight
+        self.parked: dict[str, Request] = {}  # finished while loading: blocks freed on report
 
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self.parked:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading or self.parked)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -153,8 +159,10 @@ class Scheduler:
                     scheduled.append((request, num_new))
                     budget -= num_new
                 continue
-            if len(self.running) >= self.config.max_num_seqs:
+            if len(self.running) + len(self.loading) >= self.config.max_num_seqs:
                 continue
+            if self.connector is not None and self._start_external_load(request, hits, remaining):
+                continue  # admitted; computes once its load reports
             if not self.kv.allocate_slots(request, num_new, hits):
                 break  # no KV for this one: admit nothing bigger either
             self.waiting.remove(request)
@@ -170,9 +178,53 @@ class Scheduler:
 
         for request, num_new in scheduled:
             out.scheduled.append(self._describe(request, num_new))
-        if scheduled:  # an empty step is not run: ended ids wait for the next one
+        # an empty step is not run (ended ids wait for the next one), unless the KV
+        # connector has loads to start or in flight
+        if scheduled or self.loading or self.parked:
             out.step = self.workers.describe_step(scheduled, out.scheduled)
+            if self.connector is not None:
+                out.step.kv_connector = self.connector.build_step_meta(
+                    [(r, self.kv.block_ids(r), r.num_computed_tokens, n) for r, n in scheduled]
+                )
         return out
+
+    def _start_external_load(self, request: Request, hits: list, remaining: int) -> bool:
+        """Admit a waiting request whose next tokens a KV tier holds: allocate blocks for
+        them (unpublished until loaded) and start the load. False: nothing to load, or no
+        KV for it now (the caller then tries the ordinary admission)."""
+        num_hit = request.num_tokens - remaining
+        num_external = self.connector.num_external_tokens(request, num_hit)
+        if not num_external or not self.kv.allocate_slots(
+            request, num_external, hits, publish=False
+        ):
+            return False
+        self.waiting.remove(request)
+        if request.num_cached_tokens < 0:
+            self.kv.record_lookup(request.num_tokens, num_hit)
+        request.num_computed_tokens = num_hit
+        request.status = RequestStatus.WAITING_FOR_KV
+        self.loading[request.request_id] = request
+        self.connector.start_load(request, self.kv.block_ids(request), num_hit, num_external)
+        return True
+
+    def update_from_connector(self, report: WorkerReport | None) -> None:
+        """Apply a KV connector report: a request whose load ended runs from the tokens
+        that arrived (a failed block and those after it are recomputed); a finished one
+        that was still loading gives its blocks back."""
+        if self.connector is None or report is None:
+            return
+        for outcome in self.connector.process_report(report):
+            parked = self.parked.pop(outcome.request_id, None)
+            if parked is not None:
+                self.kv.free(parked)
+                continue
+            request = self.loading.pop(outcome.request_id)
+            request.num_computed_tokens = outcome.num_computed_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = outcome.num_computed_tokens
+            self.kv.cache_blocks(request, outcome.num_computed_tokens)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
 
     def _describe(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -207,8 +259,12 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        self.loading.pop(request_id, None)
         request.status = status
-        self.kv.free(request)
+        if self.connector is not None and self.connector.request_finished(request):
+            self.parked[request_id] = request  # a load still writes into its blocks
+        else:
+            self.kv.free(request)
         aborted = status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
         self.workers.forget(request_id, aborted)
         return request

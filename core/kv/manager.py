@@ -116,11 +116,17 @@ class KVCacheManager:
         self.stats.hits += num_hit
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, hits: list[KVBlock] | None = None
+        self,
+        request: Request,
+        num_new_tokens: int,
+        hits: list[KVBlock] | None = None,
+        publish: bool = True,
     ) -> bool:
         """Reserve KV for `num_new_tokens` more tokens (after `hits`, if any).
 
         Returns False, changing nothing, when the pool cannot supply the blocks.
+        `publish=False` keeps the new blocks out of the prefix cache (their content is
+        still being loaded by the KV connector; `cache_blocks` publishes them after).
         """
         hits = hits or []
         num_computed = request.num_computed_tokens + len(hits) * self.block_size
@@ -131,10 +137,15 @@ class KVCacheManager:
         if need + num_hits_free > self.pool.num_free_blocks:
             return False
         self.full.allocate(request, total, hits)
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and publish:
             self.update_block_hashes(request)
             self.full.cache_full_blocks(request, total)
         return True
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Publish the request's blocks that its first `num_tokens` tokens fill."""
+        if self.enable_prefix_caching:
+            self.full.cache_full_blocks(request, num_tokens)
 
     def free(self, request: Request) -> None:
         self.full.free(request)
