@@ -57,6 +57,9 @@ class EngineStats:
     kv_usage: float = 0.0  # fraction of KV blocks in use, 0..1
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found
+    # KV offload: tier name -> its counters (tokenmill.kv_connector.tier.TierStats), in
+    # stack order; empty without offload
+    kv_tiers: dict = field(default_factory=dict)
 
 
 class StatsObserver(Protocol):
@@ -327,6 +330,7 @@ class AsyncLLM:
             kv_usage=engine.kv.usage,
             prefix_cache_queries=engine.kv.stats.queries,
             prefix_cache_hits=engine.kv.stats.hits,
+            kv_tiers=engine.offload.snapshot() if engine.offload is not None else {},
         )
 
     def _fail_all(self, error: BaseException) -> None:

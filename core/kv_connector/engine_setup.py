@@ -3,6 +3,7 @@ arguments ask for, and both halves of the connector over it."""
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import os
@@ -13,6 +14,7 @@ from tokenmill.kv_connector.objects import KVLayout
 from tokenmill.kv_connector.registry import OffloadConfig, TierContext, build_stack
 from tokenmill.kv_connector.scheduler_side import KVConnectorScheduler
 from tokenmill.kv_connector.stack import TierStack
+from tokenmill.kv_connector.tier import TierStats
 from tokenmill.kv_connector.worker import KVConnectorWorker
 from tokenmill.platforms.interfaces import AllocatorPurpose
 
@@ -25,6 +27,10 @@ class Offload:
     layout: KVLayout
     scheduler_side: KVConnectorScheduler
     worker_side: KVConnectorWorker
+
+    def snapshot(self) -> dict[str, TierStats]:
+        """A copy of every tier's counters, in stack order (for the metrics)."""
+        return {name: copy.copy(stats) for name, stats in self.stack.stats.items()}
 
     def close(self) -> None:
         self.worker_side.close()
