@@ -89,6 +89,7 @@ class _Add:
     params: SamplingParams
     prompt: str | None
     cache_salt: str | None
+    session_id: str | None
     deliver: Callable[[RequestOutput | BaseException], None]
     arrival: float = field(default_factory=time.monotonic)
 
@@ -96,6 +97,11 @@ class _Add:
 @dataclass(slots=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(slots=True)
+class _SessionHint:
+    session_id: str  # its last turn ended in a tool call: it will be back
 
 
 class AsyncLLM:
@@ -121,7 +127,7 @@ class AsyncLLM:
         self.observer = observer
         self.stats = EngineStats()
         self.error: BaseException | None = None
-        self._inbox: queue.Queue[_Add | _Abort] = queue.Queue()
+        self._inbox: queue.Queue[_Add | _Abort | _SessionHint] = queue.Queue()
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._closed = False  # set once by the engine thread as it exits; then no new request
@@ -202,6 +208,7 @@ class AsyncLLM:
         request_id: str,
         prompt: str | None = None,
         cache_salt: str | None = None,
+        session_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield cumulative outputs until the request finishes.
 
@@ -224,7 +231,9 @@ class AsyncLLM:
         with self._lock:  # the engine thread cannot stop between the check and the put
             if self._closed:
                 raise EngineDeadError(f"the engine is dead: {self.error!r}")
-            self._inbox.put(_Add(request_id, prompt_token_ids, params, prompt, cache_salt, deliver))
+            self._inbox.put(_Add(
+                request_id, prompt_token_ids, params, prompt, cache_salt, session_id, deliver
+            ))
         finished = False
         try:
             while not finished:
@@ -239,6 +248,10 @@ class AsyncLLM:
         finally:
             if not finished:
                 self._inbox.put(_Abort(request_id))
+
+    def hint_session(self, session_id: str) -> None:
+        """`session_id`'s turn ended in a tool call (LLMEngine.hint_session); thread-safe."""
+        self._inbox.put(_SessionHint(session_id))
 
     # ---- the engine thread ---------------------------------------------------------------
     def _run(self) -> None:
@@ -274,6 +287,8 @@ class AsyncLLM:
         while True:
             if isinstance(item, _Add):
                 self._add(item)
+            elif isinstance(item, _SessionHint):
+                self.engine.hint_session(item.session_id)
             else:
                 self._abort(item.request_id)
             try:
@@ -284,7 +299,8 @@ class AsyncLLM:
     def _add(self, cmd: _Add) -> None:
         try:
             self.engine.add_request(
-                cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.prompt, cmd.cache_salt
+                cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.prompt, cmd.cache_salt,
+                cmd.session_id,
             )
         except ValueError as e:
             cmd.deliver(e)

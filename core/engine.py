@@ -131,6 +131,7 @@ class LLMEngine:
         params: SamplingParams,
         prompt: str | None = None,
         cache_salt: str | None = None,
+        session_id: str | None = None,
     ) -> None:
         """Queue a request. Raises ValueError naming the problem if it can never run, and
         its subclass StructuredOutputError if its structured output constraint is invalid or
@@ -152,6 +153,7 @@ class LLMEngine:
                 prompt_token_ids=list(prompt_token_ids),
                 sampling_params=params,
                 cache_salt=cache_salt,
+                session_id=session_id,
                 seed=seed,
             )
             children.append(child)
@@ -179,6 +181,12 @@ class LLMEngine:
                 f"prompt ({len(token_ids)} tokens) plus max_tokens ({max_tokens}) is "
                 f"{len(token_ids) + max_tokens}, over the context of {self.max_model_len} tokens"
             )
+
+    def hint_session(self, session_id: str) -> None:
+        """The session's last turn ended in a tool call: it will be back. With KV offload,
+        its next turn's blocks are prefetched into the fastest tier when it arrives."""
+        if self.offload is not None:
+            self.offload.scheduler_side.session_returns(session_id)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         return self.outputs.abort(request_id)

@@ -50,6 +50,7 @@ class ModelRunner:
         out = StepResult()
         connector, meta = self.kv_connector, step.kv_connector
         if connector is not None and meta is not None:
+            connector.start_prefetch(meta.prefetch)
             connector.start_loads(meta.loads)  # overlapped with this step's forward pass
         if not batch:
             if connector is not None:  # only loads in flight: wait a little for one

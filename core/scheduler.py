@@ -102,6 +102,9 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if self.connector is not None and request.session_id is not None:
+            self.kv.update_block_hashes(request)
+            self.connector.request_arrived(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.loading or self.parked)

@@ -84,7 +84,9 @@ async def create_message(body: MessagesRequest, request: Request):
         structured_outputs=structured,
     )
     rid = state.engine.new_request_id("msg")
-    started = await start(request, state.engine, [(text, ids)], params, rid, error_param="tools")
+    session_id = body.metadata.user_id if body.metadata else None
+    started = await start(request, state.engine, [(text, ids)], params, rid, error_param="tools",
+                          session_id=session_id)
     head = {"id": rid, "type": "message", "role": "assistant", "model": model}
     if body.stream:
         return event_stream(_stream(started, head, params.max_stop_len(), plan), request.url.path)
@@ -97,6 +99,8 @@ async def create_message(body: MessagesRequest, request: Request):
     content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments_dict()}
                 for c in found.tool_calls]
     stop_reason, stop_sequence = _stop(out, found.tools_called)
+    if found.tools_called and session_id:
+        state.engine.hint_session(session_id)
     return JSONResponse({
         **head,
         "content": content,

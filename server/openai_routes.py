@@ -146,7 +146,8 @@ async def create_completion(body: CompletionRequest, request: Request):
     prompts = await _encode_prompts(state, body.prompt)
     params = _sampling(body, body.max_tokens or 16, body.logprobs)
     rid = state.engine.new_request_id("cmpl")
-    started = await start(request, state.engine, prompts, params, rid, body.cache_salt)
+    started = await start(request, state.engine, prompts, params, rid, body.cache_salt,
+                          session_id=body.session_id or body.user)
     n, created = body.n, int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created, "model": model}
 
@@ -241,8 +242,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     top_k = (body.top_logprobs or 0) if body.logprobs else None
     params = _sampling(body, max_tokens, top_k, structured)
     rid = state.engine.new_request_id("chatcmpl")
+    session_id = body.session_id or body.user
     started = await start(request, state.engine, [(text, ids)], params, rid, body.cache_salt,
-                          error_param="tools" if plan.schema() else "response_format")
+                          error_param="tools" if plan.schema() else "response_format",
+                          session_id=session_id)
     head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model}
 
     if body.stream:
@@ -257,6 +260,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         found = plan.extract(o.text)
         message: dict[str, Any] = {"role": "assistant", "content": o.text}
         if found.tools_called:
+            if session_id:
+                state.engine.hint_session(session_id)
             message = {"role": "assistant", "content": found.content,
                        "tool_calls": [_tool_call(c) for c in found.tool_calls]}
         choices.append({

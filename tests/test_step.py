@@ -58,6 +58,7 @@ def full_step() -> StepDescription:
         kv_connector=ConnectorStepMeta(
             loads=[LoadJob("g", [BlockTransfer(4, b"k" * 32)])],
             saves=[BlockTransfer(1, b"s" * 32)],
+            prefetch=[b"p" * 32],
         ),
     )
 
@@ -70,7 +71,7 @@ def full_result() -> StepResult:
         prompt_logprobs={"a": (2, [lp, lp])},
         kv_connector=WorkerReport(
             loads=[LoadResult("g", 1, 2, ["host"])], saved_keys=[b"s" * 32],
-            failed_save_keys=[b"t" * 32],
+            failed_save_keys=[b"t" * 32], num_prefetched=1,
         ),
     )
 

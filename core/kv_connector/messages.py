@@ -27,6 +27,8 @@ class ConnectorStepMeta(msgspec.Struct, kw_only=True):
 
     loads: list[LoadJob] = []  # to start now, in the background
     saves: list[BlockTransfer] = []  # blocks this step fills: save after its forward pass
+    # object keys to copy up into the fastest tier in the background (a returning session)
+    prefetch: list[bytes] = []
 
 
 class LoadResult(msgspec.Struct, frozen=True):
@@ -44,7 +46,10 @@ class WorkerReport(msgspec.Struct, kw_only=True):
     loads: list[LoadResult] = []
     saved_keys: list[bytes] = []  # saves done (written, or already held everywhere)
     failed_save_keys: list[bytes] = []  # saves no tier took (all unreachable or full)
+    num_prefetched: int = 0  # objects copied up into the fastest tier by prefetches
 
     @property
     def empty(self) -> bool:
-        return not (self.loads or self.saved_keys or self.failed_save_keys)
+        return not (
+            self.loads or self.saved_keys or self.failed_save_keys or self.num_prefetched
+        )

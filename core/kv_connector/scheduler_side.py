@@ -15,11 +15,20 @@ Pure Python (no device import). The scheduler calls, in order:
    the load there; the scheduler recomputes only from that point).
 4. `request_finished(request)` when a request stops: True when its blocks must stay
    allocated until a report releases them (a load is still writing into them).
+
+Sessions. A request may name its session (OpenAI `user` / `session_id`, Anthropic
+`metadata.user_id`). A turn that ended in a tool call (`session_returns`) says the session
+will be back: when its next turn arrives (`request_arrived`), the blocks of its prompt
+that only a slower tier holds are prefetched into the fastest one, in the background,
+while the turn waits for admission. Writing a session's KV down early needs no hint:
+saves are write-through as blocks fill, so an idle session's KV is already in every tier
+before the device evicts it.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from tokenmill.kv_connector.messages import (
@@ -58,6 +67,9 @@ class KVConnectorScheduler:
         self._loads: dict[str, _Load] = {}
         self._saving: set[ObjectKey] = set()
         self._pending_lookup: dict[str, list[str | None]] = {}
+        self._returning: OrderedDict[str, None] = OrderedDict()  # sessions hinted to return
+        self._prefetch: list[ObjectKey] = []
+        self.num_prefetched = 0  # objects prefetches copied up (reported by the worker)
 
     def key(self, block_hash: bytes) -> ObjectKey:
         return object_key(self.fingerprint, block_hash)
@@ -90,6 +102,24 @@ class KVConnectorScheduler:
             LoadJob(request.request_id, blocks), num_device_tokens, tiers[:n]
         )
 
+    _MAX_SESSIONS = 65536  # hints kept, oldest dropped first
+
+    def session_returns(self, session_id: str) -> None:
+        """The session's last turn ended in a tool call: prefetch its next turn."""
+        self._returning[session_id] = None
+        self._returning.move_to_end(session_id)
+        while len(self._returning) > self._MAX_SESSIONS:
+            self._returning.popitem(last=False)
+
+    def request_arrived(self, request: Request) -> None:
+        """A new request; with `request.block_hashes` filled. Queues the prefetch of its
+        prompt's blocks if its session was hinted to return."""
+        sid = request.session_id
+        if sid is None or sid not in self._returning:
+            return
+        del self._returning[sid]
+        self._prefetch.extend(self.key(h) for h in request.block_hashes)
+
     def is_loading(self, request_id: str) -> bool:
         return request_id in self._loads
 
@@ -100,7 +130,8 @@ class KVConnectorScheduler:
     def build_step_meta(self, scheduled: list[tuple[Request, list[int], int, int]]) -> ConnectorStepMeta:
         """`scheduled`: (request, block ids, first token computed, tokens computed) for each
         request in the step."""
-        meta = ConnectorStepMeta()
+        meta = ConnectorStepMeta(prefetch=self._prefetch)
+        self._prefetch = []
         for load in self._loads.values():
             if not load.started:
                 load.started = True
@@ -119,6 +150,7 @@ class KVConnectorScheduler:
         return meta
 
     def process_report(self, report: WorkerReport) -> list[LoadOutcome]:
+        self.num_prefetched += report.num_prefetched
         for key in report.saved_keys:
             self._saving.discard(key)
         for key in report.failed_save_keys:

@@ -80,6 +80,18 @@ class KVConnectorWorker:
             src = pages[layer * n : (layer + 1) * n].view(cache[:, block_id].shape)
             cache[:, block_id].copy_(src)
 
+    def start_prefetch(self, keys: list[bytes]) -> None:
+        """Copy `keys` up into the fastest tier where only slower ones hold them."""
+        if keys:
+            self._submit(self._prefetch, keys)
+
+    def _prefetch(self, keys: list[bytes]) -> int:
+        fastest = self.stack.tiers[0]
+        return sum(
+            1 for k in keys if not fastest.contains(k) and self.stack.get(k) is not None
+            and fastest.contains(k)
+        )
+
     # ---- saves ------------------------------------------------------------------------
     def save(self, saves: list[BlockTransfer]) -> None:
         """Copy the pages of `saves` out of the arena now; write them to the tiers later."""
@@ -138,6 +150,8 @@ class KVConnectorWorker:
             result = future.result()  # a bug in a load or save surfaces here, loudly
             if isinstance(result, LoadResult):
                 out.loads.append(result)
+            elif isinstance(result, int):
+                out.num_prefetched += result
             else:
                 out.saved_keys.extend(result[0])
                 out.failed_save_keys.extend(result[1])

@@ -224,3 +224,16 @@ def test_worker_payload_round_trip_through_a_real_arena_layout():
     assert (result.num_loaded, result.num_requested) == (1, 2)
     saver.close()
     loader.close()
+
+
+def test_engine_args_take_sizes_as_strings_and_name_bad_ones():
+    from pydantic import ValidationError
+
+    from tokenmill.config import EngineArgs
+
+    args = EngineArgs(kv_offload_host_bytes="8GiB", kv_offload_disk_path="/tmp/x",
+                      kv_offload_disk_bytes="100GiB", kv_offload_remote="redis://127.0.0.1:6379")
+    assert (args.kv_offload_host_bytes, args.kv_offload_disk_bytes) == (8 << 30, 100 << 30)
+    assert EngineArgs(kv_offload_host_bytes=4096).kv_offload_host_bytes == 4096
+    with pytest.raises(ValidationError, match="kv_offload_host_bytes='lots' is not a size"):
+        EngineArgs(kv_offload_host_bytes="lots")
