@@ -7,9 +7,11 @@ share its objects, and a tenant's salt keeps its objects apart. The fingerprint 
 model and the byte layout (dtype, layers, heads, block size): a different model, or the
 same model at another dtype, never reads an object it cannot use.
 
-Framing: a fixed header (magic, format version, the key itself, payload length, BLAKE2b
-checksum of the payload) then the payload. `decode` checks all of it, so a truncated,
-bit-flipped or misfiled object is refused, never loaded.
+Framing: a fixed header (magic, format version, the key itself, payload length, CRC-32 of
+the payload) then the payload. `decode` checks all of it, so a truncated, bit-flipped or
+misfiled object is refused, never loaded. CRC-32 (zlib) because it runs at ~6 GB/s here
+against ~0.3 GB/s for BLAKE2b, and the threat is storage damage, not an adversary: a
+tier is trusted storage of our own (a shared Redis needs its own access control).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+import zlib
 from dataclasses import dataclass
 
 from tokenmill.kv.hashing import BlockHash
@@ -25,7 +28,7 @@ ObjectKey = bytes  # 32 bytes
 
 _MAGIC = b"TMKV"
 _VERSION = 1
-_HEADER = struct.Struct("<4sH2x32sQ16s")  # magic, version, pad, key, payload length, checksum
+_HEADER = struct.Struct("<4sH2x32sQI4x")  # magic, version, key, payload length, CRC-32
 HEADER_BYTES = _HEADER.size
 
 
@@ -79,8 +82,8 @@ def object_key(fingerprint: bytes, block_hash: BlockHash) -> ObjectKey:
     return hashlib.sha256(fingerprint + block_hash).digest()
 
 
-def checksum(payload: bytes | memoryview) -> bytes:
-    return hashlib.blake2b(payload, digest_size=16).digest()
+def checksum(payload: bytes | memoryview) -> int:
+    return zlib.crc32(payload)
 
 
 def encode(key: ObjectKey, payload: bytes | memoryview) -> bytes:

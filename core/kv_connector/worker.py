@@ -74,11 +74,9 @@ class KVConnectorWorker:
 
     def _write_block(self, block_id: int, payload: memoryview) -> None:
         self._staging.numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
-        pages = self._staging.view(self._caches[0].dtype)
-        n = pages.numel() // len(self._caches)
+        pages = self._staging.view(self._caches[0].dtype).view(len(self._caches), 2, -1)
         for layer, cache in enumerate(self._caches):
-            src = pages[layer * n : (layer + 1) * n].view(cache[:, block_id].shape)
-            cache[:, block_id].copy_(src)
+            cache.view(2, cache.shape[1], -1)[:, block_id].copy_(pages[layer])
 
     def start_prefetch(self, keys: list[bytes]) -> None:
         """Copy `keys` up into the fastest tier where only slower ones hold them."""
@@ -99,9 +97,17 @@ class KVConnectorWorker:
             return
         ids = torch.tensor([s.block_id for s in saves], dtype=torch.int64)
         ids = ids.to(self._caches[0].device)
-        # [num_blocks, layers, 2, block_size, kv_heads, head_size], on the host
-        pages = torch.stack([c[:, ids] for c in self._caches]).transpose(0, 2).transpose(1, 2)
-        host = pages.contiguous().cpu().view(torch.uint8).reshape(len(saves), -1).numpy()
+        # [num_blocks, layers, 2, page elements]: a layer's K (or V) page of one block is one
+        # contiguous row of its cache, so each copy is a row gather (a permute of the 6-d
+        # view would be an element-wise strided copy, ~100x slower on the CPU)
+        first = self._caches[0]
+        out = torch.empty((len(saves), len(self._caches), 2, first[0, 0].numel()),
+                          dtype=first.dtype, device=first.device)
+        for layer, cache in enumerate(self._caches):
+            rows = cache.view(2, cache.shape[1], -1)
+            for kv in (0, 1):
+                out[:, layer, kv] = rows[kv].index_select(0, ids)
+        host = out.cpu().view(torch.uint8).reshape(len(saves), -1).numpy()
         self._submit(self._write, saves, host)
 
     def _write(self, saves: list[BlockTransfer], host: np.ndarray) -> tuple[list, list]:
