@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -89,7 +89,9 @@ async def create_message(body: MessagesRequest, request: Request):
                           session_id=session_id)
     head = {"id": rid, "type": "message", "role": "assistant", "model": model}
     if body.stream:
-        return event_stream(_stream(started, head, params.max_stop_len(), plan), request.url.path)
+        hint = (lambda: state.engine.hint_session(session_id)) if session_id else None
+        return event_stream(_stream(started, head, params.max_stop_len(), plan, hint),
+                            request.url.path)
     (final,) = await unless_disconnected(request, started.finals())
     out = final.outputs[0]
     found = plan.extract(out.text)
@@ -150,7 +152,8 @@ class _Blocks:
 
 
 async def _stream(
-    started: Started, head: dict[str, Any], max_stop_len: int, plan: ToolPlan
+    started: Started, head: dict[str, Any], max_stop_len: int, plan: ToolPlan,
+    on_tool_call: Callable[[], None] | None = None,
 ) -> AsyncIterator[str]:
     first = started.firsts[0]
     usage = {**_usage(first), "output_tokens": 0}
@@ -181,6 +184,8 @@ async def _stream(
     for event in blocks.stop():
         yield event
     stop_reason, stop_sequence = _stop(final.outputs[0], tool_events.called)
+    if tool_events.called and on_tool_call is not None:
+        on_tool_call()  # the session will be back (KV offload prefetches its next turn)
     yield sse({
         "type": "message_delta",
         "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},

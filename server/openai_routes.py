@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -251,7 +251,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     if body.stream:
         return event_stream(
             _stream_chat(started, {**head, "object": "chat.completion.chunk"}, top_k,
-                         params.max_stop_len(), _include_usage(body), plan),
+                         params.max_stop_len(), _include_usage(body), plan,
+                         _session_hint(state, session_id)),
             request.url.path,
         )
     (final,) = await unless_disconnected(request, started.finals())
@@ -296,9 +297,17 @@ def _delta(event: ContentDelta | ToolCallDelta) -> dict[str, Any]:
     return {"tool_calls": [call]}
 
 
+def _session_hint(state, session_id: str | None) -> Callable[[], None] | None:
+    """What to call when a turn ends in a tool call: the session will be back (KV offload
+    prefetches its next turn)."""
+    if session_id is None:
+        return None
+    return lambda: state.engine.hint_session(session_id)
+
+
 async def _stream_chat(
     started: Started, head: dict, top_k: int | None, max_stop_len: int, include_usage: bool,
-    plan: ToolPlan,
+    plan: ToolPlan, on_tool_call: Callable[[], None] | None = None,
 ) -> AsyncIterator[str]:
     streams = _streams(started, max_stop_len)
     tool_events: dict[int, ToolEvents] = {}
@@ -332,6 +341,8 @@ async def _stream_chat(
                 if last:
                     choice["stop_reason"] = o.stop_reason
                 yield sse({**head, "choices": [choice], **extra})
+    if on_tool_call is not None and any(e.called for e in tool_events.values()):
+        on_tool_call()
     if include_usage:
         yield sse({**head, "choices": [], "usage": _usage([final])})
     yield sse("[DONE]")
