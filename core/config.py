@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 DType = Literal["auto", "bfloat16", "bf16", "float32", "fp32", "float16", "fp16"]
 
@@ -56,6 +56,13 @@ class EngineArgs(BaseModel):
         from tokenmill.kv_connector.registry import parse_size
 
         return None if v is None else parse_size(v, info.field_name)
+
+    @model_validator(mode="after")
+    def _offload_tiers(self) -> EngineArgs:
+        from tokenmill.kv_connector.engine_setup import offload_config
+
+        offload_config(self)  # raises ValueError naming a bad combination
+        return self
 
     @field_validator("block_size")
     @classmethod
