@@ -19,7 +19,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from tokenmill.kv_connector.objects import ObjectKey
-from tokenmill.kv_connector.tier import KVTier
+from tokenmill.kv_connector.tier import KVTier, TierUnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -88,16 +88,25 @@ class DiskTier(KVTier):
             with self._lock:
                 self._forget(key)
             return None
+        except OSError as exc:
+            raise TierUnavailableError(f"disk tier {self.root}: {exc}") from exc
         return data
 
     def put(self, key: ObjectKey, data: bytes | memoryview) -> bool:
+        try:
+            return self._put(key, data)
+        except OSError as exc:  # disk full, directory gone, permissions: the others carry on
+            logger.warning("disk tier %s: cannot write %s: %s", self.root, key.hex()[:16], exc)
+            raise TierUnavailableError(f"disk tier {self.root}: {exc}") from exc
+
+    def _put(self, key: ObjectKey, data: bytes | memoryview) -> bool:
         size = len(data)
         with self._lock:
             if key in self._index or size > self._capacity:
                 return False
             self._make_room(size)
             target = self.file_for(key)
-            target.parent.mkdir(exist_ok=True)
+            target.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".tmp")
             try:
                 with os.fdopen(fd, "wb") as f:

@@ -57,6 +57,9 @@ class RedisTier(KVTier):
                     )
                 self._down_until = time.monotonic() + self._retry_after_s
             raise TierUnavailableError(f"redis tier {self.url}: {exc}") from exc
+        except redis.RedisError as exc:  # e.g. OOM under maxmemory: this call fails, not the tier
+            logger.warning("redis tier %s: %s failed: %s", self.url, what, exc)
+            raise TierUnavailableError(f"redis tier {self.url}: {what}: {exc}") from exc
 
     @staticmethod
     def redis_key(key: ObjectKey) -> bytes:

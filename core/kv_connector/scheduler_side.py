@@ -77,6 +77,8 @@ class KVConnectorScheduler:
     def num_external_tokens(self, request: Request, num_device_tokens: int) -> int:
         """Tokens after the first `num_device_tokens` (a whole number of blocks) that the
         tiers hold, in whole blocks, leaving at least one token to compute."""
+        if request.sampling_params.prompt_logprobs is not None:
+            return 0  # every prompt position must be computed to score it
         bs = self.block_size
         start = num_device_tokens // bs
         end = min(len(request.block_hashes), (request.num_tokens - 1) // bs)

@@ -29,6 +29,11 @@ logger = logging.getLogger(__name__)
 
 
 class KVConnectorWorker:
+    # Blocks copied out but not yet written: past this, new saves are dropped (reported as
+    # failed, so recomputed if ever needed) rather than piling up host memory behind a
+    # slow tier.
+    MAX_PENDING_SAVE_BLOCKS = 4096
+
     def __init__(
         self, stack: TierStack, layout: KVLayout, staging_allocator: Allocator | None = None
     ) -> None:
@@ -40,6 +45,8 @@ class KVConnectorWorker:
         self._in_flight: set[Future] = set()
         self._lock = threading.Lock()
         self._staging_allocator = staging_allocator
+        self._pending_save_blocks = 0
+        self._dropped: list[bytes] = []  # saves refused for back-pressure, to report
         nbytes = layout.payload_bytes
         # a page of every layer, for loads: from the platform's host-staging allocator
         # (pinned memory on a device platform) so the copy into the arena runs at link speed
@@ -95,6 +102,13 @@ class KVConnectorWorker:
         """Copy the pages of `saves` out of the arena now; write them to the tiers later."""
         if not saves:
             return
+        with self._lock:
+            if self._pending_save_blocks + len(saves) > self.MAX_PENDING_SAVE_BLOCKS:
+                logger.warning("KV saves back up (%d blocks pending): dropping %d",
+                               self._pending_save_blocks, len(saves))
+                self._dropped.extend(s.key for s in saves)
+                return
+            self._pending_save_blocks += len(saves)
         ids = torch.tensor([s.block_id for s in saves], dtype=torch.int64)
         ids = ids.to(self._caches[0].device)
         # [num_blocks, layers, 2, page elements]: a layer's K (or V) page of one block is one
@@ -120,6 +134,8 @@ class KVConnectorWorker:
                 saved.append(s.key)
             else:
                 failed.append(s.key)
+        with self._lock:
+            self._pending_save_blocks -= len(saves)
         return saved, failed
 
     # ---- reports ----------------------------------------------------------------------
@@ -143,6 +159,8 @@ class KVConnectorWorker:
         """What finished since the last report; waits up to `wait_s` for the first item
         when nothing has (an engine with only loading requests has nothing else to do)."""
         out = WorkerReport()
+        with self._lock:
+            out.failed_save_keys, self._dropped = self._dropped, []
         try:
             futures = [self._done.get(timeout=wait_s) if wait_s > 0 else self._done.get_nowait()]
         except queue.Empty:

@@ -237,3 +237,48 @@ def test_engine_args_take_sizes_as_strings_and_name_bad_ones():
     assert EngineArgs(kv_offload_host_bytes=4096).kv_offload_host_bytes == 4096
     with pytest.raises(ValidationError, match="kv_offload_host_bytes='lots' is not a size"):
         EngineArgs(kv_offload_host_bytes="lots")
+
+
+def test_a_full_or_vanished_store_degrades_to_the_other_tiers(tmp_path, redis_server):
+    import shutil
+
+    size = LAYOUT.object_bytes
+    disk = DiskTier(tmp_path / "d", 10 * size)
+    remote = RedisTier(redis_server.url)
+    stack = TierStack([disk, remote])
+    # redis at its maxmemory with no eviction refuses writes (an error reply, not an outage)
+    admin = redis_server.client()
+    admin.config_set("maxmemory-policy", "noeviction")
+    admin.config_set("maxmemory", admin.info("memory")["used_memory"] + 1)
+    k1, d1 = obj(1)
+    assert stack.put(k1, d1) == ["disk"] and stack.stats["redis"].errors == 1
+    admin.config_set("maxmemory", 0)
+    assert remote.contains(k1) is False and remote.put(*obj(2))  # not marked down for it
+    # the disk directory disappears: saves and reads go on with redis
+    shutil.rmtree(tmp_path / "d")
+    k3, d3 = obj(3)
+    assert stack.put(k3, d3) == ["disk", "redis"]  # the tier recreates its directory
+    (tmp_path / "d").chmod(0o500)
+    k4, d4 = obj(4)
+    if os.geteuid() != 0:  # root ignores the permission bits
+        assert stack.put(k4, d4) == ["redis"]
+    assert stack.get(k1) is None  # its file went with the directory
+    assert bytes(stack.get(obj(2)[0])[0]) == obj(2)[1][HEADER_BYTES:]
+
+
+def test_prompt_logprobs_requests_never_load():
+    from tokenmill.kv_connector.scheduler_side import KVConnectorScheduler
+    from tokenmill.request import Request
+    from tokenmill.sampling_params import SamplingParams
+
+    host = HostMemoryTier(staging(), 64 * LAYOUT.object_bytes, LAYOUT.object_bytes)
+    side = KVConnectorScheduler(TierStack([host]), LAYOUT.fingerprint(), 4)
+    prompt = list(range(20))
+    plain = Request("a", prompt, SamplingParams())
+    scored = Request("b", prompt, SamplingParams(prompt_logprobs=1))
+    for r in (plain, scored):
+        r.block_hashes = hash_blocks(prompt, 4)
+    for h in plain.block_hashes:
+        host.put(side.key(h), encode(side.key(h), bytes(LAYOUT.payload_bytes)))
+    assert side.num_external_tokens(plain, 0) == 16  # 4 of 5 blocks: the last token computes
+    assert side.num_external_tokens(scored, 0) == 0  # every position must be scored
