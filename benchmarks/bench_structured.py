@@ -104,8 +104,8 @@ def main() -> None:
     engine = llm.engine
     fill = Timer(engine.structured.step_masks)
     engine.structured.step_masks = fill
-    apply = Timer(engine.runner.apply_token_bitmask)
-    engine.runner.apply_token_bitmask = apply
+    apply = Timer(engine.executor.worker.runner.apply_token_bitmask)
+    engine.executor.worker.runner.apply_token_bitmask = apply
     run(llm, 2, 8, True)  # warm-up: model, llguidance tokenizer, grammar cache
     vocab = engine.loaded.hf_config.vocab_size
     dtype = engine.dtype

@@ -28,7 +28,20 @@ class EngineArgs(BaseModel):
     )
     block_size: int = Field(16, ge=1)
     enable_prefix_caching: bool = True
-    kv_cache_memory_bytes: int | None = Field(None, ge=1)
+    kv_cache_memory_bytes: int | None = Field(
+        None, ge=1, description="KV cache size in bytes; wins over memory_utilization"
+    )
+    memory_utilization: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="share of the device's total memory (the platform's memory_info) the "
+        "engine may use, weights and activations included; the KV cache gets what is left "
+        "(vLLM's gpu_memory_utilization)",
+    )
+    distributed_executor_backend: Literal["uni", "mp"] = Field(
+        "uni", description="uni: the worker runs in the engine's process; mp: a process per rank"
+    )
     num_kv_blocks: int | None = Field(None, ge=1, description="override the KV pool size")
     seed: int = 0
     tokenizer: str | None = None
@@ -71,5 +84,3 @@ class EngineArgs(BaseModel):
             raise ValueError(f"block_size={v} must be a power of two")
         return v
 
-
-DEFAULT_KV_CACHE_BYTES = 2 << 30

@@ -11,17 +11,17 @@ import logging
 
 import torch
 
-from tokenmill.config import DEFAULT_KV_CACHE_BYTES, EngineArgs
-from tokenmill.kv.arena import KVArena
+from tokenmill.config import EngineArgs
+from tokenmill.distributed.config import WorkerConfig
+from tokenmill.distributed.errors import ExecutorError
+from tokenmill.distributed.executor import Executor, UniExecutor, make_executor
 from tokenmill.kv.manager import KVCacheManager
-from tokenmill.kv_connector.engine_setup import make_offload
-from tokenmill.model.loader import LoadedModel, default_model_path, load_model_and_tokenizer
+from tokenmill.kv_connector.engine_setup import Offload, engine_offload, offload_config
+from tokenmill.model.loader import ModelInfo, default_model_path, load_model_info
 from tokenmill.output_processor import OutputProcessor
 from tokenmill.outputs import RequestOutput
-from tokenmill.platforms.interfaces import AllocatorPurpose
 from tokenmill.platforms.registry import ActivePlatform, PlatformRegistry, load_platform
 from tokenmill.request import Request
-from tokenmill.runner import ModelRunner
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tokenmill.step import StructuredMasks
@@ -47,6 +47,10 @@ def resolve_dtype(name: str, platform: ActivePlatform) -> torch.dtype:
     return dtype
 
 
+class EngineDeadError(RuntimeError):
+    """The engine's workers failed; it takes no more requests. Says why."""
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs, registry: PlatformRegistry | None = None) -> None:
         """`registry`: where to find `args.platform`; None discovers installed plugins
@@ -57,35 +61,30 @@ class LLMEngine:
         self.dtype = resolve_dtype(args.dtype, self.platform)
         torch.manual_seed(args.seed)
 
-        self.loaded: LoadedModel = load_model_and_tokenizer(
-            args.model or default_model_path(),
-            dtype=self.dtype,
-            device=self.device,
-            ops=self.platform.ops,
-            attention_backend=self.platform.attention_backend,
-            block_size=args.block_size,
-            tokenizer=args.tokenizer,
+        self.loaded: ModelInfo = load_model_info(
+            args.model or default_model_path(), tokenizer=args.tokenizer
         )
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = min(args.max_model_len or self.loaded.max_model_len, self.loaded.max_model_len)
-        model = self.loaded.model
 
-        self.arena = KVArena.create(
-            self.platform.allocator(AllocatorPurpose.KV_ARENA),
-            model.attention_specs,
-            num_blocks=args.num_kv_blocks,
-            num_bytes=args.kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES,
-            device=self.device,
-        )
-        capacity = self.arena.num_blocks * args.block_size
+        self.executor = self._start_workers(registry is not None)
+        try:
+            self.num_kv_blocks = self.executor.initialize()
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        capacity = self.num_kv_blocks * args.block_size
         if capacity < self.max_model_len:
             if args.max_model_len is not None:
+                self.executor.shutdown()
                 raise ValueError(
                     f"max_model_len={args.max_model_len} does not fit the KV pool of {capacity} "
                     "tokens; lower max_model_len or give the KV cache more memory"
                 )
             self.max_model_len = capacity
-        self.kv = KVCacheManager(self.arena.num_blocks, args.block_size, args.enable_prefix_caching)
+        self.offload = self._connect_offload()
+        self.failure: ExecutorError | None = None  # set when the workers cannot go on
+        self.kv = KVCacheManager(self.num_kv_blocks, args.block_size, args.enable_prefix_caching)
         threshold = args.long_prefill_token_threshold
         if threshold is None:
             threshold = self.platform.platform.long_prefill_token_threshold or 0
@@ -95,15 +94,8 @@ class LLMEngine:
             ),
             self.kv,
         )
-        backends = list({id(b): b for b in model.attention_backends}.values())
-        self.runner = ModelRunner(
-            model, self.arena.layer_caches, backends, args.block_size, self.device,
-            apply_token_bitmask=self.platform.ops.apply_token_bitmask,
-        )
-        self.offload = make_offload(args, self.loaded, self.arena, self.platform)
         if self.offload is not None:
             self.scheduler.connector = self.offload.scheduler_side
-            self.runner.kv_connector = self.offload.worker_side
         self.structured = StructuredOutputManager(
             self.tokenizer,
             vocab_size=self.loaded.hf_config.vocab_size,
@@ -116,9 +108,51 @@ class LLMEngine:
         )
         self._ids = itertools.count()
         logger.info(
-            "engine ready: platform=%s dtype=%s kv_blocks=%d (%d tokens) max_model_len=%d",
-            self.platform.name, self.dtype, self.arena.num_blocks, capacity, self.max_model_len,
+            "engine ready: platform=%s dtype=%s executor=%s kv_blocks=%d (%d tokens) "
+            "max_model_len=%d", self.platform.name, self.dtype, args.distributed_executor_backend,
+            self.num_kv_blocks, capacity, self.max_model_len,
         )
+
+    def _start_workers(self, in_process_registry: bool) -> Executor:
+        """The executor for args.distributed_executor_backend, its workers not yet set up."""
+        args = self.args
+        config = WorkerConfig(
+            model_path=self.loaded.model_path,
+            platform=self.platform.name,
+            dtype=str(self.dtype).removeprefix("torch."),
+            block_size=args.block_size,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=self.max_model_len,
+            seed=args.seed,
+            num_kv_blocks=args.num_kv_blocks,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            memory_utilization=args.memory_utilization,
+            distributed_executor_backend=args.distributed_executor_backend,
+            kv_offload=offload_config(args),
+        )
+        return make_executor(
+            args.distributed_executor_backend, config, self.platform, self.loaded.hf_config,
+            in_process_registry,
+        )
+
+    def _connect_offload(self) -> Offload | None:
+        """KV offload's engine side over the worker's tier stack, or None without tiers.
+        The scheduler side looks the tiers up in-process, so offload runs with the "uni"
+        executor for now (docs/kv-offload.md)."""
+        if offload_config(self.args) is None:
+            return None
+        if not isinstance(self.executor, UniExecutor):
+            self.executor.shutdown()
+            raise ValueError(
+                "KV offload runs with distributed_executor_backend='uni' for now; got "
+                f"{self.args.distributed_executor_backend!r}"
+            )
+        return engine_offload(self.executor.worker.kv_offload, self.args.block_size)
+
+    def shutdown(self) -> None:
+        """Stop the workers (their processes, for "mp"); idempotent."""
+        self.executor.shutdown()
 
     # ---- requests --------------------------------------------------------------------
     def next_request_id(self) -> str:
@@ -136,6 +170,7 @@ class LLMEngine:
         """Queue a request. Raises ValueError naming the problem if it can never run, and
         its subclass StructuredOutputError if its structured output constraint is invalid or
         takes too long to compile; nothing is queued then."""
+        self.check_health()
         if request_id in self.outputs.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._check_prompt(prompt_token_ids, params)
@@ -201,10 +236,39 @@ class LLMEngine:
         if plan.step is None:
             return []
         plan.step.structured = self._structured_masks(plan)
-        result = self.runner.execute(plan.step)
+        try:
+            result = self.executor.execute(plan.step)
+        except ExecutorError as e:
+            return self._fail(e)
         self.scheduler.update_computed(plan)
         self.scheduler.update_from_connector(result.kv_connector)
         return self.outputs.process(result)
+
+    # ---- health ----------------------------------------------------------------------
+    def check_health(self) -> None:
+        """Raises EngineDeadError naming the cause once the workers cannot go on."""
+        if self.failure is None:
+            try:
+                self.executor.check_health()
+            except ExecutorError as e:
+                self._fail(e)
+        if self.failure is not None:
+            raise EngineDeadError(f"the engine cannot run: {self.failure}") from self.failure
+
+    @property
+    def is_healthy(self) -> bool:
+        try:
+            self.check_health()
+        except EngineDeadError:
+            return False
+        return True
+
+    def _fail(self, error: ExecutorError) -> list[RequestOutput]:
+        """The workers failed: every request in flight finishes with an error naming why."""
+        logger.error("engine failed: %s; failing %d requests", error, len(self.outputs.parents))
+        self.failure = error
+        self.executor.shutdown()  # the ranks still alive cannot go on without the others
+        return self.outputs.fail_all(f"engine failed: {error}")
 
     def _structured_masks(self, plan: SchedulerOutput) -> StructuredMasks | None:
         """This step's grammar masks for its constrained sampling rows, or None."""

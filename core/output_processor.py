@@ -156,6 +156,23 @@ class OutputProcessor:
                     self.structured.remove_request(rid)
         return self._build(parent)
 
+    def fail_all(self, reason: str) -> list[RequestOutput]:
+        """Finish every unfinished sequence with FINISHED_ERROR and `reason` as its stop
+        reason (the engine cannot continue them); returns the final outputs."""
+        outputs = []
+        for parent in list(self.parents.values()):
+            for rid, seq in parent.children.items():
+                if seq.finish_reason is not None:
+                    continue
+                seq.stop_reason = reason
+                request = self.scheduler.requests.get(rid)
+                if request is not None:
+                    self._finish(request, seq, RequestStatus.FINISHED_ERROR)
+                else:
+                    seq.finish_reason = RequestStatus.FINISHED_ERROR.value
+            outputs.append(self._build(parent))
+        return outputs
+
     def _check_stop(
         self, request: Request, seq: _SeqState, token_id: int, grammar_ended: bool = False
     ) -> None:

@@ -13,77 +13,126 @@ import msgspec
 import numpy as np
 import torch
 
-from tokenmill.kv_connector.worker import KVConnectorWorker
+from tokenmill.decode_graphs import DecodeGraphs
+from tokenmill.kv.arena import KVArena
 from tokenmill.ops.reference import apply_token_bitmask as reference_apply_token_bitmask
-from tokenmill.platforms.interfaces import AttentionMetadata, token_positions
+from tokenmill.platforms.interfaces import (
+    Allocator,
+    AttentionMetadata,
+    GraphCapture,
+    ModelRunnerBase,
+    token_positions,
+)
 from tokenmill.runner_state import RequestStateTable, ScheduledRow
 from tokenmill.sampler import Sampler, SamplingRow, prompt_logprobs
 from tokenmill.step import StepDescription, StepResult, StructuredMasks
 
 
-class ModelRunner:
+class ModelRunner(ModelRunnerBase):
+    """The core's runner: the core's model graph over the platform's attention and ops."""
+
     def __init__(
         self,
         model: torch.nn.Module,
-        kv_caches: list[torch.Tensor],
-        attention_backends: list,
+        kv_allocator: Allocator,
         block_size: int,
         device: torch.device,
         apply_token_bitmask: Callable = reference_apply_token_bitmask,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 256,
+        max_model_len: int = 8192,
+        graphs: GraphCapture | None = None,
     ) -> None:
+        """`graphs`: the platform's decode-step capture (None: every step runs eagerly)."""
         self.model = model
-        self.kv_caches = kv_caches
-        self.backends = attention_backends  # distinct backends used by the model's layers
+        self.kv_allocator = kv_allocator
+        self.arena: KVArena | None = None
+        self.kv_caches: list[torch.Tensor] = []
+        self.backends = model.attention_backends  # distinct backends of the model's layers
         self.block_size = block_size
         self.device = device
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.graphs = graphs
+        self.decode_graphs: DecodeGraphs | None = None
         self.sampler = Sampler()
         self.requests = RequestStateTable(device)  # the worker's per-request state
         self.apply_token_bitmask = apply_token_bitmask  # the platform's op (or the reference)
-        self.kv_connector: KVConnectorWorker | None = None  # KV offload's worker side
+
+    # ---- ModelRunnerBase -------------------------------------------------------------
+    def kv_block_bytes(self) -> int:
+        return KVArena.block_bytes_for(self.model.attention_specs)
+
+    @property
+    def num_reserved_blocks(self) -> int:
+        """Blocks the runner adds to the pool for itself: the graphs' padding block."""
+        return 1 if self.graphs is not None else 0
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """An arena of `num_blocks` blocks (plus the graphs' scratch block), then the
+        decode graphs captured over it."""
+        self.arena = KVArena.create(
+            self.kv_allocator, self.model.attention_specs,
+            num_blocks=num_blocks + self.num_reserved_blocks, device=self.device,
+        )
+        self.kv_caches = self.arena.layer_caches
+        if self.graphs is not None:
+            self.decode_graphs = DecodeGraphs(
+                self.graphs, self.model, self.kv_caches, self.backends,
+                scratch_block=num_blocks, block_size=self.block_size,
+                max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
+                device=self.device,
+            )
+            with torch.inference_mode():
+                self.decode_graphs.capture()
+
+    @torch.inference_mode()
+    def profile(self) -> None:
+        """A prefill of max_num_batched_tokens tokens over min(max_num_seqs, tokens)
+        sequences, with their logits, on a scratch KV arena freed afterwards."""
+        num_tokens = self.max_num_batched_tokens
+        num_seqs = min(self.max_num_seqs, num_tokens)
+        lens = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
+        per_seq = [-(-n // self.block_size) for n in lens]
+        scratch = KVArena.create(
+            self.kv_allocator, self.model.attention_specs, num_blocks=sum(per_seq),
+            device=self.device,
+        )
+        try:
+            first = [sum(per_seq[:i]) for i in range(num_seqs)]
+            block_ids = [list(range(f, f + n)) for f, n in zip(first, per_seq)]
+            metadata = AttentionMetadata.build(lens, lens, block_ids, self.block_size, self.device)
+            for backend in self.backends:
+                backend.prepare(metadata)
+            _, positions = token_positions(lens, lens)
+            input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+            hidden = self.model(input_ids, positions.to(self.device), scratch.layer_caches, metadata)
+            last = torch.tensor(lens, device=self.device).cumsum(0) - 1
+            self.model.compute_logits(hidden[last])
+        finally:
+            self.kv_allocator.free(scratch.buffer)
+
+    def shutdown(self) -> None:
+        if self.arena is not None:
+            self.kv_allocator.free(self.arena.buffer)
+            self.arena, self.kv_caches = None, []
 
     @torch.inference_mode()
     def execute(self, step: StepDescription) -> StepResult:
         """Run one step. `step.structured`: structured output's token masks for some
         sampling rows, applied to their logits before sampling (so logprobs are of the
         masked distribution)."""
+        if self.arena is None:
+            raise RuntimeError("ModelRunner.execute before initialize_kv_cache")
         batch = self.requests.update(step)
         out = StepResult()
-        connector, meta = self.kv_connector, step.kv_connector
-        if connector is not None and meta is not None:
-            connector.start_prefetch(meta.prefetch)
-            connector.start_loads(meta.loads)  # overlapped with this step's forward pass
         if not batch:
-            if connector is not None:  # only loads in flight: wait a little for one
-                out.kv_connector = connector.report(wait_s=0.005)
             return out
         inputs = self._prepare_inputs(batch, step)
-        for backend in self.backends:
-            backend.prepare(inputs.metadata)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
-        if connector is not None:
-            if meta is not None:
-                connector.save(meta.saves)  # the blocks this step filled
-            out.kv_connector = connector.report()
-
+        hidden = self._forward(batch, inputs)
         if inputs.sample_rows:
-            logits = self.model.compute_logits(hidden[inputs.sample_indices])
-            rows = [
-                SamplingRow(
-                    params=r.state.sampling,
-                    prompt_token_ids=r.state.prompt_token_ids,
-                    output_token_ids=r.state.output_token_ids,
-                    generator=r.state.generator,
-                )
-                for r in inputs.sample_rows
-            ]
-            if step.structured is not None:
-                self._apply_masks(logits, rows, step.structured)
-            sampled = self.sampler(logits, rows)
-            for r, token_id, lp in zip(inputs.sample_rows, sampled.token_ids, sampled.logprobs):
-                rid = r.state.request_id
-                out.sampled_token_ids[rid] = token_id
-                if lp is not None:
-                    out.logprobs[rid] = lp
+            self._sample(hidden, inputs.sample_rows, inputs.sample_indices, step, out)
         for rid, (indices, (lo, hi)) in inputs.prompt_logprob_rows.items():
             logits = self.model.compute_logits(hidden[indices])
             state = self.requests.requests[rid]
@@ -92,6 +141,51 @@ class ModelRunner:
             k = state.sampling.prompt_logprobs
             out.prompt_logprobs[rid] = (lo, prompt_logprobs(logits, next_ids, k))
         return out
+
+    def _forward(self, batch: list[ScheduledRow], inputs: _StepInputs) -> torch.Tensor:
+        """Hidden states of every token of the step: by graph replay for a decode-only
+        step that fits a captured bucket, eagerly otherwise."""
+        if self.decode_graphs is not None:
+            bucket = self.decode_graphs.bucket_for(batch)
+            if bucket is not None:
+                return self.decode_graphs.run(batch, bucket)
+        dev = self.device
+        metadata = AttentionMetadata.build(
+            inputs.query_lens, inputs.seq_lens, [r.state.block_ids for r in batch],
+            self.block_size, dev,
+        )
+        _, positions = token_positions(inputs.query_lens, inputs.seq_lens)
+        for backend in self.backends:
+            backend.prepare(metadata)
+        input_ids = torch.tensor(inputs.token_ids, dtype=torch.int64, device=dev)
+        return self.model(input_ids, positions.to(dev), self.kv_caches, metadata)
+
+    def _sample(
+        self,
+        hidden: torch.Tensor,
+        sample_rows: list[ScheduledRow],
+        sample_indices: torch.Tensor,
+        step: StepDescription,
+        out: StepResult,
+    ) -> None:
+        logits = self.model.compute_logits(hidden[sample_indices])
+        rows = [
+            SamplingRow(
+                params=r.state.sampling,
+                prompt_token_ids=r.state.prompt_token_ids,
+                output_token_ids=r.state.output_token_ids,
+                generator=r.state.generator,
+            )
+            for r in sample_rows
+        ]
+        if step.structured is not None:
+            self._apply_masks(logits, rows, step.structured)
+        sampled = self.sampler(logits, rows)
+        for r, token_id, lp in zip(sample_rows, sampled.token_ids, sampled.logprobs):
+            rid = r.state.request_id
+            out.sampled_token_ids[rid] = token_id
+            if lp is not None:
+                out.logprobs[rid] = lp
 
     def _apply_masks(
         self, logits: torch.Tensor, rows: list[SamplingRow], masks: StructuredMasks
@@ -129,16 +223,11 @@ class ModelRunner:
             if hi > lo:
                 idx = [offset + p - start for p in range(lo, hi)]
                 lp_rows[rid] = (idx, (lo, hi))
-
         dev = self.device
-        metadata = AttentionMetadata.build(
-            query_lens, seq_lens, [r.state.block_ids for r in batch], self.block_size, dev
-        )
-        _, positions = token_positions(query_lens, seq_lens)
         return _StepInputs(
-            input_ids=torch.tensor(token_ids, dtype=torch.int64, device=dev),
-            positions=positions.to(dev),
-            metadata=metadata,
+            token_ids=token_ids,
+            query_lens=query_lens,
+            seq_lens=seq_lens,
             sample_rows=sample_rows,
             sample_indices=torch.tensor(sample_indices, dtype=torch.int64, device=dev),
             prompt_logprob_rows={
@@ -150,9 +239,9 @@ class ModelRunner:
 
 @dataclass(slots=True)
 class _StepInputs:
-    input_ids: torch.Tensor  # int64 [num_tokens]
-    positions: torch.Tensor  # int64 [num_tokens]
-    metadata: AttentionMetadata
+    token_ids: list[int]  # [num_tokens], flattened request by request
+    query_lens: list[int]  # per request: tokens computed this step
+    seq_lens: list[int]  # per request: context length including them
     sample_rows: list[ScheduledRow]  # the rows that sample, in row order
     sample_indices: torch.Tensor  # int64 [len(sample_rows)]: their last token's index
     # request id -> (token indices, prompt positions [lo, hi)) for prompt logprobs

@@ -1,6 +1,6 @@
 """Turns one step's logits into one token per request, with vLLM's sampling semantics.
 
-Order of stages (each skipped when no row uses it): penalties -> min_tokens -> greedy
+Order of stages (each skipped when no row uses it): penalties -> logit_bias -> min_tokens -> greedy
 argmax | temperature -> min_p -> top_k -> top_p -> draw. Logprobs are taken from the raw
 logits, before any stage (vLLM's default "raw_logprobs"); for a request with structured
 output the runner has already applied the grammar's mask to those logits.
@@ -76,6 +76,7 @@ class Sampler:
             # and inf - inf is NaN in the softmax: keep penalised logits finite
             big = torch.finfo(logits.dtype).max
             logits.clamp_(min=-big, max=big)
+        logits = apply_logit_bias(logits, rows, owned=logits is not raw_logits)
         logits = apply_min_tokens(logits, rows, owned=logits is not raw_logits)
 
         greedy_idx = [i for i, row in enumerate(rows) if row.params.greedy]
@@ -182,6 +183,34 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
         )[row]
         flat[pos] -= frequency * counts.to(out.dtype) + presence
     return out
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow], owned: bool) -> torch.Tensor:
+    """Adds each row's `logit_bias` to the biased tokens' logits (one scatter for the batch).
+
+    Writes into `logits` only when `owned`; otherwise returns a biased copy if needed.
+    Raises ValueError for a token id outside the vocabulary (the server refuses those
+    before they reach the engine)."""
+    row_idx: list[int] = []
+    col_idx: list[int] = []
+    values: list[float] = []
+    for i, r in enumerate(rows):
+        bias = r.params.logit_bias
+        if bias:
+            row_idx += [i] * len(bias)
+            col_idx += bias.keys()
+            values += bias.values()
+    if not row_idx:
+        return logits
+    vocab = logits.shape[1]
+    bad = [t for t in col_idx if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary of {vocab}")
+    if not owned:
+        logits = logits.clone()
+    flat = _index(row_idx, logits.device) * vocab + _index(col_idx, logits.device)
+    logits.view(-1).index_add_(0, flat, torch.tensor(values, dtype=logits.dtype, device=logits.device))
+    return logits
 
 
 def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow], owned: bool) -> torch.Tensor:

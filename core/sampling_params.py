@@ -35,6 +35,9 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per sampled token (+ the sampled one)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # token id -> value added to its logit before sampling, in [-100, 100] as OpenAI's
+    # logit_bias (-100 in effect bans the token, +100 all but forces it)
+    logit_bias: dict[int, float] | None = None
     # constrained decoding: the output must match this schema / regex / choice / grammar
     structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine from the tokenizer, not by users.
@@ -97,6 +100,7 @@ class SamplingParams:
             self.structured_outputs, StructuredOutputsParams
         ):
             raise bad("structured_outputs", "must be a StructuredOutputsParams or None")
+        self._validate_logit_bias()
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "must be an integer or None")
         for s in self.stop:
@@ -105,6 +109,20 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not isinstance(t, int) or t < 0:
                 raise ValueError(f"SamplingParams.stop_token_ids contains {t!r}: must be token ids >= 0")
+
+    def _validate_logit_bias(self) -> None:
+        if self.logit_bias is None:
+            return
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError(f"SamplingParams.logit_bias={self.logit_bias!r:.80}: must be a dict "
+                             "of token id -> bias, or None")
+        for t, b in self.logit_bias.items():
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                raise ValueError(f"SamplingParams.logit_bias has key {t!r}: must be token ids >= 0")
+            if (not isinstance(b, int | float) or isinstance(b, bool) or not math.isfinite(b)
+                    or not -100 <= b <= 100):
+                raise ValueError(f"SamplingParams.logit_bias[{t}]={b!r}: must be a number in "
+                                 "[-100, 100]")
 
     @property
     def greedy(self) -> bool:

@@ -9,7 +9,8 @@ computes its few new tokens at once instead of queueing behind a long cold promp
 request takes at most `long_prefill_token_threshold` prompt tokens per step (0: no cap),
 so a long prompt cannot make a step that every arriving turn waits out. When KV runs
 out, the most recently admitted running request is preempted: its blocks are freed and
-it is recomputed later, from the prefix cache where possible, with identical output.
+it is recomputed later, from the prefix cache where possible, with identical output. The
+same happens when the chunks of several prompts fill the pool and none can grow.
 """
 
 from __future__ import annotations
@@ -111,74 +112,16 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        scheduled: list[tuple[Request, int]] = []
-
-        # 1. Decoding requests, one token each, in admission order; KV shortage preempts the
-        #    most recently admitted running request.
-        prefilling: list[Request] = []
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            if request.num_tokens - request.num_computed_tokens > 1:
-                prefilling.append(request)
-                i += 1
-                continue
-            while not self.kv.allocate_slots(request, 1):
-                victim = self.running.pop()
-                self._preempt(victim)
-                out.num_preempted += 1
-                if victim is request:
-                    break
-            else:
-                scheduled.append((request, 1))
-                budget -= 1
-                i += 1
-
-        # 2. Prompt tokens, shortest remaining prefill first (running chunks and waiting
-        #    requests alike; preempted requests ahead of all): a turn whose history is cached
-        #    computes a few tokens and should not queue behind a long cold prompt. A long
-        #    prompt still gets whatever budget the shorter ones leave, every step, up to
-        #    long_prefill_token_threshold: one long prompt then cannot make a step as long
-        #    as a full budget, which every turn arriving meanwhile would wait out.
-        candidates: list[tuple[int, int, Request, list]] = []
-        for request in prefilling:
-            remaining = request.num_tokens - request.num_computed_tokens
-            candidates.append((1, remaining, request, []))
-        admitting = not out.num_preempted
-        if admitting:
-            for request in list(self.waiting)[: self._WAITING_LOOKAHEAD]:
-                hits, num_hit = self.kv.find_cached_prefix(request)
-                first = 0 if request.status == RequestStatus.PREEMPTED else 1
-                candidates.append((first, request.num_tokens - num_hit, request, hits))
-        candidates.sort(key=lambda c: (c[0], c[1]))  # stable: arrival order breaks ties
-        chunk_cap = self.config.long_prefill_token_threshold or budget
-        for _, remaining, request, hits in candidates:
-            if budget <= 0:
+        while True:
+            scheduled = self._schedule_decodes(out)
+            scheduled += self._schedule_prompts(out, scheduled)
+            if scheduled or not self.running:
                 break
-            num_new = min(remaining, budget, chunk_cap)
-            if request.status == RequestStatus.RUNNING:
-                if self.kv.allocate_slots(request, num_new):  # else: next step
-                    scheduled.append((request, num_new))
-                    budget -= num_new
-                continue
-            if len(self.running) + len(self.loading) >= self.config.max_num_seqs:
-                continue
-            if self.connector is not None and self._start_external_load(request, hits, remaining):
-                continue  # admitted; computes once its load reports
-            if not self.kv.allocate_slots(request, num_new, hits):
-                break  # no KV for this one: admit nothing bigger either
-            self.waiting.remove(request)
-            num_hit = request.num_tokens - remaining
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit
-                self.kv.record_lookup(request.num_tokens, num_hit)
-            request.num_computed_tokens = num_hit
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            scheduled.append((request, num_new))
-            budget -= num_new
-
+            # Every running request is mid-prompt and none can grow (chunks of several
+            # prompts fill the pool): nothing would ever finish. The newest gives its
+            # blocks up, which lets the others through; nothing was allocated this pass.
+            self._preempt(self.running.pop())
+            out.num_preempted += 1
         for request, num_new in scheduled:
             out.scheduled.append(self._describe(request, num_new))
         # an empty step is not run (ended ids wait for the next one), unless the KV
@@ -191,11 +134,89 @@ class Scheduler:
                 )
         return out
 
-    def _start_external_load(self, request: Request, hits: list, remaining: int) -> bool:
+    def _schedule_decodes(self, out: SchedulerOutput) -> list[tuple[Request, int]]:
+        """Decoding requests, one token each, in admission order; KV shortage preempts the
+        most recently admitted running request."""
+        scheduled: list[tuple[Request, int]] = []
+        i = 0
+        while i < len(self.running) and len(scheduled) < self.config.max_num_batched_tokens:
+            request = self.running[i]
+            if request.num_tokens - request.num_computed_tokens > 1:
+                i += 1  # a prompt chunk: _schedule_prompts' business
+                continue
+            while not self.kv.allocate_slots(request, 1):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.num_preempted += 1
+                if victim is request:
+                    break
+            else:
+                scheduled.append((request, 1))
+                i += 1
+        return scheduled
+
+    def _schedule_prompts(
+        self, out: SchedulerOutput, decodes: list[tuple[Request, int]]
+    ) -> list[tuple[Request, int]]:
+        """Prompt tokens in the budget the decodes left, shortest remaining prefill first
+        (running chunks and waiting requests alike; preempted requests ahead of all): a
+        turn whose history is cached computes a few tokens and should not queue behind a
+        long cold prompt. A long prompt still gets whatever budget the shorter ones leave,
+        every step, up to long_prefill_token_threshold: one long prompt then cannot make a
+        step as long as a full budget, which every turn arriving meanwhile would wait out.
+        Waiting requests are admitted only in a step that preempted nothing."""
+        budget = self.config.max_num_batched_tokens - len(decodes)
+        candidates: list[tuple[int, int, Request]] = []
+        for request in self.running:
+            remaining = request.num_tokens - request.num_computed_tokens
+            if remaining > 1:
+                candidates.append((1, remaining, request))
+        admitting = not out.num_preempted
+        if admitting:
+            for request in list(self.waiting)[: self._WAITING_LOOKAHEAD]:
+                _, num_hit = self.kv.find_cached_prefix(request)
+                first = 0 if request.status == RequestStatus.PREEMPTED else 1
+                candidates.append((first, request.num_tokens - num_hit, request))
+        candidates.sort(key=lambda c: (c[0], c[1]))  # stable: arrival order breaks ties
+        chunk_cap = self.config.long_prefill_token_threshold or budget
+        scheduled: list[tuple[Request, int]] = []
+        for _, remaining, request in candidates:
+            if budget <= 0:
+                break
+            if request.status == RequestStatus.RUNNING:
+                num_new = min(remaining, budget, chunk_cap)
+                if self.kv.allocate_slots(request, num_new):  # else: next step
+                    scheduled.append((request, num_new))
+                    budget -= num_new
+                continue
+            if not admitting or len(self.running) + len(self.loading) >= self.config.max_num_seqs:
+                continue
+            # The hits counted for sorting may be gone: an allocation earlier in this loop
+            # takes the least recently freed blocks, cached ones included. Look them up
+            # again right before allocating, with nothing in between.
+            hits, num_hit = self.kv.find_cached_prefix(request)
+            if self.connector is not None and self._start_external_load(request, hits, num_hit):
+                continue  # admitted; computes once its load reports
+            num_new = min(request.num_tokens - num_hit, budget, chunk_cap)
+            if not self.kv.allocate_slots(request, num_new, hits):
+                # no KV for this one: admit nothing bigger either (running prompts go on)
+                admitting = False
+                continue
+            self.waiting.remove(request)
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+                self.kv.record_lookup(request.num_tokens, num_hit)
+            request.num_computed_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append((request, num_new))
+            budget -= num_new
+        return scheduled
+
+    def _start_external_load(self, request: Request, hits: list, num_hit: int) -> bool:
         """Admit a waiting request whose next tokens a KV tier holds: allocate blocks for
         them (unpublished until loaded) and start the load. False: nothing to load, or no
         KV for it now (the caller then tries the ordinary admission)."""
-        num_hit = request.num_tokens - remaining
         num_external = self.connector.num_external_tokens(request, num_hit)
         if not num_external or not self.kv.allocate_slots(
             request, num_external, hits, publish=False

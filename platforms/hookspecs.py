@@ -31,7 +31,10 @@ from tokenmill.platforms.interfaces import (
     AttentionBackend,
     Communicator,
     DetectionResult,
+    GraphCapture,
     HardwareSpec,
+    ModelRunnerBase,
+    ModelRunnerContext,
     Platform,
 )
 
@@ -248,47 +251,68 @@ def tokenmill_hardware_spec(platform: Platform) -> HardwareSpec:
 
 
 @hookspec(firstresult=True)
-def tokenmill_graph_capture(platform: Platform) -> object | None:
-    """Optional graph capture / compilation for the model runner's forward step.
+def tokenmill_graph_capture(platform: Platform) -> GraphCapture | None:
+    """Optional capture and replay of the decode step (CUDA graphs, say), per batch size.
 
-    When called: once at activation, when the runner decides whether to capture graphs
-    (only if `capabilities.graphs` is true).
+    When called: once per worker, when the core model runner is built, and only if the
+    platform declares `capabilities.graphs`. Not called for a plugin's own model runner.
 
     Arguments:
         platform: the active `Platform`.
 
-    Returns: a platform-specific capture helper, or None to run eagerly. Its interface is
-    defined by the core model runner.
+    Returns: a `GraphCapture` (see `tokenmill.platforms.interfaces`), or None to run every
+    step eagerly. The runner asks it for `batch_sizes(max_num_seqs)`, calls
+    `capture(batch_size, fn)` once per bucket at start-up, where `fn()` runs the model's
+    forward over the runner's static input buffers and returns the hidden states, and
+    then, for each decode-only step of n requests, fills the static buffers (padding to the
+    smallest bucket >= n) and calls `replay(bucket)`. Mixed steps with prompt tokens, and
+    batches larger than every bucket, run eagerly.
 
-    Core checks: none yet beyond the capability flag; greedy outputs with and without
-    capture must match in conformance tier T3.
+    Core checks: the result is None or a `GraphCapture`, and `batch_sizes` returns
+    ascending positive integers no larger than `max_num_seqs`; otherwise the engine fails
+    to start naming the plugin. Conformance tier T3 runs its greedy comparison with the
+    reference platform through the captured path when the platform declares graphs.
 
     Example:
         @hookimpl
         def tokenmill_graph_capture(platform):
-            return MyGraphCapture(pool_bytes=1 << 30)
+            return MyCudaGraphs(pool_bytes=1 << 30)
     """
 
 
 @hookspec(firstresult=True)
-def tokenmill_model_runner(platform: Platform) -> object | None:
+def tokenmill_model_runner(
+    platform: Platform, context: ModelRunnerContext
+) -> ModelRunnerBase | None:
     """Optional: a whole model runner of the plugin's own instead of the core's.
 
-    When called: once at engine start-up.
+    When called: once per worker at engine start-up, before the core loads any weights;
+    when it returns a runner, the core loads none (the runner loads its own, through
+    `context.weights()`).
 
     Arguments:
         platform: the active `Platform`.
+        context: a `ModelRunnerContext`: the HF config, the checkpoint path and an iterator
+            over its weights from the core's loaders, the KV cache spec (per-layer attention
+            specs, block size, user-fixed block count or bytes), the parallel config (rank,
+            world size), dtype, device, and the step limits (max_num_batched_tokens,
+            max_num_seqs, max_model_len). No tokenizer: runners see token ids.
 
-    Returns: None to use the core model runner, or a runner that consumes the same step
-    description (`SchedulerOutput`) and returns the same step output as the core's.
+    Returns: None to use the core model runner, or a `ModelRunnerBase`: the core calls its
+    `kv_block_bytes()`, `profile()`, `initialize_kv_cache(num_blocks)`, then `execute(step)`
+    with each `tokenmill.step.StepDescription`, expecting a `tokenmill.step.StepResult`.
 
-    Core checks: conformance tier T3 compares its greedy outputs with the reference
-    platform's on tiny models.
+    Core checks: the result is None or a `ModelRunnerBase` (else the engine fails to start
+    naming the plugin), and `kv_block_bytes()` is a positive integer. Conformance tier T3
+    runs every greedy comparison through it (the engine uses it for every model) and
+    checks that the engine really did.
 
     Example:
         @hookimpl
-        def tokenmill_model_runner(platform):
-            return MyCompiledStepRunner()
+        def tokenmill_model_runner(platform, context):
+            if context.hf_config.model_type not in MY_MODELS:
+                return None  # the core's runner takes the rest
+            return MyCompiledStepRunner(context)
     """
 
 

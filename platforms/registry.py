@@ -32,7 +32,10 @@ from tokenmill.platforms.interfaces import (
     Capabilities,
     Communicator,
     DetectionResult,
+    GraphCapture,
     HardwareSpec,
+    ModelRunnerBase,
+    ModelRunnerContext,
     Platform,
 )
 
@@ -146,13 +149,38 @@ class ActivePlatform:
         spec = self._call("tokenmill_hardware_spec", platform=self.platform)
         return _check_hardware_spec(self.name, self.platform, spec)
 
-    def graph_capture(self) -> object | None:
-        """The plugin's graph capture helper, or None to run eagerly."""
-        return self._call("tokenmill_graph_capture", platform=self.platform)
+    def graph_capture(self, max_num_seqs: int) -> GraphCapture | None:
+        """The plugin's decode-step graphs, or None to run eagerly (always None when the
+        platform does not declare `capabilities.graphs`)."""
+        if not self.platform.capabilities.graphs:
+            return None
+        result = self._call("tokenmill_graph_capture", platform=self.platform)
+        if result is None:
+            return None
+        graphs = _check_type(self.name, "tokenmill_graph_capture", result, GraphCapture)
+        sizes = graphs.batch_sizes(max_num_seqs)
+        if (not isinstance(sizes, list) or not sizes
+                or any(not isinstance(n, int) or not 0 < n <= max_num_seqs for n in sizes)
+                or sizes != sorted(set(sizes))):
+            raise PlatformError(
+                f"platform plugin {self.name!r}: GraphCapture.batch_sizes({max_num_seqs}) "
+                f"returned {sizes!r}; expected ascending distinct ints in [1, {max_num_seqs}]"
+            )
+        return graphs
 
-    def model_runner(self) -> object | None:
-        """The plugin's own model runner, or None for the core's."""
-        return self._call("tokenmill_model_runner", platform=self.platform)
+    def model_runner(self, context: ModelRunnerContext) -> ModelRunnerBase | None:
+        """The plugin's own model runner for `context`, or None for the core's."""
+        result = self._call("tokenmill_model_runner", platform=self.platform, context=context)
+        if result is None:
+            return None
+        runner = _check_type(self.name, "tokenmill_model_runner", result, ModelRunnerBase)
+        block_bytes = runner.kv_block_bytes()
+        if not isinstance(block_bytes, int) or block_bytes < 1:
+            raise PlatformError(
+                f"platform plugin {self.name!r}: its model runner's kv_block_bytes() returned "
+                f"{block_bytes!r}; expected a positive int"
+            )
+        return runner
 
     def waivers(self) -> list[tuple[str, str]]:
         """(conformance test id, reason) pairs the plugin asks to waive."""

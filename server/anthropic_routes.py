@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -11,10 +12,12 @@ from fastapi.responses import JSONResponse
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.server.chat import anthropic_messages, anthropic_tools, render_chat
 from tokenmill.server.generation import SeqStream, Started, params_or_400, start
+from tokenmill.server.output import OutputEvent, OutputEvents, reasoning_parser, split_output
 from tokenmill.server.protocol import CountTokensRequest, MessagesRequest
+from tokenmill.server.reasoning import ReasoningDelta
 from tokenmill.server.responses import ANTHROPIC_ERRORS, CountTokensResponse, MessageResponse
 from tokenmill.server.serving import DeltaText, event_stream, sse, state_of, unless_disconnected
-from tokenmill.server.tool_parsers import ContentDelta, ToolCallDelta
+from tokenmill.server.tool_parsers import ContentDelta
 from tokenmill.server.tools import ToolPlan, plan_tools, structured_outputs
 
 router = APIRouter()
@@ -54,13 +57,26 @@ def _plan(body, state) -> ToolPlan:
 _CHOICES = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}
 
 
+def _template_kwargs(body, thinking: bool | None) -> dict[str, Any]:
+    """What the chat template is told: `enable_thinking` (Qwen3-style templates) when
+    `thinking` is given, `reasoning_effort` from `output_config.effort`."""
+    kw: dict[str, Any] = {}
+    if thinking is not None:
+        kw["enable_thinking"] = thinking
+    if body.output_config is not None and body.output_config.effort is not None:
+        kw["reasoning_effort"] = body.output_config.effort
+    return kw
+
+
 @router.post(
     "/v1/messages/count_tokens", response_model=CountTokensResponse, responses=ANTHROPIC_ERRORS
 )
 async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, int]:
     state = state_of(request)
     state.check_model(body.model)
-    _, ids = await render_chat(state.engine, anthropic_messages(body), tools=anthropic_tools(body))
+    thinking = None if body.thinking is None else body.thinking.type != "disabled"
+    _, ids = await render_chat(state.engine, anthropic_messages(body), tools=anthropic_tools(body),
+                               template_kwargs=_template_kwargs(body, thinking))
     return {"input_tokens": len(ids)}
 
 
@@ -73,8 +89,12 @@ async def create_message(body: MessagesRequest, request: Request):
     state = state_of(request)
     model = state.check_model(body.model)
     plan = _plan(body, state)
-    structured = structured_outputs(plan)
-    text, ids = await render_chat(state.engine, anthropic_messages(body), tools=plan.tools)
+    fmt = body.output_config.format if body.output_config else None
+    structured = structured_outputs(plan, fmt and fmt.type, fmt and fmt.schema_,
+                                    "output_config.format")
+    thinking = None if body.thinking is None else body.thinking.type != "disabled"
+    text, ids = await render_chat(state.engine, anthropic_messages(body), tools=plan.tools,
+                                  template_kwargs=_template_kwargs(body, thinking))
     params = params_or_400(
         max_tokens=body.max_tokens,
         temperature=body.temperature,
@@ -82,20 +102,27 @@ async def create_message(body: MessagesRequest, request: Request):
         top_k=body.top_k,
         stop=body.stop_sequences,
         structured_outputs=structured,
+        skip_special_tokens=not plan.keeps_special_tokens,
     )
-    rid = state.engine.new_request_id("msg")
+    rid = f"msg_{secrets.token_hex(12)}"
     session_id = body.metadata.user_id if body.metadata else None
-    started = await start(request, state.engine, [(text, ids)], params, rid, error_param="tools",
+    started = await start(request, state.engine, [(text, ids)], params, rid,
+                          error_param="tools" if plan.schema() else "output_config.format",
                           session_id=session_id)
     head = {"id": rid, "type": "message", "role": "assistant", "model": model}
+    parser = reasoning_parser(None if thinking is False else state.reasoning_parser, structured)
     if body.stream:
+        events = OutputEvents(plan, parser, text)
         hint = (lambda: state.engine.hint_session(session_id)) if session_id else None
-        return event_stream(_stream(started, head, params.max_stop_len(), plan, hint),
+        return event_stream(_stream(started, head, params.max_stop_len(), events, hint),
                             request.url.path)
     (final,) = await unless_disconnected(request, started.finals())
     out = final.outputs[0]
-    found = plan.extract(out.text)
+    split = split_output(plan, parser, text, out.text)
+    found = split.found
     content: list[dict[str, Any]] = []
+    if split.reasoning is not None:
+        content.append({"type": "thinking", "thinking": split.reasoning, "signature": ""})
     if not found.tools_called or found.content:
         content.append({"type": "text", "text": found.content or ""})
     content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments_dict()}
@@ -117,7 +144,7 @@ class _Blocks:
 
     def __init__(self) -> None:
         self.index = -1
-        self.open: str | None = None  # "text" or "tool_use"
+        self.open: str | None = None  # "thinking", "text" or "tool_use"
 
     def start(self, block: dict[str, Any]) -> list[str]:
         events = self.stop()
@@ -133,9 +160,13 @@ class _Blocks:
         self.open = None
         return [sse({"type": "content_block_stop", "index": self.index}, "content_block_stop")]
 
-    def events(self, event: ContentDelta | ToolCallDelta) -> list[str]:
+    def events(self, event: OutputEvent) -> list[str]:
         out: list[str] = []
-        if isinstance(event, ContentDelta):
+        if isinstance(event, ReasoningDelta):
+            if self.open != "thinking":
+                out += self.start({"type": "thinking", "thinking": "", "signature": ""})
+            delta = {"type": "thinking_delta", "thinking": event.text}
+        elif isinstance(event, ContentDelta):
             if self.open != "text":
                 out += self.start({"type": "text", "text": ""})
             delta = {"type": "text_delta", "text": event.text}
@@ -152,7 +183,7 @@ class _Blocks:
 
 
 async def _stream(
-    started: Started, head: dict[str, Any], max_stop_len: int, plan: ToolPlan,
+    started: Started, head: dict[str, Any], max_stop_len: int, tool_events: OutputEvents,
     on_tool_call: Callable[[], None] | None = None,
 ) -> AsyncIterator[str]:
     first = started.firsts[0]
@@ -160,12 +191,12 @@ async def _stream(
     message = {**head, "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}
     yield sse({"type": "message_start", "message": message}, "message_start")
     blocks = _Blocks()
-    if plan.mode == "none":  # plain text: the text block opens at once, as before tools
+    if tool_events.plan.mode == "none" and tool_events.parser is None:
+        # plain text: the text block opens at once, as before tools
         for event in blocks.start({"type": "text", "text": ""}):
             yield event
     yield sse({"type": "ping"}, "ping")
     stream = SeqStream(DeltaText(max_stop_len))
-    tool_events = plan.stream()
     final = first
     async for _, out in started.merged():
         final = out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import time
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
@@ -16,7 +17,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill.async_engine import AsyncLLM, EngineDeadError
-from tokenmill.server import anthropic_routes, openai_routes
+from tokenmill.server import anthropic_routes, openai_routes, responses_routes
+from tokenmill.server.chat import served_template
 from tokenmill.server.metrics import Metrics
 from tokenmill.server.protocol import (
     MAX_BODY_BYTES,
@@ -24,6 +26,8 @@ from tokenmill.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from tokenmill.server.reasoning import get_reasoning_parser
+from tokenmill.server.response_store import DEFAULT_MAX_RESPONSES, ResponseStore
 from tokenmill.server.responses import (
     OPENAI_ERRORS,
     DetokenizeResponse,
@@ -42,6 +46,9 @@ from tokenmill.server.serving import (
     state_of,
 )
 from tokenmill.server.tool_parsers import get_tool_parser
+from tokenmill.server.tool_parsers.detect import detect_tool_parser
+
+logger = logging.getLogger("tokenmill.server")
 
 # Paths answered without an API key, compared with the raw request path byte for byte, so
 # no spelling of another path ("//v1/models", "/health/../v1/...", %-escapes) slips through.
@@ -212,17 +219,23 @@ def build_app(
     metrics: Metrics | None = None,
     enable_auto_tool_choice: bool = False,
     tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
+    max_stored_responses: int = DEFAULT_MAX_RESPONSES,
 ) -> FastAPI:
     """An app serving `engine`; the engine thread starts and stops with the app's lifespan.
 
     `tool_choice: auto` is served only with `enable_auto_tool_choice`, reading the model's
-    calls with `tool_call_parser` (a registry name; default `hermes`, the format the chat
-    rendering writes for templates that know no tools). An unknown name is a ValueError.
+    calls with `tool_call_parser` (a registry name); without one, the parser is chosen
+    from the chat template (logged), `hermes` when the template shows no one format.
+    `reasoning_parser` (a registry name) splits reasoning from answers. The Responses
+    API keeps at most `max_stored_responses`. An unknown name is a ValueError.
     """
     if tool_call_parser is not None:
         get_tool_parser(tool_call_parser)
     elif enable_auto_tool_choice:
-        tool_call_parser = "hermes"
+        tool_call_parser = _choose_tool_parser(served_template(engine))
+    if reasoning_parser is not None:
+        get_reasoning_parser(reasoning_parser)
     tools = ToolConfig(enable_auto_tool_choice, tool_call_parser)
     metrics = metrics or Metrics(served_model_names[0])
     metrics.bind_engine(lambda: engine.stats)
@@ -239,17 +252,29 @@ def build_app(
 
     app = FastAPI(title="tokenmill", version=_version(), lifespan=lifespan)
     app.state.server = ServerState(
-        engine, served_model_names, metrics, api_key, int(time.time()), tools
+        engine, served_model_names, metrics, api_key, int(time.time()), tools, reasoning_parser,
+        ResponseStore(max_stored_responses),
     )
     _install_error_handlers(app)
     app.openapi = lambda: _openapi(app)
     app.include_router(openai_routes.router)
     app.include_router(anthropic_routes.router)
+    app.include_router(responses_routes.router)
     _add_utility_routes(app)
     app.add_middleware(LimitsMiddleware)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     return app
+
+
+def _choose_tool_parser(template: str | None) -> str:
+    name, why = detect_tool_parser(template)
+    if name is None:
+        logger.warning("tool-call parser: using hermes, the default, since %s; pass "
+                       "--tool-call-parser to choose another", why)
+        return "hermes"
+    logger.info("tool-call parser: chose %s, since %s", name, why)
+    return name
 
 
 def _add_utility_routes(app: FastAPI) -> None:

@@ -17,13 +17,14 @@ import jinja2
 from tokenmill.async_engine import AsyncLLM
 from tokenmill.server.protocol import (
     AnthropicText,
+    AnthropicThinking,
     AnthropicToolResult,
     AnthropicToolUse,
     ChatCompletionRequest,
     ChatMessage,
 )
 from tokenmill.server.serving import APIError
-from tokenmill.tokenizing import apply_chat_template
+from tokenmill.tokenizing import hermes_tool_messages, template_reads_tools
 
 Message = dict[str, Any]
 
@@ -41,6 +42,8 @@ def _arguments(text: str, where: str) -> dict[str, Any]:
 
 def _openai_message(i: int, m: ChatMessage) -> Message:
     msg: Message = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+    if m.role == "assistant" and m.reasoning_content:
+        msg["reasoning_content"] = m.reasoning_content
     if m.name is not None:
         msg["name"] = m.name
     if m.role == "assistant" and m.tool_calls:
@@ -88,6 +91,9 @@ def anthropic_messages(body) -> list[Message]:
         text = "".join(b.text for b in m.content if isinstance(b, AnthropicText))
         if m.role == "assistant":
             msg: Message = {"role": "assistant", "content": text}
+            thinking = "".join(b.thinking for b in m.content if isinstance(b, AnthropicThinking))
+            if thinking:
+                msg["reasoning_content"] = thinking
             calls = [
                 {"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}}
                 for b in m.content if isinstance(b, AnthropicToolUse)
@@ -117,22 +123,43 @@ def anthropic_tools(body) -> list[Message] | None:
     ]
 
 
+def served_template(engine: AsyncLLM) -> str | None:
+    """The chat template the server renders with: `--chat-template`, else the model's."""
+    return engine.args.chat_template or engine.engine.loaded.chat_template
+
+
+def _render(tokenizer, messages: list[Message], template: str | None,
+            tools: list[Message] | None, template_kwargs: dict[str, Any]) -> str:
+    """`tokenmill.tokenizing.apply_chat_template` with extra template variables (vLLM's
+    `chat_template_kwargs`: `enable_thinking`, `reasoning_effort`, ...)."""
+    template = template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise ValueError("this model has no chat template; use /v1/completions")
+    has_tool_turns = any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
+    if not template_reads_tools(template) and (tools or has_tool_turns):
+        messages, tools = hermes_tool_messages(messages, tools), None
+    reserved = {"messages", "tools", "chat_template", "add_generation_prompt", "tokenize"}
+    extra = {k: v for k, v in template_kwargs.items() if k not in reserved}
+    return tokenizer.apply_chat_template(
+        messages, chat_template=template, tools=tools or None, add_generation_prompt=True,
+        tokenize=False, **extra,
+    )
+
+
 async def render_chat(
     engine: AsyncLLM,
     messages: list[Message],
     chat_template: str | None = None,
     tools: list[Message] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[str, list[int]]:
     """(prompt text, token ids), in a worker thread; a template that refuses the
-    conversation is a 400.
-
-    `AsyncLLM.render_chat` without `tools`; it moves there once the core takes `tools=`.
-    """
-    template = chat_template or engine.args.chat_template or engine.engine.loaded.chat_template
+    conversation is a 400. `template_kwargs` are extra variables for the template."""
+    template = chat_template or served_template(engine)
 
     def render() -> tuple[str, list[int]]:
         try:
-            text = apply_chat_template(engine.tokenizer, messages, template, True, tools)
+            text = _render(engine.tokenizer, messages, template, tools, template_kwargs or {})
         except (jinja2.TemplateError, TypeError) as e:
             raise ValueError(f"the chat template failed on these messages: {e}") from e
         return text, engine.tokenizer.encode(text, add_special_tokens=False)

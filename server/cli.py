@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 from tokenmill.platforms import template
+from tokenmill.server import cli_client
 
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -68,6 +69,7 @@ def _serve(args: argparse.Namespace) -> int:
     from tokenmill.config import EngineArgs
     from tokenmill.server.app import build_app
     from tokenmill.server.protocol import MAX_HTTP_HEAD_BYTES
+    from tokenmill.server.reasoning import reasoning_parser_names
     from tokenmill.server.tool_parsers import tool_parser_names
 
     logging.basicConfig(
@@ -76,6 +78,10 @@ def _serve(args: argparse.Namespace) -> int:
     if args.tool_call_parser is not None and args.tool_call_parser not in tool_parser_names():
         print(f"tokenmill serve: unknown --tool-call-parser {args.tool_call_parser!r}; "
               f"choose one of {tool_parser_names()}", file=sys.stderr)
+        return 2
+    if args.reasoning_parser is not None and args.reasoning_parser not in reasoning_parser_names():
+        print(f"tokenmill serve: unknown --reasoning-parser {args.reasoning_parser!r}; "
+              f"choose one of {reasoning_parser_names()}", file=sys.stderr)
         return 2
     chat_template = Path(args.chat_template).read_text() if args.chat_template else None
     engine_kw = {
@@ -88,6 +94,9 @@ def _serve(args: argparse.Namespace) -> int:
         "kv_offload_disk_path": args.kv_offload_disk_path,
         "kv_offload_disk_bytes": args.kv_offload_disk_bytes,
         "kv_offload_remote": args.kv_offload_remote,
+        "distributed_executor_backend": args.distributed_executor_backend,
+        "memory_utilization": args.memory_utilization,
+        "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
     }
     try:
         engine_args = EngineArgs(**{k: v for k, v in engine_kw.items() if v is not None})
@@ -100,6 +109,7 @@ def _serve(args: argparse.Namespace) -> int:
     app = build_app(
         engine, names, api_key=api_key,
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser, max_stored_responses=args.max_stored_responses,
     )
     server = uvicorn.Server(uvicorn.Config(
         app,
@@ -156,6 +166,14 @@ def _add_serve_parser(sub) -> None:
                    help="most prompt tokens one request computes per step (0: no limit; "
                         "default: the platform's choice, 512 on CPU)")
     p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp"],
+                   help="uni (default): the model runs in the engine's process; mp: a worker "
+                        "process per rank")
+    p.add_argument("--memory-utilization", type=float, default=None,
+                   help="share of the device memory the engine may use, KV cache included "
+                        "(default 0.9; like vLLM's --gpu-memory-utilization)")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="KV cache size in bytes (wins over --memory-utilization)")
     p.add_argument("--dtype", default=None,
                    choices=["auto", "bfloat16", "bf16", "float32", "fp32", "float16", "fp16"])
     p.add_argument("--seed", type=int, default=None)
@@ -171,8 +189,12 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='serve tool_choice "auto": parse the model\'s own tool calls')
     p.add_argument("--tool-call-parser", default=None, metavar="NAME",
-                   help="the model's tool-call format for auto tool choice: hermes (the default, "
-                        "also what templates without tool support are given) or llama3_json")
+                   help="the model's tool-call format for auto tool choice: hermes, llama3_json, "
+                        "qwen3_coder or mistral (default: chosen from the chat template, logged)")
+    p.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                   help="split the model's thinking from its answer: qwen3 or deepseek_r1")
+    p.add_argument("--max-stored-responses", type=int, default=1024,
+                   help="responses the Responses API keeps for previous_response_id (LRU)")
     p.add_argument("--shutdown-timeout", type=int, default=30,
                    help="seconds in-flight requests get to finish after SIGTERM")
     p.add_argument("--log-level", default="info",
@@ -187,12 +209,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_platforms)
     _add_serve_parser(sub)
+    cli_client.add_parsers(sub)  # chat, complete, bench serve
     template.add_parser(sub)  # tokenmill new-plugin NAME
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if getattr(args, "bench", None) == "serve":  # its arguments are the load generator's
+        args.bench_args = [*args.bench_args, *rest]
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return args.func(args)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -12,7 +13,9 @@ from fastapi.responses import JSONResponse
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.server.chat import openai_messages, openai_tools, render_chat
 from tokenmill.server.generation import SeqStream, Started, params_or_400, start
+from tokenmill.server.output import OutputEvent, OutputEvents, reasoning_parser, split_output
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
+from tokenmill.server.reasoning import ReasoningDelta
 from tokenmill.server.responses import (
     OPENAI_ERRORS,
     ChatCompletionResponse,
@@ -29,21 +32,37 @@ from tokenmill.server.serving import (
     unless_disconnected,
     usage_dict,
 )
-from tokenmill.server.tool_parsers import ContentDelta, ToolCall, ToolCallDelta
-from tokenmill.server.tools import ToolEvents, ToolPlan, plan_tools, structured_outputs
+from tokenmill.server.tool_parsers import ContentDelta, ToolCall
+from tokenmill.server.tools import ToolPlan, plan_tools, structured_outputs
 
 router = APIRouter()
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")  # ASCII digits only: "²".isdigit(), and int() refuses it
 
 
 def _lp(value: float) -> float:
     return max(value, _MIN_LOGPROB)
 
 
-def _sampling(body, max_tokens: int, logprobs: int | None, structured=None):
+def _logit_bias(state: ServerState, bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token ids as strings) checked against the vocabulary."""
+    if not bias:
+        return None
+    size, out = len(state.engine.tokenizer), {}
+    for key, value in bias.items():
+        if not _TOKEN_ID.fullmatch(key) or not 0 <= int(key) < size:
+            raise APIError(400, f"logit_bias: {key!r} is not a token id in the vocabulary "
+                           f"[0, {size})", "logit_bias")
+        out[int(key)] = value
+    return out
+
+
+def _sampling(state: ServerState, body, max_tokens: int, logprobs: int | None, structured=None,
+              skip_special_tokens: bool = True):
     return params_or_400(
         structured_outputs=structured,
+        logit_bias=_logit_bias(state, body.logit_bias),
         n=body.n,
         max_tokens=max_tokens,
         temperature=body.temperature,
@@ -59,7 +78,7 @@ def _sampling(body, max_tokens: int, logprobs: int | None, structured=None):
         ignore_eos=body.ignore_eos,
         min_tokens=body.min_tokens,
         logprobs=logprobs,
-        skip_special_tokens=body.skip_special_tokens,
+        skip_special_tokens=body.skip_special_tokens and skip_special_tokens,
     )
 
 
@@ -144,9 +163,11 @@ async def create_completion(body: CompletionRequest, request: Request):
     if body.echo:
         raise APIError(400, "echo=true is not supported", param="echo")
     prompts = await _encode_prompts(state, body.prompt)
-    params = _sampling(body, body.max_tokens or 16, body.logprobs)
+    structured = structured_outputs(ToolPlan(), extra=body.structured_outputs_dict())
+    params = _sampling(state, body, body.max_tokens or 16, body.logprobs, structured)
     rid = state.engine.new_request_id("cmpl")
     started = await start(request, state.engine, prompts, params, rid, body.cache_salt,
+                          error_param="structured_outputs",
                           session_id=body.session_id or body.user)
     n, created = body.n, int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created, "model": model}
@@ -231,40 +252,53 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         named=choice.function.name if isinstance(choice, NamedToolChoice) else None,
         single=body.parallel_tool_calls is False,
     )
-    structured = structured_outputs(plan, body.response_format)
+    fmt = body.response_format
+    structured = structured_outputs(
+        plan, fmt and fmt.type, fmt and fmt.json_schema and fmt.json_schema.schema_,
+        extra=body.structured_outputs_dict(),
+    )
     if structured is not None and plan.mode == "auto":  # JSON was asked for, not tool calls
         plan = ToolPlan("none", plan.tools)
     text, ids = await render_chat(state.engine, openai_messages(body), body.chat_template,
-                                  plan.tools)
+                                  plan.tools, body.template_kwargs())
     max_tokens = body.max_completion_tokens or body.max_tokens
     if max_tokens is None:
         max_tokens = max(state.engine.max_model_len - len(ids), 1)
     top_k = (body.top_logprobs or 0) if body.logprobs else None
-    params = _sampling(body, max_tokens, top_k, structured)
+    params = _sampling(state, body, max_tokens, top_k, structured,
+                       skip_special_tokens=not plan.keeps_special_tokens)
     rid = state.engine.new_request_id("chatcmpl")
     session_id = body.session_id or body.user
     started = await start(request, state.engine, [(text, ids)], params, rid, body.cache_salt,
-                          error_param="tools" if plan.schema() else "response_format",
+                          error_param="tools" if plan.schema() else
+                          "structured_outputs" if body.structured_outputs else "response_format",
                           session_id=session_id)
     head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model}
+    thinking = (body.chat_template_kwargs or {}).get("enable_thinking") is not False
+    parser = reasoning_parser(state.reasoning_parser if thinking else None, structured)
 
     if body.stream:
         return event_stream(
             _stream_chat(started, {**head, "object": "chat.completion.chunk"}, top_k,
-                         params.max_stop_len(), _include_usage(body), plan,
+                         params.max_stop_len(), _include_usage(body),
+                         lambda: OutputEvents(plan, parser, text),
                          _session_hint(state, session_id)),
             request.url.path,
         )
     (final,) = await unless_disconnected(request, started.finals())
     choices = []
     for o in final.outputs:
-        found = plan.extract(o.text)
-        message: dict[str, Any] = {"role": "assistant", "content": o.text}
+        split = split_output(plan, parser, text, o.text)
+        found = split.found
+        message: dict[str, Any] = {"role": "assistant",
+                                   "content": o.text if parser is None else found.content}
         if found.tools_called:
             if session_id:
                 state.engine.hint_session(session_id)
             message = {"role": "assistant", "content": found.content,
                        "tool_calls": [_tool_call(c) for c in found.tool_calls]}
+        if parser is not None:
+            message["reasoning_content"] = split.reasoning
         choices.append({
             "index": o.index,
             "message": message,
@@ -284,9 +318,11 @@ def _finish_reason(out: CompletionOutput, tools_called: bool) -> str | None:
     return "tool_calls" if tools_called and out.finish_reason == "stop" else out.finish_reason
 
 
-def _delta(event: ContentDelta | ToolCallDelta) -> dict[str, Any]:
+def _delta(event: OutputEvent) -> dict[str, Any]:
     if isinstance(event, ContentDelta):
         return {"content": event.text}
+    if isinstance(event, ReasoningDelta):
+        return {"reasoning_content": event.text}
     call: dict[str, Any] = {"index": event.index}
     function: dict[str, Any] = {"arguments": event.arguments}
     if event.id is not None:
@@ -307,13 +343,13 @@ def _session_hint(state, session_id: str | None) -> Callable[[], None] | None:
 
 async def _stream_chat(
     started: Started, head: dict, top_k: int | None, max_stop_len: int, include_usage: bool,
-    plan: ToolPlan, on_tool_call: Callable[[], None] | None = None,
+    new_events: Callable[[], OutputEvents], on_tool_call: Callable[[], None] | None = None,
 ) -> AsyncIterator[str]:
     streams = _streams(started, max_stop_len)
-    tool_events: dict[int, ToolEvents] = {}
+    tool_events: dict[int, OutputEvents] = {}
     extra = {"usage": None} if include_usage else {}
     for o in started.firsts[0].outputs:
-        tool_events[o.index] = plan.stream()
+        tool_events[o.index] = new_events()
         choice = {"index": o.index, "delta": {"role": "assistant", "content": ""},
                   "logprobs": None, "finish_reason": None}
         yield sse({**head, "choices": [choice], **extra})

@@ -88,6 +88,7 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"]
     content: str | None
     tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None  # with a --reasoning-parser
 
 
 class ChatChoice(BaseModel):
@@ -112,6 +113,12 @@ class TextBlock(BaseModel):
     text: str
 
 
+class ThinkingBlock(BaseModel):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str
+
+
 class ToolUseBlock(BaseModel):
     type: Literal["tool_use"]
     id: str
@@ -131,7 +138,7 @@ class MessageResponse(BaseModel):
     type: Literal["message"]
     role: Literal["assistant"]
     model: str
-    content: list[TextBlock | ToolUseBlock]
+    content: list[ThinkingBlock | TextBlock | ToolUseBlock]
     stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
     stop_sequence: str | None
     usage: AnthropicUsage

@@ -14,6 +14,7 @@ from starlette.responses import Response, StreamingResponse
 from tokenmill.async_engine import AsyncLLM, EngineDeadError
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.metrics import Metrics
+from tokenmill.server.response_store import ResponseStore
 
 T = TypeVar("T")
 
@@ -36,6 +37,8 @@ class ServerState:
     api_key: str | None = None
     created: int = 0
     tools: ToolConfig = field(default_factory=ToolConfig)
+    reasoning_parser: str | None = None  # --reasoning-parser
+    responses: ResponseStore = field(default_factory=ResponseStore)
 
     def check_model(self, name: str | None) -> str:
         """The served name to answer with; 404 for a model this server does not serve."""

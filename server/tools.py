@@ -62,7 +62,7 @@ class ToolPlan:
     def extract(self, text: str) -> ExtractedToolCalls:
         """The tool calls of a complete output; malformed output is all content."""
         if self.mode == "auto":
-            found = get_tool_parser(self.parser)(self.id_prefix).extract_tool_calls(text)
+            found = get_tool_parser(self.parser)(self.id_prefix, self.tools).extract_tool_calls(text)
         elif self.mode == "named":
             found = _named_call(text, self.named, self.id_prefix)
         elif self.mode == "required":
@@ -73,9 +73,14 @@ class ToolPlan:
             found = ExtractedToolCalls(True, found.tool_calls[:1], found.content)
         return found
 
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Whether the output must keep special tokens for the parser to see its markers."""
+        return self.mode == "auto" and get_tool_parser(self.parser).keeps_special_tokens
+
     def stream(self) -> ToolEvents:
         if self.mode == "auto":
-            return _ParserEvents(ToolCallStream(get_tool_parser(self.parser)(self.id_prefix)),
+            return _ParserEvents(ToolCallStream(get_tool_parser(self.parser)(self.id_prefix, self.tools)),
                                  self.single)
         if self.mode == "named":
             return _NamedEvents(self.named, self.id_prefix)
@@ -213,27 +218,40 @@ class _WholeEvents(ToolEvents):
         return events
 
 
-def structured_outputs(plan: ToolPlan, response_format=None, param: str = "response_format"):
-    """`StructuredOutputsParams` forcing the plan's schema or the response format; None
-    when decoding is free."""
-    schema = plan.schema()
+def structured_outputs(
+    plan: ToolPlan,
+    kind: str | None = None,
+    schema: dict[str, Any] | None = None,
+    param: str = "response_format",
+    extra: dict[str, Any] | None = None,
+):
+    """`StructuredOutputsParams` forcing the plan's schema, the requested output format
+    (`kind` "text", "json_object" or "json_schema" with `schema`, named by `param`) or
+    vLLM's `structured_outputs` extra (`extra`, its fields as given); None when decoding
+    is free. More than one of them is a 400."""
+    forced = plan.schema()
+    asked = [name for name, on in (("tool_choice", forced is not None),
+                                   (param, kind not in (None, "text")),
+                                   ("structured_outputs", extra is not None)) if on]
+    if len(asked) > 1:
+        raise APIError(400, f"{' and '.join(asked)} cannot be combined: each constrains the "
+                       "whole output", asked[-1])
+    # JSON the server forces is compact: its whitespace carries nothing, and a model cannot
+    # then spend its max_tokens on whitespace (small models do)
     kw: dict[str, Any] | None = None
-    if schema is not None:
-        if response_format is not None and response_format.type != "text":
-            raise APIError(400, "response_format cannot be combined with a forced tool_choice",
-                           "response_format")
-        kw, param = {"json": schema}, "tools"
-    elif response_format is not None and response_format.type == "json_object":
-        kw = {"json_object": True}
-    elif response_format is not None and response_format.type == "json_schema":
-        spec = response_format.json_schema
-        if spec is None or spec.schema_ is None:
-            raise APIError(400, "response_format json_schema needs json_schema.schema",
-                           "response_format")
-        kw = {"json": spec.schema_}
+    if forced is not None:
+        kw, param = {"json": forced, "disable_any_whitespace": True}, "tools"
+    elif kind == "json_object":
+        kw = {"json_object": True, "disable_any_whitespace": True}
+    elif kind == "json_schema":
+        if schema is None:
+            raise APIError(400, f"{param}: json_schema needs a schema", param)
+        kw = {"json": schema, "disable_any_whitespace": True}
+    elif extra is not None:
+        kw, param = extra, "structured_outputs"
     if kw is None:
         return None
     try:
         return StructuredOutputsParams(**kw)
     except ValueError as e:  # StructuredOutputError included: a bad schema
-        raise APIError(400, f"invalid schema: {e}", param) from e
+        raise APIError(400, f"invalid {param}: {e}", param) from e

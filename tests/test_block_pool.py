@@ -86,3 +86,26 @@ def test_free_hit_blocks_count_against_capacity():
     # needs 2 hit blocks + 2 fresh = 4 > 3
     assert not kv.allocate_slots(r2, 5, hits)
     assert all(b.ref_cnt == 0 for b in hits)
+
+
+def test_stale_hits_are_refused_loudly():
+    """Hits looked up before another allocation may name a block that allocation took."""
+    kv = KVCacheManager(num_blocks=2, block_size=4)
+    r1 = make_request("a", list(range(5)))
+    assert kv.allocate_slots(r1, 5)
+    kv.free(r1)  # free queue: [block 1, block 0 (cached)]
+    r2 = make_request("b", list(range(4)) + [9])
+    hits, n = kv.find_cached_prefix(r2)
+    assert n == 4
+    cold = make_request("c", [7] * 8)
+    assert kv.allocate_slots(cold, 8)  # takes both blocks, the hit among them
+    with pytest.raises(RuntimeError, match="stale prefix-cache hits for request 'b'"):
+        kv.allocate_slots(r2, 1, hits)
+    assert kv.block_ids(r2) == []
+    kv.free(cold)
+    # hits only start a request
+    fresh_hits, _ = kv.find_cached_prefix(make_request("d", [7] * 5))
+    r3 = make_request("e", [7] * 5)
+    assert kv.allocate_slots(r3, 1)
+    with pytest.raises(RuntimeError, match="already holds KV"):
+        kv.allocate_slots(r3, 1, fresh_hits)

@@ -405,4 +405,56 @@ def test_allocators_are_kept_per_purpose_and_defaults_for_optional_hooks():
     assert active.allocator(AllocatorPurpose.KV_ARENA) is kv
     assert active.allocator(AllocatorPurpose.WEIGHTS) is not kv
     assert active.waivers() == []
-    assert active.graph_capture() is None and active.model_runner() is None
+    assert active.graph_capture(8) is None and active.model_runner(_context()) is None
+
+
+def _context():
+    from tokenmill.platforms.interfaces import KVCacheSpec, ModelRunnerContext, ParallelConfig
+
+    return ModelRunnerContext(
+        hf_config=None, model_path="/nowhere", weights=lambda: iter(()), dtype=torch.float32,
+        device=torch.device("cpu"), kv_cache=KVCacheSpec((), 16), parallel=ParallelConfig(),
+        max_num_batched_tokens=64, max_num_seqs=4, max_model_len=128, seed=0,
+    )
+
+
+class RunnerIsNotARunner(FakePlugin):
+    @hookimpl
+    def tokenmill_model_runner(self, platform, context):
+        return object()
+
+
+class RunnerWithNoBlockBytes(FakePlugin):
+    @hookimpl
+    def tokenmill_model_runner(self, platform, context):
+        from tokenmill.platforms.interfaces import ModelRunnerBase
+
+        class Runner(ModelRunnerBase):
+            def kv_block_bytes(self):
+                return 0
+
+            def initialize_kv_cache(self, num_blocks):
+                pass
+
+            def execute(self, step):
+                raise NotImplementedError
+
+        return Runner()
+
+
+class GraphsWithoutTheCapability(FakePlugin):
+    @hookimpl
+    def tokenmill_graph_capture(self, platform):
+        raise AssertionError("called although capabilities.graphs is False")
+
+
+def test_model_runner_and_graph_capture_results_are_validated():
+    context = _context()
+    active = registry_with(RunnerIsNotARunner("bad")).load_platform()
+    with pytest.raises(PlatformError, match="'bad': tokenmill_model_runner returned .*ModelRunnerBase"):
+        active.model_runner(context)
+    active = registry_with(RunnerWithNoBlockBytes("zero")).load_platform()
+    with pytest.raises(PlatformError, match=r"'zero': its model runner's kv_block_bytes\(\) returned 0"):
+        active.model_runner(context)
+    active = registry_with(GraphsWithoutTheCapability("nographs")).load_platform()
+    assert active.graph_capture(8) is None

@@ -7,6 +7,7 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 from tokenmill.sampler import (
     Sampler,
     SamplingRow,
+    apply_logit_bias,
     apply_penalties,
     make_generator,
     prompt_logprobs,
@@ -265,3 +266,33 @@ def test_extreme_penalties_do_not_break_sampling():
     ]
     out = Sampler()(logits, rows)
     assert all(0 <= t < 300 for t in out.token_ids)
+
+
+def test_logit_bias_matches_a_per_row_reference_and_leaves_other_rows_alone():
+    torch.manual_seed(0)
+    logits = torch.randn(3, VOCAB)
+    biases = [{7: 100.0, 8: -3.5}, None, {0: -100.0, 49: 2.25}]
+    rows = [row(temperature=0.5, logit_bias=b) for b in biases]
+    biased = apply_logit_bias(logits, rows, owned=False)
+    expected = logits.clone()
+    for i, b in enumerate(biases):
+        for t, v in (b or {}).items():
+            expected[i, t] += v
+    torch.testing.assert_close(biased, expected)
+    assert biased is not logits and torch.equal(logits, logits.clone())  # input untouched
+    assert apply_logit_bias(logits, [row()] * 3, owned=False) is logits  # no bias: no copy
+    # +100 wins the greedy choice, -100 bans the favourite; the sampled distribution is
+    # the reference's on the biased logits
+    top = int(logits[1].argmax())
+    assert sample(logits[1:2], [row(temperature=0.0, logit_bias={top: -100.0})]) != [top]
+    assert sample(logits[:1], [row(temperature=0.0, logit_bias={3: 100.0})]) == [3]
+    freq = frequencies(logits[2], 20000, logit_bias=biases[2])
+    torch.testing.assert_close(freq, reference_probs(expected[2]), atol=0.015, rtol=0)
+    with pytest.raises(ValueError, match="token id 50 "):
+        apply_logit_bias(logits[:1], [row(logit_bias={50: 1.0})], owned=False)
+
+
+@pytest.mark.parametrize("bias", [{1: 100.5}, {1: float("nan")}, {-1: 1.0}, {"1": 1.0}, [1]])
+def test_logit_bias_is_validated(bias):
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=bias)

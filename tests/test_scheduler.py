@@ -146,3 +146,52 @@ def test_a_cached_history_counts_as_a_short_prefill():
     out = run_step(s)
     assert [x.request_id for x in out.scheduled] == ["turn2", "cold"]
     assert out.scheduled[0].start_position == 40 and len(out.scheduled[0].token_ids) == 4
+
+
+def test_a_cold_admission_cannot_take_a_block_another_admission_hit():
+    """The cold request sorts first and takes the least recently freed block, which the
+    other request counted as a hit while sorting: the hits are looked up again at
+    allocation, so no block ends up in both tables."""
+    s = make(num_blocks=6, block_size=4, budget=64)
+    for rid, base in (("a", 10), ("b", 40)):  # fill the pool, then leave it all cached
+        s.add_request(Request(rid, list(range(base, base + 12)), SamplingParams(max_tokens=1)))
+    run_step(s)
+    s.finish("a", RequestStatus.FINISHED_STOPPED)
+    s.finish("b", RequestStatus.FINISHED_STOPPED)
+    s.add_request(Request("cold", [70, 71, 72], SamplingParams(max_tokens=1)))
+    s.add_request(Request("hit", list(range(10, 22)) + [80, 81, 82, 83], SamplingParams(max_tokens=1)))
+    out = run_step(s)
+    assert [x.request_id for x in out.scheduled] == ["cold", "hit"]
+    cold, hit = (set(x.block_ids) for x in out.scheduled)
+    assert not cold & hit
+    assert out.scheduled[1].start_position == 8  # a's first two blocks; the third is gone
+
+
+def test_prompt_chunks_that_fill_the_pool_do_not_deadlock():
+    """Two prompts each got a chunk and together hold every block; neither can grow. The
+    newest is preempted so the oldest goes on, instead of every step doing nothing."""
+    s = make(num_blocks=2, block_size=4, budget=5, long_prefill=3, caching=False)
+    s.add_request(Request("a", [1] * 5, SamplingParams(max_tokens=1)))
+    s.add_request(Request("b", [2] * 5, SamplingParams(max_tokens=1)))
+    first = run_step(s)
+    assert [(x.request_id, len(x.token_ids)) for x in first.scheduled] == [("a", 3), ("b", 2)]
+    second = run_step(s)
+    assert second.num_preempted == 1 and s.requests["b"].status == RequestStatus.PREEMPTED
+    assert [(x.request_id, len(x.token_ids)) for x in second.scheduled] == [("a", 2)]
+
+
+def test_a_waiting_request_that_does_not_fit_leaves_running_prompts_going():
+    """A waiting request sorted ahead of a running prompt chunk finds no KV: admission
+    stops there, and the running prompt still gets its next chunk."""
+    s = make(num_blocks=4, block_size=4, budget=8)
+    s.add_request(req("x", 8, max_tokens=1))
+    s.add_request(Request("r", list(range(500, 516)), SamplingParams(max_tokens=1)))
+    run_step(s)  # x's whole prompt: 2 blocks
+    s.finish("x", RequestStatus.FINISHED_STOPPED)  # its 2 blocks stay cached, free
+    run_step(s)  # r's first 8 tokens take the other 2 blocks
+    # 5 tokens after x's cached 8 sort ahead of r's last 8, but need x's 2 blocks + 2 more
+    s.add_request(req("w", 13, max_tokens=1))
+    out = run_step(s)
+    assert [(x.request_id, x.start_position, len(x.token_ids)) for x in out.scheduled] == [
+        ("r", 8, 8)]
+    assert out.num_preempted == 0 and s.requests["w"].status == RequestStatus.WAITING

@@ -23,8 +23,14 @@ REFERENCE_NAME = "tokenmill-reference"
 
 
 def import_plugin(spec: str) -> object:
-    """A plugin object from 'package.module', 'package.module:attr' or 'path/to/file.py'."""
-    target, _, attr = spec.partition(":") if not spec.endswith(".py") else (spec, "", "")
+    """A plugin object from 'package.module', 'package.module:attr', 'path/to/file.py' or
+    'path/to/file.py:attr' (an object of the module, e.g. a plugin class instance)."""
+    if spec.endswith(".py"):
+        target, attr = spec, ""
+    elif ".py:" in spec:
+        target, _, attr = spec.rpartition(":")
+    else:
+        target, _, attr = spec.partition(":")
     if target.endswith(".py"):
         path = Path(target).resolve()
         if not path.is_file():

@@ -31,36 +31,40 @@ class KVArena:
         return 2 * spec.block_size * spec.num_kv_heads * spec.head_size * itemsize
 
     @classmethod
-    def create(
-        cls,
-        allocator: Allocator,
-        specs: list[AttentionSpec],
-        *,
-        num_blocks: int | None,
-        num_bytes: int,
-        device: torch.device,
-    ) -> KVArena:
-        """Allocate an arena for layers with `specs`: `num_blocks` blocks if given, else as
-        many as fit in `num_bytes` (capped by the allocator's limit)."""
+    def page_bytes_of(cls, specs: list[AttentionSpec]) -> int:
+        """The one page size of `specs` (every layer must agree)."""
         if not specs:
             raise ValueError("the model declares no attention layers; nothing to cache")
         page_bytes = {cls.page_bytes_for(s) for s in specs}
         if len(page_bytes) != 1:
             raise ValueError(f"layers need different KV page sizes {sorted(page_bytes)}")
-        page = page_bytes.pop()
+        return page_bytes.pop()
+
+    @classmethod
+    def block_bytes_for(cls, specs: list[AttentionSpec]) -> int:
+        """Bytes of one block id over every layer slot."""
+        return cls.page_bytes_of(specs) * len(specs)
+
+    @classmethod
+    def create(
+        cls,
+        allocator: Allocator,
+        specs: list[AttentionSpec],
+        *,
+        num_blocks: int,
+        device: torch.device,
+    ) -> KVArena:
+        """Allocate an arena of `num_blocks` blocks for layers with `specs`."""
+        page = cls.page_bytes_of(specs)
         num_slots = len(specs)
-        if num_blocks is None:
-            budget = min(num_bytes, allocator.bytes_limit() - allocator.bytes_in_use())
-            num_blocks = budget // (page * num_slots)
         if num_blocks < 1:
-            raise ValueError(
-                f"the KV cache budget of {num_bytes} bytes holds no block of "
-                f"{page * num_slots} bytes; give it more memory"
-            )
+            raise ValueError(f"num_blocks={num_blocks}: the KV arena needs at least one block")
+        # Not zeroed: touching every page of a large arena at start costs seconds and
+        # commits memory the pool may never use. Unwritten slots (a block's tail, freed
+        # blocks) may hold anything, NaN bit patterns included; attention backends must
+        # keep them out of every result (mask, never multiply by a zero probability),
+        # which conformance tier T1 checks with NaN-filled caches.
         buffer = allocator.allocate(num_blocks * page * num_slots)
-        # Kernels may read a block's unwritten tail (and multiply it by a zero probability);
-        # uninitialised memory can hold NaN bit patterns, and 0 * NaN is NaN.
-        buffer.zero_()
         caches = []
         for slot, spec in enumerate(specs):
             region = buffer[slot * num_blocks * page : (slot + 1) * num_blocks * page]

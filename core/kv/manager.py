@@ -124,11 +124,17 @@ class KVCacheManager:
     ) -> bool:
         """Reserve KV for `num_new_tokens` more tokens (after `hits`, if any).
 
+        `hits` are for a request that holds no KV yet, and must be what
+        `find_cached_prefix` returned with no allocation in between: allocating takes the
+        least recently freed blocks, cached ones included, so an older lookup may name a
+        block that now holds another request's tokens. Stale hits raise RuntimeError.
         Returns False, changing nothing, when the pool cannot supply the blocks.
         `publish=False` keeps the new blocks out of the prefix cache (their content is
         still being loaded by the KV connector; `cache_blocks` publishes them after).
         """
         hits = hits or []
+        if hits:
+            self._check_hits(request, hits)
         num_computed = request.num_computed_tokens + len(hits) * self.block_size
         total = num_computed + num_new_tokens
         # Cached hits sitting in the free queue stop being allocatable once touched.
@@ -146,6 +152,20 @@ class KVCacheManager:
         """Publish the request's blocks that its first `num_tokens` tokens fill."""
         if self.enable_prefix_caching:
             self.full.cache_full_blocks(request, num_tokens)
+
+    def _check_hits(self, request: Request, hits: list[KVBlock]) -> None:
+        if request.num_computed_tokens or self.full.block_ids(request):
+            raise RuntimeError(
+                f"request {request.request_id!r} already holds KV: prefix-cache hits only "
+                "start a request"
+            )
+        if len(hits) > len(request.block_hashes) or any(
+            self.pool.get_cached_block(h) is not b for b, h in zip(hits, request.block_hashes)
+        ):
+            raise RuntimeError(
+                f"stale prefix-cache hits for request {request.request_id!r}: look them up "
+                "again (find_cached_prefix) right before allocate_slots"
+            )
 
     def free(self, request: Request) -> None:
         self.full.free(request)

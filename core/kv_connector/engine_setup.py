@@ -22,7 +22,22 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
+class WorkerOffload:
+    """A worker's half: the tier stack and the loads and saves over its KV caches."""
+
+    stack: TierStack
+    layout: KVLayout
+    worker_side: KVConnectorWorker
+
+    def close(self) -> None:
+        self.worker_side.close()
+        self.stack.close()
+
+
+@dataclass(slots=True)
 class Offload:
+    """The engine's view: the scheduler side over the worker's stack (in-process)."""
+
     stack: TierStack
     layout: KVLayout
     scheduler_side: KVConnectorScheduler
@@ -31,10 +46,6 @@ class Offload:
     def snapshot(self) -> dict[str, TierStats]:
         """A copy of every tier's counters, in stack order (for the metrics)."""
         return {name: copy.copy(stats) for name, stats in self.stack.stats.items()}
-
-    def close(self) -> None:
-        self.worker_side.close()
-        self.stack.close()
 
 
 def model_identity(model_path: str, hf_config) -> str:
@@ -51,18 +62,15 @@ def model_identity(model_path: str, hf_config) -> str:
     return h.hexdigest()
 
 
-def offload_config(args) -> OffloadConfig:
-    return OffloadConfig(
+def offload_config(args) -> OffloadConfig | None:
+    """The tiers EngineArgs ask for, or None without any. Raises ValueError naming a bad
+    combination."""
+    config = OffloadConfig(
         host_bytes=args.kv_offload_host_bytes,
         disk_path=None if args.kv_offload_disk_path is None else os.fspath(args.kv_offload_disk_path),
         disk_bytes=args.kv_offload_disk_bytes,
         remote=args.kv_offload_remote,
     )
-
-
-def make_offload(args, loaded, arena, platform) -> Offload | None:
-    """The connector for an engine with `args` (EngineArgs), or None when no tier is set."""
-    config = offload_config(args)
     if not config.enabled:
         return None
     if not args.enable_prefix_caching:
@@ -70,11 +78,17 @@ def make_offload(args, loaded, arena, platform) -> Offload | None:
             "KV offload addresses blocks by their prefix-cache keys; it needs "
             "enable_prefix_caching=True"
         )
-    caches = arena.layer_caches
+    return config
+
+
+def make_worker_offload(
+    config: OffloadConfig, model_path: str, hf_config, caches: list, platform, block_size: int
+) -> WorkerOffload:
+    """A worker's tier stack and connector half over its arena's per-layer `caches`."""
     layout = KVLayout(
-        model_id=model_identity(loaded.model_path, loaded.hf_config),
+        model_id=model_identity(model_path, hf_config),
         dtype=str(caches[0].dtype).removeprefix("torch."),
-        block_size=args.block_size,
+        block_size=block_size,
         layer_shapes=tuple((c.shape[0], *c.shape[2:]) for c in caches),
         itemsize=caches[0].element_size(),
     )
@@ -82,9 +96,15 @@ def make_offload(args, loaded, arena, platform) -> Offload | None:
     stack = build_stack(config, TierContext(layout, lambda: staging))
     worker = KVConnectorWorker(stack, layout, staging)
     worker.register_kv_caches(caches)
-    scheduler_side = KVConnectorScheduler(stack, layout.fingerprint(), args.block_size)
     logger.info(
         "KV offload: tiers %s, %d-byte objects (one block of every layer)",
         [t.name for t in stack.tiers], layout.object_bytes,
     )
-    return Offload(stack, layout, scheduler_side, worker)
+    return WorkerOffload(stack, layout, worker)
+
+
+def engine_offload(worker_offload: WorkerOffload, block_size: int) -> Offload:
+    """The engine's view of an in-process worker's offload."""
+    w = worker_offload
+    side = KVConnectorScheduler(w.stack, w.layout.fingerprint(), block_size)
+    return Offload(w.stack, w.layout, side, w.worker_side)

@@ -180,6 +180,8 @@ class CausalLM(nn.Module):
     `attention_backend.prepare(metadata)` once per step before `forward`; the model does not.
     """
 
+    attention_specs_for = staticmethod(_attention_specs)  # (hf_config, dtype, block_size)
+
     def __init__(
         self,
         hf_config: Any,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,6 +63,84 @@ def default_model_path() -> str:
     )
 
 
+@dataclass(slots=True)
+class ModelInfo:
+    """What the engine core needs of a checkpoint without its weights (the workers load
+    those): config, tokenizer, chat template, stop ids, context length."""
+
+    hf_config: Any  # transformers PretrainedConfig
+    tokenizer: Any  # transformers tokenizer; None when not loaded
+    chat_template: str | None  # jinja; None when the checkpoint ships none
+    eos_token_ids: set[int]  # any of these ends a generation
+    max_model_len: int  # the longest context the model supports
+    model_path: str  # the resolved checkpoint: an HF directory or a .gguf file
+
+
+def load_model_info(model: str, *, tokenizer: str | None = None,
+                    load_tokenizer: bool = True) -> ModelInfo:
+    """Config and (unless `load_tokenizer` is false) tokenizer of `model` (an HF directory
+    or a `.gguf` file); no weights are read. Raises as `load_model_and_tokenizer`."""
+    path = _resolve_model_path(model)
+    if path.suffix == ".gguf":
+        hf_config = _gguf_config(path)
+        generation_eos: list[int] = []
+        tokenizer_obj = _load_tokenizer(tokenizer, gguf=path) if load_tokenizer else None
+    else:
+        hf_config = _hf_config(path)
+        generation_eos = _generation_eos_ids(path)
+        tokenizer_obj = _load_tokenizer(tokenizer or str(path), gguf=None) if load_tokenizer else None
+    chat_template = getattr(tokenizer_obj, "chat_template", None)
+    if isinstance(chat_template, dict):  # named templates; "default" is the chat one
+        chat_template = chat_template.get("default")
+    return ModelInfo(
+        hf_config=hf_config,
+        tokenizer=tokenizer_obj,
+        chat_template=chat_template,
+        eos_token_ids=_eos_token_ids(generation_eos, hf_config, tokenizer_obj),
+        max_model_len=_max_model_len(hf_config),
+        model_path=str(path),
+    )
+
+
+def checkpoint_weights(model_path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) of every checkpoint tensor of `model_path` (as resolved by
+    `load_model_info`), one at a time for safetensors; GGUF tensors are dequantized to
+    float32."""
+    path = Path(model_path)
+    if path.suffix == ".gguf":
+        return _gguf_weights(path, hf_config)
+    return _safetensors_weights(path)
+
+
+def checkpoint_dtype(model_path: str, hf_config: Any) -> torch.dtype:
+    """The dtype the checkpoint's weights are in (float32 for GGUF: dequantized)."""
+    return torch.float32 if Path(model_path).suffix == ".gguf" else _config_dtype(hf_config)
+
+
+def build_model(
+    hf_config: Any,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    ops: Ops,
+    attention_backend: AttentionBackend | Callable[[AttentionSpec], AttentionBackend],
+    block_size: int,
+) -> nn.Module:
+    """The model class for `hf_config` on `device` in `dtype`, `weights` loaded, prepacked
+    for the platform's ops and in eval mode."""
+    model_cls = model_class_for(hf_config)
+    with torch.device(device):
+        lm = model_cls(
+            hf_config, ops=ops, attention_backend=attention_backend, dtype=dtype,
+            block_size=block_size,
+        )
+    lm.load_weights(weights)
+    lm.prepack()
+    lm.eval()
+    return lm
+
+
 def load_model_and_tokenizer(
     model: str,
     dtype: torch.dtype | None,
@@ -80,45 +158,22 @@ def load_model_and_tokenizer(
     Raises FileNotFoundError for a missing path or weights, ValueError for an unsupported
     model type, KeyError for unknown or missing weights.
     """
-    path = _resolve_model_path(model)
-    device = torch.device(device)
-    if path.suffix == ".gguf":
-        hf_config, weights = _gguf_config_and_weights(path)
-        tokenizer_obj = _load_tokenizer(tokenizer, gguf=path)
-        dtype = dtype or torch.float32
-        generation_eos: list[int] = []
-    else:
-        hf_config = _hf_config(path)
-        weights = _safetensors_weights(path)
-        tokenizer_obj = _load_tokenizer(tokenizer or str(path), gguf=None)
-        dtype = dtype or _config_dtype(hf_config)
-        generation_eos = _generation_eos_ids(path)
-
-    model_cls = model_class_for(hf_config)
-    with torch.device(device):
-        lm = model_cls(
-            hf_config,
-            ops=ops,
-            attention_backend=attention_backend,
-            dtype=dtype,
-            block_size=block_size,
-        )
-    lm.load_weights(weights)
-    lm.prepack()
-    lm.eval()
-    logger.info("loaded %s (%s) in %s on %s", path, hf_config.model_type, dtype, device)
-
-    chat_template = getattr(tokenizer_obj, "chat_template", None)
-    if isinstance(chat_template, dict):  # named templates; "default" is the chat one
-        chat_template = chat_template.get("default")
+    info = load_model_info(model, tokenizer=tokenizer)
+    dtype = dtype or checkpoint_dtype(info.model_path, info.hf_config)
+    lm = build_model(
+        info.hf_config, checkpoint_weights(info.model_path, info.hf_config), dtype=dtype,
+        device=device, ops=ops, attention_backend=attention_backend, block_size=block_size,
+    )
+    logger.info("loaded %s (%s) in %s on %s", info.model_path, info.hf_config.model_type,
+                dtype, device)
     return LoadedModel(
         model=lm,
-        hf_config=hf_config,
-        tokenizer=tokenizer_obj,
-        chat_template=chat_template,
-        eos_token_ids=_eos_token_ids(generation_eos, hf_config, tokenizer_obj),
-        max_model_len=_max_model_len(hf_config),
-        model_path=str(path),
+        hf_config=info.hf_config,
+        tokenizer=info.tokenizer,
+        chat_template=info.chat_template,
+        eos_token_ids=info.eos_token_ids,
+        max_model_len=info.max_model_len,
+        model_path=info.model_path,
     )
 
 
@@ -199,21 +254,29 @@ class _ParameterNames:
         return iter(())
 
 
-def _gguf_config_and_weights(path: Path) -> tuple[Any, Iterator[tuple[str, torch.Tensor]]]:
-    """The HF config and the HF-named, dequantized float32 tensors of a GGUF file."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def _gguf_config(path: Path) -> Any:
+    """The HF config of a GGUF file (its metadata only)."""
+    from transformers import AutoConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     config_dict = dict(load_gguf_checkpoint(str(path), return_tensors=False)["config"])
     model_type = config_dict.pop("model_type")
     hf_config = AutoConfig.for_model(model_type, **config_dict)
     model_class_for(hf_config)  # an unsupported type fails here, before the slow part
+    return hf_config
+
+
+def _gguf_weights(path: Path, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The HF-named, dequantized float32 tensors of a GGUF file."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
     with torch.device("meta"):
         names = list(AutoModelForCausalLM.from_config(hf_config).state_dict())
     parsed = load_gguf_checkpoint(
         str(path), return_tensors=True, model_to_load=_ParameterNames(hf_config, names)
     )
-    return hf_config, iter(parsed["tensors"].items())
+    return iter(parsed["tensors"].items())
 
 
 def _load_tokenizer(source: str | None, gguf: Path | None) -> Any:

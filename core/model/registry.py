@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from tokenmill.model.llama import CausalLM
+from tokenmill.platforms.interfaces import AttentionSpec
 
 # HF `model_type` -> class. One class covers the llama family; its module docstring says how
 # the types differ. Keyed by model_type, not `architectures`, because the class reads its
@@ -35,3 +37,8 @@ def model_class_for(hf_config: Any) -> type[nn.Module]:
         f"model_type {model_type!r} (architectures {architectures}) is not supported; "
         f"supported model types: {supported_model_types()}"
     )
+
+
+def attention_specs_for(hf_config: Any, dtype: torch.dtype, block_size: int) -> list[AttentionSpec]:
+    """One attention spec per layer of `hf_config`, as its model class builds them."""
+    return model_class_for(hf_config).attention_specs_for(hf_config, dtype, block_size)

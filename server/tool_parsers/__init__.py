@@ -2,10 +2,15 @@
 
 `get_tool_parser(name)` returns a parser class from the registry; `tool_parser_names()`
 lists what `--tool-call-parser` accepts. Importing this package registers the built-in
-parsers (`hermes`, `llama3_json`) through the same decorator outside ones would use.
+parsers (`hermes`, `llama3_json`, `qwen3_coder`, `mistral`) through the same decorator outside ones would use.
 """
 
-from tokenmill.server.tool_parsers import hermes, llama3_json  # noqa: E402,F401  (registers)
+from tokenmill.server.tool_parsers import (  # noqa: F401  (registers)
+    hermes,
+    llama3_json,
+    mistral,
+    qwen3_coder,
+)
 from tokenmill.server.tool_parsers.base import (
     ContentDelta,
     ExtractedToolCalls,

@@ -93,9 +93,15 @@ class ToolParser:
     """
 
     name: ClassVar[str] = ""
+    # The format's markers are special tokens, so the output must keep them (vLLM's
+    # mistral parser needs the same).
+    keeps_special_tokens: ClassVar[bool] = False
 
-    def __init__(self, id_prefix: str = "call_") -> None:
+    def __init__(self, id_prefix: str = "call_", tools: list[dict] | None = None) -> None:
+        """`tools`: the request's HF function tools, for formats whose arguments are text
+        that the parameter schemas type (Qwen3-Coder XML)."""
         self.id_prefix = id_prefix
+        self.tools = tools or []
 
     def extract_tool_calls(self, text: str) -> ExtractedToolCalls:
         raise NotImplementedError

@@ -140,3 +140,40 @@ def test_new_plugin_subcommand(tmp_path, capsys):
     assert 'npu_x = "tokenmill_npu_x.plugin"' in pyproject and 'name = "tokenmill-npu-x"' in pyproject
     assert main(["new-plugin", "npu_x", "--dir", str(tmp_path)]) == 2  # never overwrites
     assert "already exists" in capsys.readouterr().err
+
+
+def test_plugin_model_runner_is_certified_by_t3(tmp_path):
+    """runner_plugin.py's runner (HF transformers, recomputing each step) runs every T3
+    comparison, and T3 checks that it did."""
+    plugin = HERE / "runner_plugin.py"
+    code, output, cert, _ = certify(
+        tmp_path, "--platform", "hfrunner", "--plugin", str(plugin), "--tier", "T0,T3"
+    )
+    assert code == 0, output[-4000:]
+    assert tiers(cert)["T3"] == "passed"
+    outcomes = {t["id"]: t["outcome"] for t in cert["tests"]}
+    assert outcomes["t3/test_runner_paths.py::test_own_model_runner_serves_the_models"] == "passed"
+
+
+def test_wrong_plugin_model_runner_is_refused_by_t3(tmp_path):
+    plugin = HERE / "broken_runner_plugin.py"
+    code, output, cert, _ = certify(
+        tmp_path, "--platform", "hfrunner-broken", "--plugin", str(plugin), "--tier", "T0,T3"
+    )
+    assert code == 1
+    assert tiers(cert)["T0"] == "passed" and tiers(cert)["T3"] == "failed"
+    failed = {f["id"] for f in cert["failures"]}
+    assert "t3/test_greedy.py::test_greedy_matches_reference[llama]" in failed
+    assert "t3/test_runner_paths.py::test_own_model_runner_serves_the_models" in failed
+
+
+def test_decode_graphs_are_certified_by_t3(tmp_path):
+    """The CPU plugin plus honest replaying 'graphs' (tests/graph_plugin.py) passes T3,
+    including the check that decode steps replayed captured graphs."""
+    plugin = HERE.parent / "graph_plugin.py"
+    code, output, cert, _ = certify(
+        tmp_path, "--platform", "cpu-graphs", "--plugin", f"{plugin}:PLUGIN", "--tier", "T3"
+    )
+    assert code == 0, output[-4000:]
+    outcomes = {t["id"]: t["outcome"] for t in cert["tests"]}
+    assert outcomes["t3/test_runner_paths.py::test_decode_graphs_replay_and_match"] == "passed"

@@ -122,6 +122,6 @@ def test_abort_before_the_load_is_sent_frees_at_once():
     # admitted (blocks allocated, load queued) but finished before a step sends the load
     req = scheduler.requests["b"]
     scheduler.kv.find_cached_prefix(req)
-    assert scheduler._start_external_load(req, [], req.num_tokens)
+    assert scheduler._start_external_load(req, [], 0)
     scheduler.finish("b", RequestStatus.FINISHED_ABORTED)
     assert not scheduler.parked and scheduler.kv.pool.num_free_blocks == NUM_BLOCKS

@@ -6,8 +6,10 @@ from tokenmill.server.cli import build_parser, main
 
 FLAGS = ["--host", "--port", "--served-model-name", "--api-key", "--platform", "--max-model-len",
          "--max-num-seqs", "--max-num-batched-tokens", "--dtype", "--chat-template",
-         "--enable-auto-tool-choice", "--tool-call-parser", "--kv-offload-host-bytes",
-         "--kv-offload-disk-path", "--kv-offload-disk-bytes", "--kv-offload-remote"]
+         "--enable-auto-tool-choice", "--tool-call-parser", "--distributed-executor-backend",
+         "--memory-utilization", "--kv-cache-memory-bytes", "--reasoning-parser",
+         "--max-stored-responses", "--kv-offload-host-bytes", "--kv-offload-disk-path",
+         "--kv-offload-disk-bytes", "--kv-offload-remote"]
 
 
 def test_serve_has_the_flags():
@@ -24,6 +26,8 @@ def test_bad_engine_arguments_exit_2(capsys):
     assert "max_num_seqs" in err
     assert main(["serve", "--block-size", "3", "--port", "1"]) == 2
     assert "block_size=3 must be a power of two" in capsys.readouterr().err
+    assert main(["serve", "--memory-utilization", "1.5", "--port", "1"]) == 2
+    assert "memory_utilization" in capsys.readouterr().err
 
 
 def test_bad_kv_offload_arguments_exit_2(capsys):
@@ -39,3 +43,9 @@ def test_unknown_tool_call_parser_lists_the_choices(capsys):
     assert main(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "nope", "--port", "1"]) == 2
     err = capsys.readouterr().err
     assert "'nope'" in err and "hermes" in err and "llama3_json" in err
+
+
+def test_unknown_reasoning_parser_lists_the_choices(capsys):
+    assert main(["serve", "--reasoning-parser", "nope", "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "'nope'" in err and "qwen3" in err and "deepseek_r1" in err

@@ -37,6 +37,7 @@ OPERATIONS = [
     ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
     ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"), ("POST", "/tokenize"),
     ("POST", "/detokenize"), ("GET", "/health"), ("GET", "/version"), ("GET", "/metrics"),
+    ("POST", "/v1/responses"), ("GET", "/v1/responses/{response_id}"),
 ]
 
 

@@ -1,0 +1,26 @@
+"""The plain configuration a worker is built from (msgspec: it crosses to worker processes)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from tokenmill.kv_connector.registry import OffloadConfig
+
+
+class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """What a worker needs of EngineArgs, resolved by the engine core (no 'auto' left)."""
+
+    model_path: str  # the resolved checkpoint: an HF directory or a .gguf file
+    platform: str  # the platform plugin's name (entry point), as the engine chose it
+    dtype: str  # torch dtype name, e.g. "bfloat16"
+    block_size: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int  # the model's context, before the KV pool may lower it
+    seed: int
+    num_kv_blocks: int | None = None  # EngineArgs.num_kv_blocks: fixes the pool size
+    kv_cache_memory_bytes: int | None = None  # EngineArgs.kv_cache_memory_bytes: wins
+    memory_utilization: float = 0.9  # share of the device memory_info's total to use
+    world_size: int = 1
+    distributed_executor_backend: str = "uni"
+    kv_offload: OffloadConfig | None = None  # KV offload tiers (core/kv_connector); None: off

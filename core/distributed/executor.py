@@ -1,0 +1,101 @@
+"""The engine's handle on its workers.
+
+An executor runs a method on every worker (`collective_rpc`, by name, with msgspec-
+encodable arguments) and one step at a time (`execute`: the step goes to every rank, the
+result comes back from rank 0). `initialize` drives the workers' set-up in order. The
+"uni" executor holds one worker in the engine's process; "mp" (tokenmill.distributed.mp)
+one process per rank; a Ray executor implements the same four methods over actors.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from tokenmill.distributed.config import WorkerConfig
+from tokenmill.distributed.errors import ExecutorError
+from tokenmill.distributed.worker import Worker
+from tokenmill.platforms.registry import ActivePlatform
+from tokenmill.step import StepDescription, StepResult
+
+EXECUTOR_BACKENDS = ("uni", "mp")
+
+
+class Executor(ABC):
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+
+    @abstractmethod
+    def collective_rpc(
+        self,
+        method: str,
+        args: tuple = (),
+        unique_reply_rank: int | None = None,
+        timeout_s: float | None = None,
+    ) -> list[Any]:
+        """Call `Worker.<method>(*args)` on every rank; returns the ranks' results in rank
+        order, or only `unique_reply_rank`'s (a list of one). Raises `ExecutorError` when
+        a worker dies, raises or (with `timeout_s`) does not answer in time."""
+
+    @abstractmethod
+    def check_health(self) -> None:
+        """Raises `ExecutorError` naming the failure once any worker has failed."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop the workers; idempotent."""
+
+    def initialize(self) -> int:
+        """Set the workers up; returns the number of KV blocks every rank holds."""
+        self.collective_rpc("init_device")
+        self.collective_rpc("load_model")
+        num_blocks = min(self.collective_rpc("determine_num_blocks"))
+        self.collective_rpc("initialize_kv_cache", (num_blocks,))
+        return num_blocks
+
+    def execute(self, step: StepDescription) -> StepResult:
+        """Run one step on every rank; rank 0's result."""
+        (result,) = self.collective_rpc("execute", (step,), unique_reply_rank=0)
+        if not isinstance(result, StepResult):
+            raise ExecutorError(f"rank 0 returned {type(result).__name__}, not a StepResult")
+        return result
+
+
+class UniExecutor(Executor):
+    """One worker, in the engine's process: calls are plain method calls."""
+
+    def __init__(self, config: WorkerConfig, platform: ActivePlatform, hf_config: Any) -> None:
+        super().__init__(config)
+        self.worker = Worker(config, rank=0, platform=platform, hf_config=hf_config)
+
+    def collective_rpc(self, method, args=(), unique_reply_rank=None, timeout_s=None):
+        return [getattr(self.worker, method)(*args)]
+
+    def check_health(self) -> None:
+        return None  # the worker is this process: if it died, so did we
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+
+
+def make_executor(
+    backend: str, config: WorkerConfig, platform: ActivePlatform, hf_config: Any,
+    in_process_registry: bool,
+) -> Executor:
+    """The executor for `backend` ("uni" or "mp"). `in_process_registry`: the platform came
+    from a registry given in-process, which worker processes cannot see."""
+    if backend == "uni":
+        return UniExecutor(config, platform, hf_config)
+    if backend == "mp":
+        if in_process_registry:
+            raise ValueError(
+                "distributed_executor_backend='mp' starts worker processes, which find the "
+                f"platform {platform.name!r} among installed plugins (entry points) only; "
+                "an in-process registry cannot cross to them: install the plugin or use 'uni'"
+            )
+        from tokenmill.distributed.mp import MultiprocExecutor
+
+        return MultiprocExecutor(config)
+    raise ValueError(
+        f"distributed_executor_backend={backend!r} is unknown; use one of {EXECUTOR_BACKENDS}"
+    )

@@ -1,0 +1,251 @@
+"""The "mp" executor: one worker process per rank on this host.
+
+Processes start with the spawn method (no forked device state). Calls go out over ZMQ:
+each rank has a PUSH socket of its own (every rank gets the same msgpack bytes: a
+broadcast), and replies come back on one PULL socket, tagged with the call's id and the
+rank; `unique_reply_rank` makes the other ranks stay silent (steps: only rank 0 returns
+a result). Everything on the wire is a msgspec Struct; nothing is pickled but the spawn
+arguments (bytes, ints and strings).
+
+A monitor thread waits on the processes' sentinels: when a worker exits outside
+`shutdown`, the executor records a `WorkerDiedError` naming its rank, pid and exit code;
+a call in flight sees it within `_POLL_S` and raises it, `check_health` raises it from
+then on. A worker whose engine process is gone exits on its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import tempfile
+import threading
+import time
+import traceback
+import weakref
+from typing import Any
+
+import msgspec
+import zmq
+
+from tokenmill.distributed.config import WorkerConfig
+from tokenmill.distributed.errors import ExecutorError, WorkerCallError, WorkerDiedError
+from tokenmill.distributed.executor import Executor
+from tokenmill.step import StepDescription, StepResult
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.1  # how often a waiting call looks at the workers' health
+_PARENT_CHECK_S = 1.0  # how often an idle worker checks that its engine still lives
+_JOIN_S = 5.0  # how long shutdown waits for a worker before it is killed
+
+Scalar = int | float | str | bool | None
+
+
+# ---- wire messages -----------------------------------------------------------------------
+class Call(msgspec.Struct, tag="call"):
+    call_id: int
+    method: str  # a Worker method
+    args: list[Scalar]
+    reply_rank: int | None  # None: every rank replies
+
+
+class ExecuteCall(msgspec.Struct, tag="execute"):
+    call_id: int
+    step: StepDescription
+    reply_rank: int | None
+
+
+class ShutdownCall(msgspec.Struct, tag="shutdown"):
+    call_id: int
+
+
+class Reply(msgspec.Struct, tag="reply"):
+    call_id: int
+    rank: int
+    value: Scalar
+
+
+class StepReply(msgspec.Struct, tag="step"):
+    call_id: int
+    rank: int
+    result: StepResult | None
+
+
+class ErrorReply(msgspec.Struct, tag="error"):
+    call_id: int
+    rank: int
+    method: str
+    error: str  # the worker's traceback
+
+
+Request = Call | ExecuteCall | ShutdownCall
+Response = Reply | StepReply | ErrorReply
+
+
+# ---- the engine's side ---------------------------------------------------------------------
+class MultiprocExecutor(Executor):
+    def __init__(self, config: WorkerConfig) -> None:
+        super().__init__(config)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(Response)
+        self._call_ids = 0
+        self._failure: ExecutorError | None = None
+        self._stopping = threading.Event()
+        self._dir = tempfile.mkdtemp(prefix="tokenmill-mp-")
+        self._zmq = zmq.Context()
+        self._replies = self._zmq.socket(zmq.PULL)
+        reply_addr = f"ipc://{self._dir}/replies"
+        self._replies.bind(reply_addr)
+        self._inboxes: list[zmq.Socket] = []
+        self.processes: list[multiprocessing.process.BaseProcess] = []
+        spawn = multiprocessing.get_context("spawn")
+        config_bytes = msgspec.msgpack.encode(config)
+        for rank in range(config.world_size):
+            inbox = self._zmq.socket(zmq.PUSH)
+            step_addr = f"ipc://{self._dir}/rank{rank}"
+            inbox.bind(step_addr)
+            self._inboxes.append(inbox)
+            process = spawn.Process(
+                target=worker_main,
+                args=(config_bytes, rank, step_addr, reply_addr, os.getpid()),
+                name=f"tokenmill-worker-{rank}",
+                daemon=True,
+            )
+            process.start()
+            self.processes.append(process)
+        logger.info("mp executor: started workers %s", self.pids)
+        self._monitor = threading.Thread(
+            target=self._watch, name="tokenmill-worker-monitor", daemon=True
+        )
+        self._monitor.start()
+        self._finalizer = weakref.finalize(
+            self, _stop_processes, self.processes, self._zmq, self._dir
+        )
+
+    @property
+    def pids(self) -> list[int | None]:
+        return [p.pid for p in self.processes]
+
+    def collective_rpc(self, method, args=(), unique_reply_rank=None, timeout_s=None):
+        self.check_health()
+        self._call_ids += 1
+        call_id = self._call_ids
+        if method == "execute":
+            message: Request = ExecuteCall(call_id, args[0], unique_reply_rank)
+        else:
+            message = Call(call_id, method, list(args), unique_reply_rank)
+        data = self._encoder.encode(message)
+        for inbox in self._inboxes:
+            inbox.send(data, copy=False)
+        ranks = range(len(self.processes)) if unique_reply_rank is None else [unique_reply_rank]
+        return self._gather(call_id, method, set(ranks), timeout_s)
+
+    def _gather(
+        self, call_id: int, method: str, ranks: set[int], timeout_s: float | None
+    ) -> list[Any]:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        values: dict[int, Any] = {}
+        while len(values) < len(ranks):
+            if not self._replies.poll(int(_POLL_S * 1000)):
+                self.check_health()
+                if deadline is not None and time.monotonic() > deadline:
+                    missing = sorted(ranks - values.keys())
+                    raise ExecutorError(f"workers {missing} did not answer {method} in {timeout_s} s")
+                continue
+            reply = self._decoder.decode(self._replies.recv())
+            if reply.call_id != call_id:
+                continue  # the answer to an earlier call that raised before it arrived
+            if isinstance(reply, ErrorReply):
+                raise WorkerCallError(reply.rank, reply.method, reply.error)
+            values[reply.rank] = reply.result if isinstance(reply, StepReply) else reply.value
+        return [values[rank] for rank in sorted(ranks)]
+
+    def check_health(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+
+    def _watch(self) -> None:
+        """Record the first worker that exits while the executor is not shutting down."""
+        sentinels = {p.sentinel: rank for rank, p in enumerate(self.processes)}
+        ready = multiprocessing.connection.wait(list(sentinels))
+        if self._stopping.is_set():
+            return
+        rank = sentinels[ready[0]]
+        process = self.processes[rank]
+        process.join(1.0)  # the exit code is known once the process is reaped
+        self._failure = WorkerDiedError(rank, process.pid, process.exitcode)
+        logger.error("%s", self._failure)
+
+    def shutdown(self) -> None:
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        data = self._encoder.encode(ShutdownCall(0))
+        for inbox, process in zip(self._inboxes, self.processes):
+            if process.is_alive():
+                inbox.send(data, flags=zmq.NOBLOCK)
+        self._finalizer()
+
+
+def _stop_processes(
+    processes: list[multiprocessing.process.BaseProcess], context: zmq.Context, folder: str
+) -> None:
+    """Join the workers (killing those that do not stop), close the sockets, remove the
+    socket folder. Also runs when the executor is collected without a shutdown."""
+    deadline = time.monotonic() + _JOIN_S
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            logger.warning("worker %s did not stop in %s s; killing it", process.pid, _JOIN_S)
+            process.kill()
+            process.join(_JOIN_S)
+    context.destroy(linger=0)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+# ---- the worker's side ---------------------------------------------------------------------
+def worker_main(
+    config_bytes: bytes, rank: int, step_addr: str, reply_addr: str, parent_pid: int
+) -> None:
+    """A worker process: build the Worker, then answer calls until shutdown."""
+    from tokenmill.distributed.worker import Worker  # imports torch: in the child only
+
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker{rank} %(levelname)s %(message)s")
+    config = msgspec.msgpack.decode(config_bytes, type=WorkerConfig)
+    context = zmq.Context()
+    inbox = context.socket(zmq.PULL)
+    inbox.connect(step_addr)
+    outbox = context.socket(zmq.PUSH)
+    outbox.connect(reply_addr)
+    encoder = msgspec.msgpack.Encoder()
+    decoder = msgspec.msgpack.Decoder(Request)
+    worker = Worker(config, rank)
+    try:
+        while True:
+            if not inbox.poll(int(_PARENT_CHECK_S * 1000)):
+                if os.getppid() != parent_pid:
+                    logger.error("the engine process %d is gone; worker %d exits", parent_pid, rank)
+                    return
+                continue
+            message = decoder.decode(inbox.recv())
+            if isinstance(message, ShutdownCall):
+                return
+            reply = _answer(worker, rank, message)
+            if message.reply_rank is None or message.reply_rank == rank:
+                outbox.send(encoder.encode(reply))
+    finally:
+        worker.shutdown()
+        context.destroy(linger=1000)
+
+
+def _answer(worker: Any, rank: int, message: Call | ExecuteCall) -> Response:
+    method = "execute" if isinstance(message, ExecuteCall) else message.method
+    try:
+        if isinstance(message, ExecuteCall):
+            return StepReply(message.call_id, rank, worker.execute(message.step))
+        return Reply(message.call_id, rank, getattr(worker, message.method)(*message.args))
+    except Exception:  # noqa: BLE001 - reported to the engine, which stops: never swallowed
+        return ErrorReply(message.call_id, rank, method, traceback.format_exc())

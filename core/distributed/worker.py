@@ -1,0 +1,210 @@
+"""A worker: one rank's device, model runner and KV cache.
+
+Built from a plain `WorkerConfig` inside its own process (the "mp" executor) or in the
+engine's (the "uni" executor). Executors drive it by method name (`collective_rpc`), in
+this order: `init_device`, `load_model`, `determine_num_blocks`, `initialize_kv_cache`,
+then `execute` once per step, `shutdown` last.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from tokenmill.distributed.config import WorkerConfig
+from tokenmill.kv.sizing import kv_cache_budget
+from tokenmill.kv_connector.engine_setup import WorkerOffload, make_worker_offload
+from tokenmill.model.loader import build_model, checkpoint_weights, load_model_info
+from tokenmill.model.registry import attention_specs_for
+from tokenmill.platforms.interfaces import (
+    AllocatorPurpose,
+    KVCacheSpec,
+    MemoryInfo,
+    ModelRunnerBase,
+    ModelRunnerContext,
+    ParallelConfig,
+)
+from tokenmill.platforms.registry import ActivePlatform, PlatformRegistry, load_platform
+from tokenmill.runner import ModelRunner
+from tokenmill.step import StepDescription, StepResult
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        rank: int = 0,
+        platform: ActivePlatform | None = None,
+        hf_config: Any = None,
+    ) -> None:
+        """`platform` / `hf_config`: the engine's own, when the worker runs in its process
+        (they are loaded again from the config otherwise)."""
+        self.config = config
+        self.rank = rank
+        self.platform = platform
+        self.hf_config = hf_config
+        self.runner: ModelRunnerBase | None = None
+        self.context: ModelRunnerContext | None = None
+        self._memory_at_start: MemoryInfo | None = None
+        self.kv_offload: WorkerOffload | None = None  # KV offload's worker half, if configured
+
+    # ---- set-up, in the executor's order -----------------------------------------------
+    def init_device(self) -> None:
+        if self.platform is None:
+            self.platform = load_platform(self.config.platform, PlatformRegistry.discover())
+        if self.hf_config is None:
+            self.hf_config = load_model_info(self.config.model_path, load_tokenizer=False).hf_config
+        torch.manual_seed(self.config.seed)
+        # before any weights: the KV cache is sized from what the engine adds to this
+        self._memory_at_start = self.platform.platform.memory_info()
+
+    def load_model(self) -> None:
+        """Build the model runner: the plugin's own if `tokenmill_model_runner` returns one
+        (asked before any weights are read; it loads its own), else the core's, with the
+        checkpoint's weights loaded and the platform's decode graphs, if any."""
+        platform = self._platform
+        self.context = self._runner_context()
+        self.runner = platform.model_runner(self.context)
+        if self.runner is not None:
+            logger.info("rank %d: platform %r brings its own model runner %s", self.rank,
+                        platform.name, type(self.runner).__name__)
+            return
+        model = build_model(
+            self.hf_config,
+            self.context.weights(),
+            dtype=self.context.dtype,
+            device=self.context.device,
+            ops=platform.ops,
+            attention_backend=platform.attention_backend,
+            block_size=self.config.block_size,
+        )
+        self.runner = ModelRunner(
+            model,
+            platform.allocator(AllocatorPurpose.KV_ARENA),
+            self.config.block_size,
+            self.context.device,
+            apply_token_bitmask=platform.ops.apply_token_bitmask,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_num_seqs=self.config.max_num_seqs,
+            max_model_len=self.config.max_model_len,
+            graphs=platform.graph_capture(self.config.max_num_seqs),
+        )
+
+    def determine_num_blocks(self) -> int:
+        """How many KV blocks this rank holds: `num_kv_blocks` if set; else as many as fit
+        `kv_cache_memory_bytes` if set; else what `memory_utilization` leaves after the
+        weights and a profiling step (tokenmill.kv.sizing). Capped by the KV allocator, and
+        by what all `max_num_seqs` sequences at `max_model_len` could use at once."""
+        runner, config = self._runner, self.config
+        if config.num_kv_blocks is not None:
+            return config.num_kv_blocks
+        if config.kv_cache_memory_bytes is not None:
+            budget, why = config.kv_cache_memory_bytes, "kv_cache_memory_bytes"
+        else:
+            runner.profile()
+            sized = kv_cache_budget(
+                self._memory_at_start, self._platform.platform.memory_info(),
+                config.memory_utilization,
+            )
+            budget, why = sized.num_bytes, sized.explanation
+        allocator = self._platform.allocator(AllocatorPurpose.KV_ARENA)
+        room = allocator.bytes_limit() - allocator.bytes_in_use()
+        if budget > room:
+            budget, why = room, f"{why}; capped by the KV allocator's {room} free bytes"
+        block_bytes = runner.kv_block_bytes()
+        reserved = runner.num_reserved_blocks if isinstance(runner, ModelRunner) else 0
+        num_blocks = budget // block_bytes - reserved
+        if num_blocks < 1:
+            raise ValueError(
+                f"the KV cache gets {budget} bytes ({why}), which holds no block of "
+                f"{block_bytes} bytes; raise memory_utilization, set kv_cache_memory_bytes "
+                "or num_kv_blocks, or free device memory"
+            )
+        most = config.max_num_seqs * -(-config.max_model_len // config.block_size)
+        num_blocks = min(num_blocks, most)
+        logger.info("rank %d: %d KV blocks of %d bytes (%s)", self.rank, num_blocks,
+                    block_bytes, why)
+        return num_blocks
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._runner.initialize_kv_cache(num_blocks)
+        if self.config.kv_offload is not None:
+            caches = getattr(self._runner, "kv_caches", None)
+            if not caches:
+                raise ValueError(
+                    f"KV offload needs the core's model runner (its KV caches); platform "
+                    f"{self._platform.name!r} brings {type(self._runner).__name__}"
+                )
+            self.kv_offload = make_worker_offload(
+                self.config.kv_offload, self.config.model_path, self.hf_config, caches,
+                self._platform, self.config.block_size,
+            )
+
+    # ---- steps -------------------------------------------------------------------------
+    def execute(self, step: StepDescription) -> StepResult | None:
+        """Run one step; rank 0 returns its result, the other ranks None."""
+        connector = self.kv_offload.worker_side if self.kv_offload is not None else None
+        meta = step.kv_connector
+        if connector is not None and meta is not None:
+            connector.start_prefetch(meta.prefetch)
+            connector.start_loads(meta.loads)  # overlapped with this step's forward pass
+        result = self._runner.execute(step)
+        if connector is not None:
+            if meta is not None:
+                connector.save(meta.saves)  # the blocks this step filled, copied out now
+            # a step with nothing to compute waits a little for a load to report
+            result.kv_connector = connector.report(
+                wait_s=0.0 if step.scheduled_request_ids else 0.005
+            )
+        return result if self.rank == 0 else None
+
+    def shutdown(self) -> None:
+        if self.kv_offload is not None:
+            self.kv_offload.close()
+            self.kv_offload = None
+        if self.runner is not None:
+            self.runner.shutdown()
+            self.runner = None
+
+    # ---- helpers -----------------------------------------------------------------------
+    @property
+    def _platform(self) -> ActivePlatform:
+        if self.platform is None:
+            raise RuntimeError("Worker.init_device must run first")
+        return self.platform
+
+    @property
+    def _runner(self) -> ModelRunnerBase:
+        if self.runner is None:
+            raise RuntimeError("Worker.load_model must run first")
+        return self.runner
+
+    def _runner_context(self) -> ModelRunnerContext:
+        config, hf_config = self.config, self.hf_config
+        dtype = getattr(torch, config.dtype)
+        return ModelRunnerContext(
+            hf_config=hf_config,
+            model_path=config.model_path,
+            weights=lambda: checkpoint_weights(config.model_path, hf_config),
+            dtype=dtype,
+            device=self._platform.platform.device,
+            kv_cache=KVCacheSpec(
+                attention_specs=tuple(attention_specs_for(hf_config, dtype, config.block_size)),
+                block_size=config.block_size,
+                num_blocks=config.num_kv_blocks,
+                num_bytes=config.kv_cache_memory_bytes,
+            ),
+            parallel=ParallelConfig(
+                world_size=config.world_size,
+                rank=self.rank,
+                distributed_executor_backend=config.distributed_executor_backend,
+            ),
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=config.max_model_len,
+            seed=config.seed,
+        )

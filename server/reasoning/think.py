@@ -1,0 +1,23 @@
+"""The `<think>` ... `</think>` families.
+
+| name | output begins | unclosed thinking |
+|---|---|---|
+| `qwen3` | inside the thinking when the rendered prompt ends with `<think>` (Qwen3-Thinking templates, `enable_thinking`), else only if the output writes `<think>` | all reasoning (cut by max_tokens) |
+| `deepseek_r1` | inside the thinking (R1 templates open it in the prompt; a leading `<think>` is skipped) | all reasoning |
+"""
+
+from __future__ import annotations
+
+from tokenmill.server.reasoning.base import ReasoningParser, register_reasoning_parser
+
+
+@register_reasoning_parser("qwen3")
+class Qwen3ReasoningParser(ReasoningParser):
+    def starts_in_reasoning(self, prompt: str) -> bool:
+        return prompt.rstrip().endswith(self.start_token)
+
+
+@register_reasoning_parser("deepseek_r1")
+class DeepSeekR1ReasoningParser(ReasoningParser):
+    def starts_in_reasoning(self, prompt: str) -> bool:
+        return True

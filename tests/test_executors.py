@@ -1,0 +1,117 @@
+"""Executors: the "mp" executor (a real worker process per rank, spawned, steps over ZMQ)
+gives the same tokens as the in-process "uni" one, and a worker killed with SIGKILL fails
+the engine's requests with an error naming it within seconds, never a hang."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.engine import EngineDeadError
+from tokenmill.request import RequestStatus
+
+PROMPTS = ["The quick brown fox", "Paris is the capital of France; Berlin is", "def main():"]
+
+
+def _llm(path, backend: str, **kw) -> LLM:
+    kw.setdefault("num_kv_blocks", 64)
+    return LLM(str(path), dtype="float32", block_size=4, platform="cpu",
+               distributed_executor_backend=backend, **kw)
+
+
+@pytest.fixture(scope="module")
+def mp_llm(tiny_dirs):
+    llm = _llm(tiny_dirs["llama"], "mp")
+    yield llm
+    llm.engine.shutdown()
+
+
+def _params() -> list[SamplingParams]:
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=10, ignore_eos=True,
+                            logprobs=2, repetition_penalty=1.3)
+    return [greedy, seeded, greedy]
+
+
+def test_mp_matches_uni_token_for_token(tiny_dirs, mp_llm):
+    uni = _llm(tiny_dirs["llama"], "uni")
+    want = uni.generate(PROMPTS, _params(), use_tqdm=False)
+    got = mp_llm.generate(PROMPTS, _params(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert got[1].outputs[0].logprobs == want[1].outputs[0].logprobs
+    assert mp_llm.engine.executor.pids[0] != os.getpid()
+
+
+def test_mp_with_preemption_matches_uni(tiny_dirs):
+    """Preempted requests are re-sent whole to the worker process and resume exactly."""
+    kw = {"num_kv_blocks": 24, "max_model_len": 64, "max_num_batched_tokens": 16}
+    uni = _llm(tiny_dirs["llama"], "uni", **kw)
+    mp = _llm(tiny_dirs["llama"], "mp", **kw)
+    try:
+        prompts = PROMPTS * 2
+        params = _params() * 2
+        want = uni.generate(prompts, params, use_tqdm=False)
+        got = mp.generate(prompts, params, use_tqdm=False)
+        assert mp.engine.scheduler.num_preemptions > 0
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    finally:
+        mp.engine.shutdown()
+
+
+def test_killed_worker_fails_requests_fast_and_clearly(tiny_dirs):
+    llm = _llm(tiny_dirs["llama"], "mp")
+    engine = llm.engine
+    tok = llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", tok.encode(prompt), params, prompt=prompt)
+    engine.step()
+    engine.step()
+    (pid,) = engine.executor.pids
+    os.kill(pid, signal.SIGKILL)
+    start = time.monotonic()
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.outputs[0]
+        assert time.monotonic() - start < 10, "the engine did not notice the dead worker"
+    elapsed = time.monotonic() - start
+    assert elapsed < 5, elapsed
+    assert sorted(finished) == ["r0", "r1", "r2"]
+    for out in finished.values():
+        assert out.finish_reason == RequestStatus.FINISHED_ERROR.value
+        assert f"worker rank 0 (pid {pid}) died with exit code -9" in out.stop_reason
+    assert not engine.is_healthy
+    with pytest.raises(EngineDeadError, match="killed by signal 9"):
+        engine.add_request("late", tok.encode("hi"), params)
+    assert engine.kv.usage == 0.0
+
+
+def test_worker_dying_while_idle_makes_the_engine_unhealthy(tiny_dirs):
+    llm = _llm(tiny_dirs["llama"], "mp")
+    engine = llm.engine
+    assert engine.is_healthy
+    (pid,) = engine.executor.pids
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while engine.is_healthy:
+        assert time.monotonic() < deadline, "the dead worker went unnoticed"
+        time.sleep(0.05)
+    with pytest.raises(EngineDeadError, match=f"pid {pid}"):
+        engine.check_health()
+
+
+def test_mp_refuses_an_in_process_registry(tiny_dirs):
+    from tokenmill.platforms.registry import PlatformRegistry
+    from tokenmill_cpu import plugin
+
+    registry = PlatformRegistry()
+    registry.register_plugin(plugin, "cpu")
+    with pytest.raises(ValueError, match="in-process registry cannot cross"):
+        LLM(str(tiny_dirs["llama"]), platform="cpu", registry=registry,
+            distributed_executor_backend="mp", num_kv_blocks=16)
