@@ -31,6 +31,10 @@ CASES: dict[str, dict] = {
         repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5,
     ),
     "greedy+logprobs=5": dict(temperature=0.0, logprobs=5),
+    # OpenAI's logit_bias: 300 biased tokens per row (a typical "ban a word list" request)
+    "greedy+logit_bias (300 tokens)": dict(
+        temperature=0.0, logit_bias={t: -100.0 if t % 2 else 5.0 for t in range(0, 3000, 10)}
+    ),
 }
 
 

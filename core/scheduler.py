@@ -402,4 +402,5 @@ def sampling_spec(params: SamplingParams) -> SamplingSpec:
         ignore_eos=params.ignore_eos,
         logprobs=params.logprobs,
         prompt_logprobs=params.prompt_logprobs,
+        logit_bias=params.logit_bias,
     )

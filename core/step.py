@@ -43,6 +43,7 @@ class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
     ignore_eos: bool = False
     logprobs: int | None = None  # top logprobs per sampled token (+ the sampled one); None: none
     prompt_logprobs: int | None = None  # top logprobs per prompt position; None: none
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit; None: none
 
     @property
     def greedy(self) -> bool:

@@ -91,7 +91,7 @@ async def create_message(body: MessagesRequest, request: Request):
     plan = _plan(body, state)
     fmt = body.output_config.format if body.output_config else None
     structured = structured_outputs(plan, fmt and fmt.type, fmt and fmt.schema_,
-                                    "output_config.format")
+                                    "output_config.format", compact=state.compact_json)
     thinking = None if body.thinking is None else body.thinking.type != "disabled"
     text, ids = await render_chat(state.engine, anthropic_messages(body), tools=plan.tools,
                                   template_kwargs=_template_kwargs(body, thinking))

@@ -221,6 +221,7 @@ def build_app(
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
     max_stored_responses: int = DEFAULT_MAX_RESPONSES,
+    compact_json: bool = False,
 ) -> FastAPI:
     """An app serving `engine`; the engine thread starts and stops with the app's lifespan.
 
@@ -228,7 +229,10 @@ def build_app(
     calls with `tool_call_parser` (a registry name); without one, the parser is chosen
     from the chat template (logged), `hermes` when the template shows no one format.
     `reasoning_parser` (a registry name) splits reasoning from answers. The Responses
-    API keeps at most `max_stored_responses`. An unknown name is a ValueError.
+    API keeps at most `max_stored_responses`. `compact_json`: JSON that tools and output
+    formats force has no optional whitespace (vLLM's `disable_any_whitespace`; small
+    models otherwise may spend their max_tokens on whitespace). An unknown name is a
+    ValueError.
     """
     if tool_call_parser is not None:
         get_tool_parser(tool_call_parser)
@@ -253,7 +257,7 @@ def build_app(
     app = FastAPI(title="tokenmill", version=_version(), lifespan=lifespan)
     app.state.server = ServerState(
         engine, served_model_names, metrics, api_key, int(time.time()), tools, reasoning_parser,
-        ResponseStore(max_stored_responses),
+        compact_json, ResponseStore(max_stored_responses),
     )
     _install_error_handlers(app)
     app.openapi = lambda: _openapi(app)

@@ -110,6 +110,7 @@ def _serve(args: argparse.Namespace) -> int:
         engine, names, api_key=api_key,
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser, max_stored_responses=args.max_stored_responses,
+        compact_json=args.structured_outputs_disable_any_whitespace,
     )
     server = uvicorn.Server(uvicorn.Config(
         app,
@@ -193,6 +194,9 @@ def _add_serve_parser(sub) -> None:
                         "qwen3_coder or mistral (default: chosen from the chat template, logged)")
     p.add_argument("--reasoning-parser", default=None, metavar="NAME",
                    help="split the model's thinking from its answer: qwen3 or deepseek_r1")
+    p.add_argument("--structured-outputs-disable-any-whitespace", action="store_true",
+                   help="JSON forced by tools and output formats has no optional whitespace "
+                        "(small models may otherwise spend max_tokens on it)")
     p.add_argument("--max-stored-responses", type=int, default=1024,
                    help="responses the Responses API keeps for previous_response_id (LRU)")
     p.add_argument("--shutdown-timeout", type=int, default=30,

@@ -255,7 +255,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     fmt = body.response_format
     structured = structured_outputs(
         plan, fmt and fmt.type, fmt and fmt.json_schema and fmt.json_schema.schema_,
-        extra=body.structured_outputs_dict(),
+        extra=body.structured_outputs_dict(), compact=state.compact_json,
     )
     if structured is not None and plan.mode == "auto":  # JSON was asked for, not tool calls
         plan = ToolPlan("none", plan.tools)

@@ -221,7 +221,8 @@ async def create_response(body: ResponsesRequest, request: Request):
         prompt_messages = [{"role": "system", "content": body.instructions}, *conversation]
     plan = _plan(body, state)
     fmt = body.text.format if body.text else None
-    structured = structured_outputs(plan, fmt and fmt.type, fmt and fmt.schema_, "text.format")
+    structured = structured_outputs(plan, fmt and fmt.type, fmt and fmt.schema_, "text.format",
+                                    compact=state.compact_json)
     if structured is not None and plan.mode == "auto":  # JSON was asked for, not tool calls
         plan = ToolPlan("none", plan.tools)
     effort = body.reasoning.effort if body.reasoning else None

@@ -38,6 +38,7 @@ class ServerState:
     created: int = 0
     tools: ToolConfig = field(default_factory=ToolConfig)
     reasoning_parser: str | None = None  # --reasoning-parser
+    compact_json: bool = False  # --structured-outputs-disable-any-whitespace
     responses: ResponseStore = field(default_factory=ResponseStore)
 
     def check_model(self, name: str | None) -> str:

@@ -224,11 +224,13 @@ def structured_outputs(
     schema: dict[str, Any] | None = None,
     param: str = "response_format",
     extra: dict[str, Any] | None = None,
+    compact: bool = False,
 ):
     """`StructuredOutputsParams` forcing the plan's schema, the requested output format
     (`kind` "text", "json_object" or "json_schema" with `schema`, named by `param`) or
     vLLM's `structured_outputs` extra (`extra`, its fields as given); None when decoding
-    is free. More than one of them is a 400."""
+    is free. More than one of them is a 400. `compact`: the JSON of the first two has no
+    optional whitespace (the server's --structured-outputs-disable-any-whitespace)."""
     forced = plan.schema()
     asked = [name for name, on in (("tool_choice", forced is not None),
                                    (param, kind not in (None, "text")),
@@ -236,17 +238,15 @@ def structured_outputs(
     if len(asked) > 1:
         raise APIError(400, f"{' and '.join(asked)} cannot be combined: each constrains the "
                        "whole output", asked[-1])
-    # JSON the server forces is compact: its whitespace carries nothing, and a model cannot
-    # then spend its max_tokens on whitespace (small models do)
     kw: dict[str, Any] | None = None
     if forced is not None:
-        kw, param = {"json": forced, "disable_any_whitespace": True}, "tools"
+        kw, param = {"json": forced, "disable_any_whitespace": compact}, "tools"
     elif kind == "json_object":
-        kw = {"json_object": True, "disable_any_whitespace": True}
+        kw = {"json_object": True, "disable_any_whitespace": compact}
     elif kind == "json_schema":
         if schema is None:
             raise APIError(400, f"{param}: json_schema needs a schema", param)
-        kw = {"json": schema, "disable_any_whitespace": True}
+        kw = {"json": schema, "disable_any_whitespace": compact}
     elif extra is not None:
         kw, param = extra, "structured_outputs"
     if kw is None:

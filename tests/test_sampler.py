@@ -296,3 +296,17 @@ def test_logit_bias_matches_a_per_row_reference_and_leaves_other_rows_alone():
 def test_logit_bias_is_validated(bias):
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias=bias)
+
+
+def test_logit_bias_crosses_to_the_workers_sampler():
+    """The bias travels in the step's SamplingSpec (msgpack, int keys kept) to the sampler."""
+    import msgspec
+
+    from tokenmill.scheduler import sampling_spec
+    from tokenmill.step import SamplingSpec
+
+    spec = sampling_spec(SamplingParams(temperature=0.0, logit_bias={3: 100.0, 4: -2.5}))
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(spec), type=SamplingSpec)
+    assert decoded.logit_bias == {3: 100.0, 4: -2.5}
+    r = SamplingRow(params=decoded, prompt_token_ids=[], output_token_ids=[], generator=None)
+    assert sample(torch.zeros(1, VOCAB), [r]) == [3]

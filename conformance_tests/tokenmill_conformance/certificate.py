@@ -254,6 +254,8 @@ def render_markdown(cert: dict) -> str:
         f"- run: {cert['started_at']} to {cert['finished_at']} ({cert['duration_s']:.1f} s), "
         f"quick={cert['options']['quick']}",
     ]
+    if plugin.get("platform_version"):  # e.g. which dtypes an emulated run could check
+        lines.append(f"- platform version: {plugin['platform_version']}")
     if plugin.get("load_error"):
         lines.append(f"- load error: {plugin['load_error']}")
     hardware = cert["hardware"] or {}

@@ -12,6 +12,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
@@ -60,7 +61,7 @@ def make_config(arch: str, vocab_size: int):
         num_key_value_heads=2,
         max_position_embeddings=512,
         rms_norm_eps=1e-5,
-        tie_word_embeddings=arch != "qwen2",
+        tie_word_embeddings=arch not in ("qwen2", "gemma3"),
         eos_token_id=2,
         bos_token_id=None,
         pad_token_id=0,
@@ -79,6 +80,13 @@ def make_config(arch: str, vocab_size: int):
         return Qwen2Config(**common)
     if arch == "qwen3":
         return Qwen3Config(**common, head_dim=32)
+    if arch == "gemma3":
+        # a sliding layer (window 8, shorter than most prompts) then a global one, each
+        # with its own rotary base, as Gemma 3 interleaves them
+        return Gemma3TextConfig(
+            **common, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+            layer_types=["sliding_attention", "full_attention"],
+        )
     raise ValueError(arch)
 
 
@@ -100,4 +108,9 @@ def make_tiny_model(path: Path, arch: str, seed: int = 0) -> Path:
 
 
 # HF model_type -> the tiny variants that cover it (llama3 differs by its rope scaling).
-VARIANTS = {"llama": ("llama", "llama3"), "qwen2": ("qwen2",), "qwen3": ("qwen3",)}
+VARIANTS = {
+    "llama": ("llama", "llama3"),
+    "qwen2": ("qwen2",),
+    "qwen3": ("qwen3",),
+    "gemma3_text": ("gemma3",),
+}

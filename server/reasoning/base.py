@@ -117,8 +117,8 @@ class ReasoningStream:
                 if head.startswith(start):
                     self.pending = head[len(start):]
                     self.state, self.saw_reasoning = "reasoning", True
-                elif head and start.startswith(head) and not final:
-                    break  # could still become the start marker
+                elif start.startswith(head) and not final:
+                    break  # blanks, or what could still become the start marker
                 else:
                     self.state = "answer"
             elif self.state == "reasoning" and self.lead:

@@ -59,6 +59,19 @@ def test_stream_at_any_chunking_says_what_extract_says(case, cuts):
     assert "".join(p.text for p in pieces if not isinstance(p, ReasoningDelta)) == content
 
 
+@pytest.mark.parametrize("name,prompt,text,expected", CASES)
+def test_stream_at_every_two_cuts_says_what_extract_says(name, prompt, text, expected):
+    reasoning, content = expected
+    for i in range(len(text) + 1):
+        for j in range(i, len(text) + 1):
+            stream = get_reasoning_parser(name)().stream(prompt)
+            pieces = stream.feed(text[:i]) + stream.feed(text[i:j]) + stream.feed(text[j:])
+            pieces += stream.finish()
+            got = ("".join(p.text for p in pieces if isinstance(p, ReasoningDelta)),
+                   "".join(p.text for p in pieces if not isinstance(p, ReasoningDelta)))
+            assert got == (reasoning or "", content), (i, j)
+
+
 def test_registry():
     assert {"qwen3", "deepseek_r1"} <= set(reasoning_parser_names())
     with pytest.raises(ValueError, match="qwen3"):

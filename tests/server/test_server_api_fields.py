@@ -14,7 +14,9 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from conftest import TINY_NAME
+from conftest import TINY_NAME, running_server, tiny_engine
+
+from tokenmill.server.app import build_app
 
 ASK = [{"role": "user", "content": "Answer in JSON"}]
 SCHEMAS = [
@@ -33,6 +35,20 @@ SCHEMAS = [
 
 
 @pytest.fixture(scope="module")
+def compact_url(tiny_model):
+    """A server whose forced JSON has no optional whitespace (the random model otherwise
+    writes whitespace until max_tokens)."""
+    engine = tiny_engine(tiny_model, num_kv_blocks=512)
+    with running_server(build_app(engine, [TINY_NAME], compact_json=True)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def an_compact(compact_url) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=compact_url, api_key="x", max_retries=0)
+
+
+@pytest.fixture(scope="module")
 def an(base_url) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=base_url, api_key="x", max_retries=0)
 
@@ -43,7 +59,8 @@ def oa(base_url) -> openai.OpenAI:
 
 
 @pytest.mark.parametrize("schema", SCHEMAS, ids=["string", "mixed", "nested"])
-def test_anthropic_output_config_json_validates(an, schema):
+def test_anthropic_output_config_json_validates(an_compact, schema):
+    an = an_compact
     fmt = {"format": {"type": "json_schema", "schema": schema}}
     m = an.messages.create(model=TINY_NAME, max_tokens=80, messages=ASK, output_config=fmt,
                            extra_body={"temperature": 0})

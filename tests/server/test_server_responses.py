@@ -9,6 +9,7 @@ import json
 import httpx
 import jsonschema
 import openai
+import pydantic
 import pytest
 from conftest import TINY_NAME, running_server, tiny_engine
 
@@ -38,7 +39,8 @@ TEMPLATE = (
 @pytest.fixture(scope="module")
 def server(tiny_model):
     engine = tiny_engine(tiny_model, chat_template=TEMPLATE)
-    with running_server(build_app(engine, [TINY_NAME])) as url:
+    # compact JSON: with optional whitespace the random model writes tabs until max_tokens
+    with running_server(build_app(engine, [TINY_NAME], compact_json=True)) as url:
         yield url
 
 
@@ -198,6 +200,15 @@ def test_json_schema_text_format(client):
         text={"format": {"type": "json_schema", "name": "a", "schema": schema, "strict": True}})
     jsonschema.validate(json.loads(r.output_text), schema)
     assert r.text.format.type == "json_schema"
+
+    class Answer(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(extra="forbid")
+        answer: str = pydantic.Field(max_length=10)
+        ok: bool
+
+    parsed = client.responses.parse(model=TINY_NAME, input="Answer", text_format=Answer,
+                                    max_output_tokens=60, **GREEDY)
+    assert isinstance(parsed.output_parsed, Answer)
 
 
 def test_bad_requests_are_400(client, base_url):

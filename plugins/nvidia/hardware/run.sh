@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The prepared hardware run of the nvidia plugin, written for one H200 (any CUDA GPU works).
+#
+#   plugins/nvidia/hardware/run.sh            # on the GPU machine, from any directory
+#   plugins/nvidia/hardware/run.sh --dry-run  # anywhere: tiny shapes in Triton's interpreter
+#
+# 1. installs core + tokenmill-triton + tokenmill-nvidia + the conformance suite (editable,
+#    into a venv that sees the machine's CUDA build of torch; the GPU machine has no
+#    network, so dependencies must be installed already, or be wheels in $WHEELHOUSE);
+# 2. certifies the plugin T0-T5 (docs/certificates/nvidia-h200.{json,md});
+# 3. times the Triton kernels (benchmarks/bench_triton.py) against the HBM and bf16 peaks;
+# 4. benchmarks a random-weight Llama-3-8B-shaped model in bf16: batch-1 and batch-64 decode
+#    against the HBM bandwidth roofline, a 4096-token prefill against the bf16 peak
+#    (bench_llama.py), and writes docs/hardware-results.md with date, versions, fractions.
+# Outputs go to $TOKENMILL_HW_OUT (default: the repository's docs/); scratch (the venv, the
+# 16 GB model) to $TOKENMILL_HW_WORKDIR (default /tmp/tokenmill-hardware). Exit status: the
+# certification's (0 certified), or 2 when the machine has no usable GPU.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../../.." && pwd)
+cd "$root"
+dry=0
+[[ "${1:-}" == "--dry-run" ]] && dry=1
+work=${TOKENMILL_HW_WORKDIR:-/tmp/tokenmill-hardware}
+mkdir -p "$work"
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+if (( dry )); then
+    export TRITON_INTERPRET=1
+    out=${TOKENMILL_HW_OUT:-$work/out}
+    tiers=T0  # the dry run checks this script's plumbing, not the plugin
+    cert=$out/nvidia-dry-run
+else
+    out=${TOKENMILL_HW_OUT:-$root/docs}
+    tiers=T0-T5
+    cert=$out/certificates/nvidia-h200
+    if ! python3 -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+        echo "run.sh: torch sees no CUDA device (torch.version.cuda: $(python3 -c \
+            'import torch; print(torch.version.cuda)' 2>/dev/null || echo 'no torch'))" >&2
+        exit 2
+    fi
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
+    python3 -m venv --system-site-packages "$work/venv"
+    # shellcheck disable=SC1091
+    . "$work/venv/bin/activate"
+    packages=(-e . -e plugins/triton -e plugins/nvidia -e ./conformance_tests)
+    if [[ -n "${WHEELHOUSE:-}" ]]; then
+        pip install -q --no-index --find-links "$WHEELHOUSE" "${packages[@]}"
+    else
+        pip install -q --no-deps --no-build-isolation "${packages[@]}"
+        pip check || echo "run.sh: some dependencies above are missing; set \$WHEELHOUSE" >&2
+    fi
+fi
+mkdir -p "$out" "$(dirname "$cert")"
+
+echo "== platforms"
+tokenmill platforms
+python3 -c 'from tokenmill.platforms.registry import load_platform; print(load_platform("nvidia"))'
+
+echo "== certification $tiers"
+cert_rc=0
+timeout 480 tokenmill-conformance --platform nvidia --tier "$tiers" --quick -q \
+    --report "$cert.json" --markdown "$cert.md" || cert_rc=$?
+
+echo "== kernels"
+timeout 240 python3 benchmarks/bench_triton.py --platform nvidia --markdown "$work/kernels.md" \
+    || echo "run.sh: bench_triton.py failed (status $?)" >&2
+
+echo "== Llama-3-8B-shaped model"
+dry_flag=()
+(( dry )) && dry_flag=(--dry-run)
+timeout 600 python3 "$here/bench_llama.py" "${dry_flag[@]}" --out "$out/hardware-results.md" \
+    --certificate "$cert.json" --kernels "$work/kernels.md" --workdir "$work"
+
+echo "run.sh: wrote $out/hardware-results.md and $cert.{json,md} (certification status $cert_rc)"
+exit "$cert_rc"

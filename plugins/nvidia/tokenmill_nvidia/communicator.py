@@ -1,0 +1,14 @@
+"""NCCL collectives through torch.distributed; gloo in interpreter mode (CPU tensors), so
+conformance tier T1 runs every collective in real multi-process groups either way."""
+
+from __future__ import annotations
+
+from tokenmill.platforms.interfaces import Communicator
+from tokenmill_triton.distributed import make_communicator as _make
+
+GPU_BACKENDS = frozenset({"nccl"})
+INTERPRETER_BACKENDS = frozenset({"gloo"})
+
+
+def make_communicator(group: object | None, interpreter: bool) -> Communicator:
+    return _make(group, INTERPRETER_BACKENDS if interpreter else GPU_BACKENDS, "nvidia")

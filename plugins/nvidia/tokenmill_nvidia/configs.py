@@ -1,0 +1,43 @@
+"""The nvidia plugin's launch settings for the shared Triton kernels, by architecture.
+
+Chosen from the compute capability at activation. Tiles follow the shared memory and
+register file of each generation: Hopper (sm90: H100, H200) and Blackwell (sm100: B200)
+take 64-128 query rows and 64-key tiles with a 3-stage software pipeline; Ampere (sm80)
+has less shared memory per SM, so 2 stages. Decode steps use 16-row tiles (GQA packs the
+group into them) and split long contexts across 16 segments (split-K) once the longest
+sequence reaches 2048 tokens. In interpreter mode the Hopper settings are used, so the
+certified tile logic is the one an H100 runs, with bf16 tiles upcast before tl.dot.
+"""
+
+from __future__ import annotations
+
+from tokenmill_triton.configs import AttentionConfig, KernelConfigs, MoEConfig
+
+HOPPER = KernelConfigs(
+    attention=AttentionConfig(block_m=64, tile_n=64, num_warps=4, num_stages=3,
+                              decode_block_m=16, decode_tile_n=64, decode_num_warps=4),
+    moe=MoEConfig(block_m=64, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=4),
+)
+BLACKWELL = KernelConfigs(
+    attention=AttentionConfig(block_m=128, tile_n=64, num_warps=8, num_stages=3,
+                              decode_block_m=16, decode_tile_n=64, decode_num_warps=4),
+    moe=MoEConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=4),
+)
+AMPERE = KernelConfigs(
+    attention=AttentionConfig(block_m=64, tile_n=32, num_warps=4, num_stages=2,
+                              decode_block_m=16, decode_tile_n=32, decode_num_warps=4),
+    moe=MoEConfig(block_m=64, block_n=64, block_k=32, group_m=8, num_warps=4, num_stages=3),
+)
+INTERPRETER = KernelConfigs(
+    attention=HOPPER.attention, elementwise=HOPPER.elementwise, moe=HOPPER.moe,
+    upcast_bf16_dot=True,
+)
+
+
+def for_capability(major: int) -> KernelConfigs:
+    """Settings for a device of compute capability `major`.x."""
+    if major >= 10:
+        return BLACKWELL
+    if major == 9:
+        return HOPPER
+    return AMPERE

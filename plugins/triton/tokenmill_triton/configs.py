@@ -1,0 +1,80 @@
+"""Launch settings of the shared kernels, chosen by the calling plugin per device.
+
+The kernels never pick their own tile sizes or warps: a plugin builds one `KernelConfigs`
+for its device (an H100 wants different tiles from an MI300X) and every launch reads it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+INTERPRET_ENV = "TRITON_INTERPRET"
+
+
+def interpreter_mode() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (`TRITON_INTERPRET=1`)."""
+    return os.environ.get(INTERPRET_ENV, "0").lower() in ("1", "true", "on", "yes")
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionConfig:
+    """Ragged paged attention tiles.
+
+    block_m: query rows per program (tokens x the query heads of one KV head, so GQA
+    reads each key tile once for the whole group); tile_n: keys per inner-loop tile;
+    num_segments / split_k_min_seq_len: decode-only steps whose longest context reaches
+    split_k_min_seq_len split each sequence's keys into num_segments programs (split-K,
+    "flash decoding") and combine them in a second kernel, so a few long sequences still
+    fill the device.
+    """
+
+    block_m: int = 64
+    tile_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    decode_block_m: int = 16
+    decode_tile_n: int = 64
+    decode_num_warps: int = 4
+    num_segments: int = 16
+    split_k_min_seq_len: int = 2048
+    # keys x head dims of one K or V tile at most: head size 256 halves a 64-key tile
+    tile_elements: int = 64 * 128
+
+
+@dataclass(frozen=True, slots=True)
+class ElementwiseConfig:
+    """Row-wise kernels (norms, rotary, activation, KV write, bitmask)."""
+
+    num_warps: int = 4
+    block_n: int = 1024  # columns per program of silu_and_mul / the bitmask
+
+
+@dataclass(frozen=True, slots=True)
+class MoEConfig:
+    """Grouped expert GEMM tiles (one program: block_m routed rows x block_n outputs)."""
+
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 32
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True, slots=True)
+class KernelConfigs:
+    """Everything a plugin decides about launches.
+
+    upcast_bf16_dot: convert bf16 tiles to float32 before `tl.dot`. Triton 3.9's
+    interpreter computes bf16 `tl.dot` wrongly (max error ~5e10 on 16x32x16) while float32
+    is exact, so interpreter mode must set it; on a GPU it only costs speed.
+    fp32_dot_precision: "ieee" keeps float32 matmuls exact (the conformance tolerance of
+    1e-4 rules out tf32); a plugin may choose "tf32" for speed where it declares so.
+    """
+
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    elementwise: ElementwiseConfig = field(default_factory=ElementwiseConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    upcast_bf16_dot: bool = False
+    fp32_dot_precision: str = "ieee"

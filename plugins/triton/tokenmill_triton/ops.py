@@ -1,0 +1,26 @@
+"""The `tokenmill_ops` table of a Triton plugin: the shared kernels bound to its launch
+settings, under the core's op names and signatures."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+from tokenmill_triton.configs import KernelConfigs
+
+
+def make_ops(configs: KernelConfigs) -> dict[str, Callable]:
+    """Op name -> kernel wrapper with the reference's signature (tokenmill.ops.reference).
+
+    prepack_linear, copy_blocks and swap_blocks stay the core's references: they are one
+    vendor GEMM or one indexed copy each already."""
+    from tokenmill_triton import elementwise
+
+    cfg = configs.elementwise
+    return {
+        "rms_norm": functools.partial(elementwise.rms_norm, config=cfg),
+        "fused_add_rms_norm": functools.partial(elementwise.fused_add_rms_norm, config=cfg),
+        "rotary_embedding": functools.partial(elementwise.rotary_embedding, config=cfg),
+        "silu_and_mul": functools.partial(elementwise.silu_and_mul, config=cfg),
+        "apply_token_bitmask": functools.partial(elementwise.apply_token_bitmask, config=cfg),
+    }
