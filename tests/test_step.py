@@ -38,7 +38,7 @@ def full_step() -> StepDescription:
     sampling = SamplingSpec(
         temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, repetition_penalty=1.2,
         presence_penalty=0.5, frequency_penalty=-0.5, min_tokens=3, stop_token_ids=[7, 8],
-        eos_token_ids=[2], ignore_eos=True, logprobs=4, prompt_logprobs=2,
+        eos_token_ids=[2], ignore_eos=True, logprobs=4, prompt_logprobs=2, logit_bias={5: 1.5},
     )
     words = np.array([[-1, 0x7FFFFFFF, -(2**31)], [5, 6, 7]], dtype="<i4")
     return StepDescription(
