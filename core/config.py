@@ -74,7 +74,13 @@ class EngineArgs(BaseModel):
     def _offload_tiers(self) -> EngineArgs:
         from tokenmill.kv_connector.engine_setup import offload_config
 
-        offload_config(self)  # raises ValueError naming a bad combination
+        # raises ValueError naming a bad combination
+        if offload_config(self) is not None and self.distributed_executor_backend != "uni":
+            raise ValueError(
+                "KV offload runs with distributed_executor_backend='uni' for now (its "
+                "scheduler side looks the worker's tiers up in-process); got "
+                f"{self.distributed_executor_backend!r}"
+            )
         return self
 
     @field_validator("block_size")

@@ -142,12 +142,9 @@ class LLMEngine:
         executor for now (docs/kv-offload.md)."""
         if offload_config(self.args) is None:
             return None
-        if not isinstance(self.executor, UniExecutor):
+        if not isinstance(self.executor, UniExecutor):  # EngineArgs refuse it already
             self.executor.shutdown()
-            raise ValueError(
-                "KV offload runs with distributed_executor_backend='uni' for now; got "
-                f"{self.args.distributed_executor_backend!r}"
-            )
+            raise ValueError("KV offload needs the in-process ('uni') executor")
         return engine_offload(self.executor.worker.kv_offload, self.args.block_size)
 
     def shutdown(self) -> None:

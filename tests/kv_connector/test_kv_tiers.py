@@ -237,6 +237,10 @@ def test_engine_args_take_sizes_as_strings_and_name_bad_ones():
     assert EngineArgs(kv_offload_host_bytes=4096).kv_offload_host_bytes == 4096
     with pytest.raises(ValidationError, match="kv_offload_host_bytes='lots' is not a size"):
         EngineArgs(kv_offload_host_bytes="lots")
+    with pytest.raises(ValidationError, match="distributed_executor_backend='uni' for now"):
+        EngineArgs(kv_offload_host_bytes="1GiB", distributed_executor_backend="mp")
+    with pytest.raises(ValidationError, match="needs enable_prefix_caching=True"):
+        EngineArgs(kv_offload_host_bytes="1GiB", enable_prefix_caching=False)
 
 
 def test_a_full_or_vanished_store_degrades_to_the_other_tiers(tmp_path, redis_server):
