@@ -75,7 +75,7 @@ def main() -> None:
             logits = torch.randn(num_rows, args.vocab) * args.scale
             rows = [
                 SamplingRow(
-                    params=SamplingParams(**kwargs, seed=i if seeded else None),
+                    params=SamplingParams(**kwargs, seed=i if seeded else None).with_defaults(),
                     prompt_token_ids=prompt,
                     output_token_ids=output,
                     generator=make_generator(i, "cpu") if seeded else None,

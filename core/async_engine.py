@@ -1,69 +1,57 @@
-"""`AsyncLLM`: the engine behind an asyncio server.
+"""`AsyncLLM`: the frontend of an engine core, behind an asyncio server.
 
-The engine is not thread-safe, so exactly one thread touches it: the engine thread, which
-this class owns. Coroutines talk to it through a thread-safe inbox (add / abort) and get
-outputs back on per-request asyncio queues, filled with `loop.call_soon_threadsafe`. The
-event loop never runs a model step, and tokenization runs in worker threads.
+The frontend tokenizes, applies chat templates, validates requests, fans n > 1 out into
+sequences, and turns the engine core's per-step deltas into text (incremental
+detokenization, stop strings) and cumulative `RequestOutput`s. The engine core
+(scheduler + model) runs either on a thread of this process or, with
+`engine_process=True` (what `tokenmill serve` uses), in a process of its own; see
+core/engine_core_client.py. Outputs are processed on the client's thread and handed to
+each request's event loop in one call per step, so the event loop never runs a model step
+or a detokenizer, and tokenization runs in worker threads.
 
 Contract:
 - `generate` yields cumulative `RequestOutput`s; the last has `finished=True`. Leaving the
   iterator early (client disconnect, `aclose`, cancellation) aborts the request and frees
-  its KV blocks in the engine thread.
+  its KV blocks in the engine core.
 - A bad request raises `ValueError` from `generate` before any output; an invalid
   structured output constraint raises its subclass `StructuredOutputError`, compiled in a
-  worker thread before the request reaches the engine thread.
-- If the engine thread crashes, the engine is dead: every in-flight and later request
-  raises `EngineDeadError` instead of hanging, and `is_dead` turns true.
+  worker thread before the request reaches the engine core. What only the engine core can
+  refuse comes back as the same errors.
+- If the engine core crashes or its process dies, the engine is dead: every in-flight and
+  later request raises `EngineDeadError` instead of hanging, and `is_dead` turns true.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import jinja2
 
 from tokenmill.config import EngineArgs
-from tokenmill.engine import LLMEngine
-from tokenmill.outputs import RequestOutput
+from tokenmill.engine import EngineDeadError, LLMEngine
+from tokenmill.engine_core_client import EngineCoreProcClient, InprocClient
+from tokenmill.output_processor import OutputProcessor, check_prompt
+from tokenmill.outputs import EngineCoreOutputs, RequestOutput, SchedulerStats
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizing import apply_chat_template
 
 logger = logging.getLogger(__name__)
 
-# How long the idle engine thread sleeps on its inbox before checking for shutdown.
-_IDLE_WAIT_S = 0.05
-# How long the busy engine thread waits for new requests after a step with no output.
-_NO_OUTPUT_WAIT_S = 0.001
+__all__ = ["AsyncLLM", "EngineDeadError", "EngineStats", "StatsObserver"]
 
-
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped; no request can be served any more."""
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    """A snapshot of the engine's state, published by the engine thread after each step."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    num_preemptions: int = 0
-    kv_usage: float = 0.0  # fraction of KV blocks in use, 0..1
-    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int = 0  # of those, tokens found
-    # KV offload: tier name -> its counters (tokenmill.kv_connector.tier.TierStats), in
-    # stack order; empty without offload
-    kv_tiers: dict = field(default_factory=dict)
+# The engine core's state after a step, as /metrics reads it.
+EngineStats = SchedulerStats
 
 
 class StatsObserver(Protocol):
-    """Receives per-request timings from the engine thread (e.g. Prometheus metrics)."""
+    """Receives per-request timings from the output thread (e.g. Prometheus metrics)."""
 
     def on_first_token(self, ttft_s: float) -> None: ...
 
@@ -74,41 +62,24 @@ class StatsObserver(Protocol):
 
 @dataclass(slots=True)
 class _Tracked:
-    """Engine-thread bookkeeping for one request."""
+    """One request in flight: where its outputs go, and its timings."""
 
-    deliver: Callable[[RequestOutput | BaseException], None]
+    outputs: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
     arrival: float
     last_time: float = 0.0
     num_generated: int = 0
 
 
-@dataclass(slots=True)
-class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    prompt: str | None
-    cache_salt: str | None
-    session_id: str | None
-    deliver: Callable[[RequestOutput | BaseException], None]
-    arrival: float = field(default_factory=time.monotonic)
-
-
-@dataclass(slots=True)
-class _Abort:
-    request_id: str
-
-
-@dataclass(slots=True)
-class _SessionHint:
-    session_id: str  # its last turn ended in a tool call: it will be back
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for outputs, item in items:
+        outputs.put_nowait(item)
 
 
 class AsyncLLM:
-    """Owns an `LLMEngine` and runs its step loop in a dedicated thread, or, with
-    `own_thread=False`, on whichever thread calls `run_forever()` (`tokenmill serve` gives it
-    the process's main thread: on CPU, OpenMP regions started from a non-main thread ran
-    ~35% slower, see docs/benchmarks-peers.md)."""
+    """A frontend over an engine core. Give `EngineArgs` (the core is built here: on a
+    thread, or in its own process with `engine_process=True`) or an already built
+    `LLMEngine` (run on a thread)."""
 
     def __init__(
         self,
@@ -116,57 +87,78 @@ class AsyncLLM:
         engine: LLMEngine | None = None,
         observer: StatsObserver | None = None,
         registry=None,
-        own_thread: bool = True,
+        engine_process: bool = False,
     ) -> None:
         if (args is None) == (engine is None):
             raise ValueError("give AsyncLLM either EngineArgs or an already built LLMEngine")
-        self.engine = engine if engine is not None else LLMEngine(args, registry)
-        self.args = self.engine.args
-        self.tokenizer = self.engine.tokenizer
-        self.max_model_len = self.engine.max_model_len
+        if engine_process and (engine is not None or registry is not None):
+            raise ValueError(
+                "engine_process=True builds the engine in its own process from EngineArgs and "
+                "installed plugins; it takes no LLMEngine and no registry"
+            )
+        self.engine: LLMEngine | None = None
+        if engine_process:
+            self._client = EngineCoreProcClient(args)
+            self._init_frontend_for_process(args, self._client)
+        else:
+            self.engine = engine if engine is not None else LLMEngine(args, registry)
+            self._client = InprocClient(self.engine)
+            self.args = self.engine.args
+            self.tokenizer = self.engine.tokenizer
+            self.max_model_len = self.engine.max_model_len
+            self.vocab_size = self.engine.loaded.hf_config.vocab_size
+            self.eos_token_ids = frozenset(self.engine.loaded.eos_token_ids)
+            self.chat_template = self.args.chat_template or self.engine.loaded.chat_template
+            self.structured = self.engine.structured
         self.observer = observer
         self.stats = EngineStats()
         self.error: BaseException | None = None
-        self._inbox: queue.Queue[_Add | _Abort | _SessionHint] = queue.Queue()
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._closed = False  # set once by the engine thread as it exits; then no new request
-        self._thread: threading.Thread | None = None
-        self._own_thread = own_thread
-        self._loop_done = threading.Event()  # set when the step loop has returned
-        self._tracked: dict[str, _Tracked] = {}  # engine thread only
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._lock = threading.Lock()  # guards outputs, _tracked and _closed
+        self._tracked: dict[str, _Tracked] = {}
+        self._closed = False
+        self._started = False
         self._next_id = 0
+
+    def _init_frontend_for_process(self, args: EngineArgs, client: EngineCoreProcClient) -> None:
+        from tokenmill.model.loader import default_model_path, load_model_info
+        from tokenmill.structured.manager import StructuredOutputManager
+
+        try:
+            info = load_model_info(args.model or default_model_path(), tokenizer=args.tokenizer)
+        except BaseException:
+            client.shutdown()
+            raise
+        self.tokenizer = info.tokenizer
+        ready = client.ready
+        self.args = args
+        self.max_model_len = ready.max_model_len
+        self.vocab_size = ready.vocab_size
+        self.eos_token_ids = frozenset(ready.eos_token_ids)
+        self.chat_template = args.chat_template or ready.chat_template
+        # validates constraints here, so a bad one is a 400 before it reaches the core
+        self.structured = StructuredOutputManager(
+            self.tokenizer, ready.vocab_size, ready.eos_token_ids,
+            cache_size=args.structured_output_cache_size,
+            compile_timeout_s=args.structured_output_compile_timeout_s,
+        )
 
     # ---- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
-        """Start the engine thread (a no-op with own_thread=False: see `run_forever`)."""
-        if self._thread is not None or not self._own_thread:
-            return
-        self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
-        self._thread.start()
-
-    def run_forever(self) -> None:
-        """Run the step loop on the calling thread until `shutdown()` is called from another
-        thread. Only for AsyncLLM(own_thread=False)."""
-        if self._own_thread:
-            raise RuntimeError("run_forever() needs AsyncLLM(own_thread=False)")
-        self._thread = threading.current_thread()
-        self._run()
+        """Start handing outputs to requests (and, in-process, the engine thread)."""
+        if not self._started:
+            self._started = True
+            self._client.start(self._on_outputs, self._on_dead)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Stop the step loop; requests still in flight fail with EngineDeadError."""
-        self._stop.set()
-        if not self._own_thread:  # the loop's thread is the caller's owner: wait, never join
-            if self._thread is not None:
-                self._loop_done.wait(timeout_s)
-            return
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            self._thread = None
+        """Stop the engine core; requests still in flight fail with EngineDeadError."""
+        self._client.shutdown(timeout_s)
+        if not self._started:
+            self._on_dead(EngineDeadError("the engine was shut down"))
 
     @property
     def is_dead(self) -> bool:
-        return self.error is not None or (self._thread is not None and not self._thread.is_alive())
+        return self.error is not None or self._client.is_dead
 
     # ---- prompts (off the event loop) ---------------------------------------------------
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -185,7 +177,7 @@ class AsyncLLM:
         Raises ValueError when there is no template or it refuses these messages (templates
         raise on, e.g., roles that do not alternate).
         """
-        template = chat_template or self.args.chat_template or self.engine.loaded.chat_template
+        template = chat_template or self.chat_template
 
         def render() -> tuple[str, list[int]]:
             try:
@@ -215,115 +207,84 @@ class AsyncLLM:
         When the consumer falls behind, intermediate outputs are skipped: each one holds
         everything before it, so only the newest matters.
         """
+        check_prompt(prompt_token_ids, params, self.vocab_size, self.max_model_len)
         if params.structured_outputs is not None:
-            # compile (or fail) off the event loop and off the engine thread; the engine's
-            # add_request then finds the grammar in the cache
-            await asyncio.to_thread(self.engine.structured.compile, params.structured_outputs)
-        loop = asyncio.get_running_loop()
+            # compile (or fail) off the event loop and off the engine core; the in-process
+            # core then finds the grammar in the cache
+            await asyncio.to_thread(self.structured.compile, params.structured_outputs)
+        params = dataclasses.replace(params, eos_token_ids=self.eos_token_ids | params.eos_token_ids)
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-
-        def deliver(item: RequestOutput | BaseException) -> None:
-            try:
-                loop.call_soon_threadsafe(outputs.put_nowait, item)
-            except RuntimeError:  # the loop is closed: nobody is left to tell
-                pass
-
-        with self._lock:  # the engine thread cannot stop between the check and the put
+        tracked = _Tracked(outputs, asyncio.get_running_loop(), time.monotonic())
+        with self._lock:
             if self._closed:
                 raise EngineDeadError(f"the engine is dead: {self.error!r}")
-            self._inbox.put(_Add(
-                request_id, prompt_token_ids, params, prompt, cache_salt, session_id, deliver
-            ))
+            core_requests = self.outputs.add(request_id, prompt, list(prompt_token_ids), params)
+            self._tracked[request_id] = tracked
+        for core_request in core_requests:
+            core_request.cache_salt = cache_salt
+            core_request.session_id = session_id
         finished = False
         try:
+            self._client.add(core_requests)
             while not finished:
                 item = await outputs.get()
                 while not isinstance(item, BaseException) and not outputs.empty():
                     item = outputs.get_nowait()
                 if isinstance(item, BaseException):
-                    finished = True  # the engine thread dropped the request already
+                    finished = True  # the request is dropped already
                     raise item
                 finished = item.finished
                 yield item
         finally:
             if not finished:
-                self._inbox.put(_Abort(request_id))
+                self._abort(request_id)
 
     def hint_session(self, session_id: str) -> None:
         """`session_id`'s turn ended in a tool call (LLMEngine.hint_session); thread-safe."""
-        self._inbox.put(_SessionHint(session_id))
-
-    # ---- the engine thread ---------------------------------------------------------------
-    def _run(self) -> None:
-        engine = self.engine
-        try:
-            outputs: list[RequestOutput] = []
-            while not self._stop.is_set():
-                if not engine.has_unfinished_requests():
-                    self._drain_inbox(_IDLE_WAIT_S)
-                else:
-                    # a step with no output (a prefill chunk, or nothing schedulable) lets
-                    # new requests in with a short wait rather than spinning on the GIL
-                    self._drain_inbox(0.0 if outputs else _NO_OUTPUT_WAIT_S)
-                if engine.has_unfinished_requests():
-                    outputs = engine.step()
-                    self._publish(outputs)
-                self._snapshot()
-        except BaseException as e:  # noqa: BLE001 - every in-flight request must learn of it
-            logger.exception("the engine thread crashed; the engine is now dead")
-            self.error = e
-        if self.error is None:
-            self.error = EngineDeadError("the engine was shut down")
-        with self._lock:
-            self._closed = True
-        self._fail_all(EngineDeadError(f"the engine stopped: {self.error!r}"))
-        self._loop_done.set()
-
-    def _drain_inbox(self, wait_s: float) -> None:
-        try:
-            item = self._inbox.get(timeout=wait_s) if wait_s > 0 else self._inbox.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            if isinstance(item, _Add):
-                self._add(item)
-            elif isinstance(item, _SessionHint):
-                self.engine.hint_session(item.session_id)
-            else:
-                self._abort(item.request_id)
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-
-    def _add(self, cmd: _Add) -> None:
-        try:
-            self.engine.add_request(
-                cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.prompt, cmd.cache_salt,
-                cmd.session_id,
-            )
-        except ValueError as e:
-            cmd.deliver(e)
-            return
-        self._tracked[cmd.request_id] = _Tracked(cmd.deliver, cmd.arrival)
+        self._client.hint_session(session_id)
 
     def _abort(self, request_id: str) -> None:
-        tracked = self._tracked.pop(request_id, None)
-        out = self.engine.abort_request(request_id)
+        with self._lock:
+            out, core_ids = self.outputs.abort(request_id)
+            tracked = self._tracked.pop(request_id, None)
         if tracked is not None and out is not None and self.observer is not None:
             self.observer.on_finished(out, time.monotonic() - tracked.arrival)
+        self._client.abort(core_ids)
 
-    def _publish(self, outputs: list[RequestOutput]) -> None:
+    # ---- the output thread (the engine thread in-process, a reader thread otherwise) -----
+    def _on_outputs(self, message: EngineCoreOutputs) -> None:
+        if message.stats is not None:
+            self.stats = message.stats
+        if not message.outputs:
+            return
         now = time.monotonic()
-        for out in outputs:
-            tracked = self._tracked.get(out.request_id)
-            if tracked is None:
-                continue
-            if self.observer is not None:
-                self._observe(tracked, out, now)
-            if out.finished:
-                del self._tracked[out.request_id]
-            tracked.deliver(out)
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        with self._lock:
+            processed = self.outputs.process(message.outputs)
+            for rid, error in processed.add_errors.items():
+                tracked = self._tracked.pop(rid, None)
+                if tracked is not None:
+                    batches.setdefault(tracked.loop, []).append((tracked.outputs, error))
+            for out in processed.outputs:
+                tracked = self._tracked.get(out.request_id)
+                if tracked is None:
+                    continue
+                if out.finished:
+                    del self._tracked[out.request_id]
+                if self.observer is not None:
+                    self._observe(tracked, out, now)
+                batches.setdefault(tracked.loop, []).append((tracked.outputs, out))
+        self._client.abort(processed.abort_ids)
+        self._hand_over(batches)
+
+    @staticmethod
+    def _hand_over(batches: dict[asyncio.AbstractEventLoop, list]) -> None:
+        """One wake-up per event loop per step, however many requests it serves."""
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the loop is closed: nobody is left to tell
+                pass
 
     def _observe(self, tracked: _Tracked, out: RequestOutput, now: float) -> None:
         num = sum(len(o.token_ids) for o in out.outputs)
@@ -337,26 +298,16 @@ class AsyncLLM:
         if out.finished:
             self.observer.on_finished(out, now - tracked.arrival)
 
-    def _snapshot(self) -> None:
-        engine = self.engine
-        self.stats = EngineStats(
-            num_running=engine.scheduler.num_running,
-            num_waiting=engine.scheduler.num_waiting,
-            num_preemptions=engine.scheduler.num_preemptions,
-            kv_usage=engine.kv.usage,
-            prefix_cache_queries=engine.kv.stats.queries,
-            prefix_cache_hits=engine.kv.stats.hits,
-            kv_tiers=engine.offload.snapshot() if engine.offload is not None else {},
+    def _on_dead(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
+        dead = error if isinstance(error, EngineDeadError) else EngineDeadError(
+            f"the engine stopped: {error!r}"
         )
-
-    def _fail_all(self, error: BaseException) -> None:
-        for tracked in self._tracked.values():
-            tracked.deliver(error)
-        self._tracked.clear()
-        while True:  # requests queued before `_closed` was set
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(item, _Add):
-                item.deliver(error)
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        with self._lock:
+            self._closed = True
+            for tracked in self._tracked.values():
+                batches.setdefault(tracked.loop, []).append((tracked.outputs, dead))
+            self._tracked.clear()
+        self._hand_over(batches)

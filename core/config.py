@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -44,6 +45,12 @@ class EngineArgs(BaseModel):
     )
     num_kv_blocks: int | None = Field(None, ge=1, description="override the KV pool size")
     seed: int = 0
+    generation_config: str = Field(
+        "auto",
+        description="default sampling parameters for requests that leave them unset: 'auto' "
+        "(the model's generation_config.json, or tokenmill's settings for the default "
+        "model), 'vllm' or 'none' (off), or a directory holding a generation_config.json",
+    )
     tokenizer: str | None = None
     chat_template: str | None = None
     structured_output_cache_size: int = Field(
@@ -82,6 +89,16 @@ class EngineArgs(BaseModel):
                 f"{self.distributed_executor_backend!r}"
             )
         return self
+
+    @field_validator("generation_config")
+    @classmethod
+    def _generation_config(cls, v: str) -> str:
+        if v not in ("auto", "vllm", "none") and not (Path(v) / "generation_config.json").is_file():
+            raise ValueError(
+                f"generation_config={v!r} must be 'auto', 'vllm', 'none' or a directory "
+                "holding a generation_config.json"
+            )
+        return v
 
     @field_validator("block_size")
     @classmethod

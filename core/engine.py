@@ -15,13 +15,16 @@ from tokenmill.config import EngineArgs
 from tokenmill.distributed.config import WorkerConfig
 from tokenmill.distributed.errors import ExecutorError
 from tokenmill.distributed.executor import Executor, UniExecutor, make_executor
+from tokenmill.kv.groups import plan_groups
 from tokenmill.kv.manager import KVCacheManager
 from tokenmill.kv_connector.engine_setup import Offload, engine_offload, offload_config
+from tokenmill.model.generation_config import describe, load_generation_defaults
 from tokenmill.model.loader import ModelInfo, default_model_path, load_model_info
-from tokenmill.output_processor import OutputProcessor
-from tokenmill.outputs import RequestOutput
+from tokenmill.model.registry import attention_specs_for
+from tokenmill.output_processor import CoreOutputProcessor, OutputProcessor, check_prompt
+from tokenmill.outputs import EngineCoreOutput, EngineCoreRequest, RequestOutput, SchedulerStats
 from tokenmill.platforms.registry import ActivePlatform, PlatformRegistry, load_platform
-from tokenmill.request import Request
+from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tokenmill.step import StructuredMasks
@@ -61,9 +64,10 @@ class LLMEngine:
         self.dtype = resolve_dtype(args.dtype, self.platform)
         torch.manual_seed(args.seed)
 
-        self.loaded: ModelInfo = load_model_info(
-            args.model or default_model_path(), tokenizer=args.tokenizer
-        )
+        model_path = args.model or default_model_path()
+        # what requests that leave temperature, top_p... unset sample with
+        self.generation_defaults, source = load_generation_defaults(model_path, args.generation_config)
+        self.loaded: ModelInfo = load_model_info(model_path, tokenizer=args.tokenizer)
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = min(args.max_model_len or self.loaded.max_model_len, self.loaded.max_model_len)
 
@@ -73,7 +77,21 @@ class LLMEngine:
         except BaseException:
             self.executor.shutdown()
             raise
-        capacity = self.num_kv_blocks * args.block_size
+        # KV groups: one block table per group of layers of one attention type, where the
+        # runner keeps them (the core's); a plugin's own runner gets one table for all layers
+        groups = None
+        if all(self.executor.collective_rpc("uses_kv_groups")):
+            specs = attention_specs_for(self.loaded.hf_config, self.dtype, args.block_size)
+            groups = plan_groups(specs).groups
+        self.kv = KVCacheManager(
+            self.num_kv_blocks, args.block_size, args.enable_prefix_caching, groups
+        )
+        threshold = args.long_prefill_token_threshold
+        if threshold is None:
+            threshold = self.platform.platform.long_prefill_token_threshold or 0
+        # the longest context one request can hold (a window holds its blocks + a chunk's)
+        max_chunk = min(threshold or args.max_num_batched_tokens, args.max_num_batched_tokens)
+        capacity = self.kv.max_request_tokens(max_chunk)
         if capacity < self.max_model_len:
             if args.max_model_len is not None:
                 self.executor.shutdown()
@@ -84,10 +102,6 @@ class LLMEngine:
             self.max_model_len = capacity
         self.offload = self._connect_offload()
         self.failure: ExecutorError | None = None  # set when the workers cannot go on
-        self.kv = KVCacheManager(self.num_kv_blocks, args.block_size, args.enable_prefix_caching)
-        threshold = args.long_prefill_token_threshold
-        if threshold is None:
-            threshold = self.platform.platform.long_prefill_token_threshold or 0
         self.scheduler = Scheduler(
             SchedulerConfig(
                 args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len, threshold
@@ -103,14 +117,19 @@ class LLMEngine:
             cache_size=args.structured_output_cache_size,
             compile_timeout_s=args.structured_output_compile_timeout_s,
         )
-        self.outputs = OutputProcessor(
-            self.tokenizer, self.scheduler, self.max_model_len, self.structured
-        )
+        # the engine core's half of output processing, and the frontend's (used in-process
+        # by `add_request` / `step`; an engine process runs only the core's)
+        self.core_outputs = CoreOutputProcessor(self.scheduler, self.max_model_len, self.structured)
+        self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         logger.info(
             "engine ready: platform=%s dtype=%s executor=%s kv_blocks=%d (%d tokens) "
             "max_model_len=%d", self.platform.name, self.dtype, args.distributed_executor_backend,
             self.num_kv_blocks, capacity, self.max_model_len,
+        )
+        logger.info(
+            "default sampling parameters for requests that leave them unset (%s): %s; "
+            "generation_config='vllm' turns them off", source, describe(self.generation_defaults),
         )
 
     def _start_workers(self, in_process_registry: bool) -> Executor:
@@ -145,6 +164,15 @@ class LLMEngine:
         if not isinstance(self.executor, UniExecutor):  # EngineArgs refuse it already
             self.executor.shutdown()
             raise ValueError("KV offload needs the in-process ('uni') executor")
+        if self.kv.num_groups > 1:
+            # the connector saves and loads one block table (group 0's) per request
+            self.executor.shutdown()
+            kinds = ", ".join(g.kind.name.lower() for g in self.kv.groups)
+            raise ValueError(
+                f"KV offload supports models with one KV group; this model has "
+                f"{self.kv.num_groups} ({kinds}): unset the kv_offload_* settings "
+                "(docs/kv-offload.md)"
+            )
         return engine_offload(self.executor.worker.kv_offload, self.args.block_size)
 
     def shutdown(self) -> None:
@@ -164,55 +192,59 @@ class LLMEngine:
         cache_salt: str | None = None,
         session_id: str | None = None,
     ) -> None:
-        """Queue a request. Raises ValueError naming the problem if it can never run, and
-        its subclass StructuredOutputError if its structured output constraint is invalid or
-        takes too long to compile; nothing is queued then."""
+        """Queue a request (all its n sequences). Raises ValueError naming the problem if it
+        can never run, and its subclass StructuredOutputError if its structured output
+        constraint is invalid or takes too long to compile; nothing is queued then. Raises
+        EngineDeadError once the workers have failed."""
         self.check_health()
         if request_id in self.outputs.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self._check_prompt(prompt_token_ids, params)
-        grammar = None
+        check_prompt(prompt_token_ids, params, self.loaded.hf_config.vocab_size, self.max_model_len)
         if params.structured_outputs is not None:
-            grammar = self.structured.compile(params.structured_outputs)
+            self.structured.compile(params.structured_outputs)
         params = dataclasses.replace(
             params, eos_token_ids=frozenset(self.loaded.eos_token_ids) | params.eos_token_ids
         )
-        children = []
-        for i in range(params.n):
-            seed = None if params.seed is None else params.seed + i
-            child = Request(
-                request_id=request_id if params.n == 1 else f"{request_id}#{i}",
-                prompt_token_ids=list(prompt_token_ids),
-                sampling_params=params,
-                cache_salt=cache_salt,
-                session_id=session_id,
-                seed=seed,
-            )
-            children.append(child)
-            if grammar is not None:
-                self.structured.add_request(child.request_id, grammar)
-        self.outputs.add(request_id, prompt, children)
-        for child in children:
-            self.scheduler.add_request(child)
+        core_requests = self.outputs.add(request_id, prompt, prompt_token_ids, params)
+        for core_request in core_requests:
+            core_request.cache_salt = cache_salt
+            core_request.session_id = session_id
+            self.add_core_request(core_request)
 
-    def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
-        if not token_ids:
-            raise ValueError("the prompt is empty: give at least one token")
-        vocab = self.loaded.hf_config.vocab_size
-        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(token_ids)} tokens; the model's context is "
-                f"{self.max_model_len} (max_model_len), which leaves no room to generate"
+    def add_core_request(self, request: EngineCoreRequest) -> None:
+        """Queue one sequence (the engine core's side of `add_request`; `params.n` is not
+        looked at). Raises ValueError / StructuredOutputError / EngineDeadError as
+        `add_request` does."""
+        self.check_health()
+        if request.request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        # the model's generation defaults for what the request left unset (a no-op when the
+        # frontend's add_request filled them already)
+        params = request.params.with_defaults(self.generation_defaults)
+        check_prompt(
+            request.prompt_token_ids, params, self.loaded.hf_config.vocab_size, self.max_model_len
+        )
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.structured.compile(params.structured_outputs)
+        # every sequence passes here (offline, served in-process or from another process)
+        params = params.with_defaults(self.generation_defaults)
+        if not params.eos_token_ids >= self.loaded.eos_token_ids:
+            params = dataclasses.replace(
+                params, eos_token_ids=frozenset(self.loaded.eos_token_ids) | params.eos_token_ids
             )
-        max_tokens = params.max_tokens or 0
-        if len(token_ids) + max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(token_ids)} tokens) plus max_tokens ({max_tokens}) is "
-                f"{len(token_ids) + max_tokens}, over the context of {self.max_model_len} tokens"
-            )
+        child = Request(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling_params=params,
+            cache_salt=request.cache_salt,
+            session_id=request.session_id,
+            seed=params.seed,
+        )
+        if grammar is not None:
+            self.structured.add_request(child.request_id, grammar)
+        self.core_outputs.add(child)
+        self.scheduler.add_request(child)
 
     def hint_session(self, session_id: str) -> None:
         """The session's last turn ended in a tool call: it will be back. With KV offload,
@@ -221,14 +253,39 @@ class LLMEngine:
             self.offload.scheduler_side.session_returns(session_id)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        return self.outputs.abort(request_id)
+        """Abort every sequence of a request; its final output, None if it is unknown."""
+        out, core_ids = self.outputs.abort(request_id)
+        self.abort_core_requests(core_ids)
+        return out
+
+    def abort_core_requests(self, request_ids: list[str]) -> None:
+        """Abort sequences by their engine core ids; unknown or finished ones are skipped."""
+        for rid in request_ids:
+            self.core_outputs.finish(rid, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def scheduler_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_preemptions=self.scheduler.num_preemptions,
+            kv_usage=self.kv.usage,
+            prefix_cache_queries=self.kv.stats.queries,
+            prefix_cache_hits=self.kv.stats.hits,
+            kv_tiers=self.offload.snapshot() if self.offload is not None else {},
+        )
+
     # ---- the step --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, execute, process: one engine step."""
+        """One step, both halves in-process: outputs for every request that changed."""
+        processed = self.outputs.process(self.core_step())
+        self.abort_core_requests(processed.abort_ids)
+        return processed.outputs
+
+    def core_step(self) -> list[EngineCoreOutput]:
+        """One step of the engine core: schedule, execute, and the per-sequence deltas."""
         plan = self.scheduler.schedule()
         if plan.step is None:
             return []
@@ -239,7 +296,7 @@ class LLMEngine:
             return self._fail(e)
         self.scheduler.update_computed(plan)
         self.scheduler.update_from_connector(result.kv_connector)
-        return self.outputs.process(result)
+        return self.core_outputs.process(result)
 
     # ---- health ----------------------------------------------------------------------
     def check_health(self) -> None:
@@ -260,12 +317,12 @@ class LLMEngine:
             return False
         return True
 
-    def _fail(self, error: ExecutorError) -> list[RequestOutput]:
-        """The workers failed: every request in flight finishes with an error naming why."""
-        logger.error("engine failed: %s; failing %d requests", error, len(self.outputs.parents))
+    def _fail(self, error: ExecutorError) -> list[EngineCoreOutput]:
+        """The workers failed: every sequence in flight finishes with an error naming why."""
+        logger.error("engine failed: %s; failing %d sequences", error, len(self.scheduler.requests))
         self.failure = error
         self.executor.shutdown()  # the ranks still alive cannot go on without the others
-        return self.outputs.fail_all(f"engine failed: {error}")
+        return self.core_outputs.fail_all(f"engine failed: {error}")
 
     def _structured_masks(self, plan: SchedulerOutput) -> StructuredMasks | None:
         """This step's grammar masks for its constrained sampling rows, or None."""

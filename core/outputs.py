@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
+from tokenmill.kv_connector.tier import TierStats
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.step import Logprobs
+
 
 @dataclass(slots=True)
 class Logprob:
@@ -40,3 +46,99 @@ class RequestOutput:
     finished: bool = False
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
+
+
+# ---- what crosses between the engine core and its frontend ------------------------------
+# Plain msgspec structs (never pickle): the frontend sends requests in, the engine core
+# sends back per-step deltas, new tokens only. See core/engine_core.py.
+
+
+class EngineCoreRequest(msgspec.Struct, tag="add", array_like=True, omit_defaults=True):
+    """One sequence for the engine core to run. n > 1 is fanned out by the frontend into
+    one of these per child (`params.n == 1`, the child's own seed)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None = None
+    # the conversation it belongs to (KV offload keeps a session's blocks for its return)
+    session_id: str | None = None
+
+
+class EngineCoreSessionHint(msgspec.Struct, tag="hint", array_like=True):
+    """The session's last turn ended in a tool call: it will be back soon (KV offload
+    prefetches its blocks into the fastest tier when the next turn arrives)."""
+
+    session_id: str
+
+
+class EngineCoreAbort(msgspec.Struct, tag="abort", array_like=True):
+    """Finish these sequences (a client that left, a stop string the frontend found)."""
+
+    request_ids: list[str]
+
+
+class EngineCoreShutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    """Stop the step loop; the engine process exits."""
+
+
+EngineCoreInput = EngineCoreRequest | EngineCoreAbort | EngineCoreSessionHint | EngineCoreShutdown
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What one step did to one sequence: only what is new since the last delta.
+
+    `finish_reason` is set on the sequence's last delta ("stop", "length", "abort" or
+    "error"); "error" carries the cause in `stop_reason`. An add the engine refused comes
+    back as a first and last delta with `finish_reason="error"` and `add_error` naming the
+    kind ("value" or "structured_output"). `num_cached_tokens` is the prefix-cache hit,
+    -1 until the sequence is first scheduled. `new_prompt_logprobs` extend the prompt's
+    (position 0 has none: the frontend starts that list with None).
+    """
+
+    request_id: str
+    new_token_ids: list[int] = []
+    new_logprobs: list[Logprobs] | None = None
+    new_prompt_logprobs: list[Logprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = -1
+    add_error: str | None = None
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, frozen=True):
+    """The engine core's state after a step (what /metrics shows)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_preemptions: int = 0
+    kv_usage: float = 0.0  # fraction of KV blocks in use, 0..1
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found
+    # KV offload: tier name -> its counters, in stack order; empty without offload
+    kv_tiers: dict[str, TierStats] = msgspec.field(default_factory=dict)
+
+
+class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True, gc=False):
+    """One step's deltas, and the scheduler's state after it."""
+
+    outputs: list[EngineCoreOutput]
+    stats: SchedulerStats | None = None
+
+
+class EngineCoreReady(msgspec.Struct, tag="ready", array_like=True):
+    """The engine process loaded its model; what the frontend needs to validate prompts."""
+
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    chat_template: str | None = None
+
+
+class EngineCoreDead(msgspec.Struct, tag="dead", array_like=True):
+    """The engine process failed (at start or in its step loop) and is exiting."""
+
+    error: str
+
+
+EngineCoreMessage = EngineCoreOutputs | EngineCoreReady | EngineCoreDead

@@ -6,6 +6,7 @@ comes from the platform, attention from the platform's backend.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,6 +27,8 @@ from tokenmill.platforms.interfaces import (
 from tokenmill.runner_state import RequestStateTable, ScheduledRow
 from tokenmill.sampler import Sampler, SamplingRow, prompt_logprobs
 from tokenmill.step import StepDescription, StepResult, StructuredMasks
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner(ModelRunnerBase):
@@ -62,7 +65,7 @@ class ModelRunner(ModelRunnerBase):
 
     # ---- ModelRunnerBase -------------------------------------------------------------
     def kv_block_bytes(self) -> int:
-        return KVArena.block_bytes_for(self.model.attention_specs)
+        return KVArena.block_bytes_for(self.model.attention_specs, self.model.kv_layout.layer_slot)
 
     @property
     def num_reserved_blocks(self) -> int:
@@ -75,8 +78,14 @@ class ModelRunner(ModelRunnerBase):
         self.arena = KVArena.create(
             self.kv_allocator, self.model.attention_specs,
             num_blocks=num_blocks + self.num_reserved_blocks, device=self.device,
+            layer_slots=self.model.kv_layout.layer_slot,
         )
         self.kv_caches = self.arena.layer_caches
+        if self.graphs is not None and len(self.model.kv_layout.groups) > 1:
+            # captured decode steps bind one block table; KV groups have one each
+            logger.warning("decode graphs are off: the model has %d KV groups (hybrid "
+                           "attention)", len(self.model.kv_layout.groups))
+            self.graphs = None
         if self.graphs is not None:
             self.decode_graphs = DecodeGraphs(
                 self.graphs, self.model, self.kv_caches, self.backends,
@@ -95,9 +104,10 @@ class ModelRunner(ModelRunnerBase):
         num_seqs = min(self.max_num_seqs, num_tokens)
         lens = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
         per_seq = [-(-n // self.block_size) for n in lens]
+        # every KV group reads the same blocks here: the step measures memory, not values
         scratch = KVArena.create(
             self.kv_allocator, self.model.attention_specs, num_blocks=sum(per_seq),
-            device=self.device,
+            device=self.device, layer_slots=self.model.kv_layout.layer_slot,
         )
         try:
             first = [sum(per_seq[:i]) for i in range(num_seqs)]
@@ -150,13 +160,19 @@ class ModelRunner(ModelRunnerBase):
             if bucket is not None:
                 return self.decode_graphs.run(batch, bucket)
         dev = self.device
-        metadata = AttentionMetadata.build(
-            inputs.query_lens, inputs.seq_lens, [r.state.block_ids for r in batch],
-            self.block_size, dev,
-        )
+        # one metadata per KV group (a hybrid model's groups have their own block tables)
+        tables = [r.state.tables() for r in batch]
+        per_group = [
+            AttentionMetadata.build(
+                inputs.query_lens, inputs.seq_lens, [t[g] for t in tables], self.block_size, dev
+            )
+            for g in range(len(tables[0]))
+        ]
         _, positions = token_positions(inputs.query_lens, inputs.seq_lens)
-        for backend in self.backends:
-            backend.prepare(metadata)
+        for group_metadata in per_group:
+            for backend in self.backends:
+                backend.prepare(group_metadata)
+        metadata = per_group[0] if len(per_group) == 1 else per_group
         input_ids = torch.tensor(inputs.token_ids, dtype=torch.int64, device=dev)
         return self.model(input_ids, positions.to(dev), self.kv_caches, metadata)
 

@@ -9,7 +9,7 @@ model or device state but the generators.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,8 +24,13 @@ class RequestState:
     output_token_ids: list[int]  # generated so far (the worker's copy)
     sampling: SamplingSpec
     generator: torch.Generator | None  # seeded per request; None: the global RNG
-    block_ids: list[int]  # the whole block table
+    block_ids: list[int]  # the whole block table (KV group 0's)
     num_computed_tokens: int  # tokens in the KV cache before the current step
+    extra_block_ids: list[list[int]] = field(default_factory=list)  # KV groups 1, 2, ...
+
+    def tables(self) -> list[list[int]]:
+        """The block table of every KV group, in group order."""
+        return [self.block_ids, *self.extra_block_ids]
 
     @property
     def num_tokens(self) -> int:
@@ -89,11 +94,15 @@ class RequestStateTable:
                 generator=generator,
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
+                extra_block_ids=[list(t) for t in new.extra_block_ids],
             )
         for cached in step.cached_requests:
             state = self._get(cached.request_id, step)
             state.output_token_ids.extend(cached.new_token_ids)
             state.block_ids.extend(cached.new_block_ids)
+            for table, new_ids in zip(state.extra_block_ids, cached.extra_new_block_ids,
+                                      strict=True):
+                table.extend(new_ids)
             state.num_computed_tokens = cached.num_computed_tokens
         rows = []
         for rid, num_tokens in zip(step.scheduled_request_ids, step.num_scheduled_tokens,

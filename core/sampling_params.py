@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from tokenmill.structured.params import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
+
+# The fields a model's generation config may supply, with the values that apply when
+# neither the request nor the model sets them (vLLM's: sampling with nothing filtered).
+NEUTRAL_DEFAULTS: dict[str, float | int] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+}
 
 
 @dataclass(slots=True)
@@ -15,14 +27,18 @@ class SamplingParams:
     """Sampling controls for one request.
 
     Construction validates every field and raises `ValueError` naming the bad value.
+    The fields of `NEUTRAL_DEFAULTS` may be left None, meaning unset: the engine fills
+    them from the model's generation config (vLLM's `--generation-config auto`), else
+    with the neutral values, when it accepts the request (`with_defaults`). A value the
+    caller gives always wins.
     """
 
     n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: no top-k
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    temperature: float | None = None  # 0: greedy; None: the model's default, else 1.0
+    top_p: float | None = None  # None: the model's default, else 1.0
+    top_k: int | None = None  # 0 or -1: no top-k; None: the model's default, else 0
+    min_p: float | None = None  # None: the model's default, else 0.0
+    repetition_penalty: float | None = None  # None: the model's default, else 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
@@ -52,33 +68,54 @@ class SamplingParams:
             self.top_k = 0
         self._validate()
 
+    @property
+    def unset_fields(self) -> tuple[str, ...]:
+        """The fields of NEUTRAL_DEFAULTS this request leaves to the model's defaults."""
+        return tuple(name for name in NEUTRAL_DEFAULTS if getattr(self, name) is None)
+
+    def with_defaults(self, defaults: Mapping[str, float | int] | None = None) -> SamplingParams:
+        """A copy with every unset field filled: from `defaults` (a model's generation
+        config) where it has the field, else the neutral value. Set fields are kept."""
+        unset = self.unset_fields
+        if not unset:
+            return self
+        defaults = defaults or {}
+        return dataclasses.replace(
+            self, **{name: defaults.get(name, NEUTRAL_DEFAULTS[name]) for name in unset}
+        )
+
     def _validate(self) -> None:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
 
+        unset = self.unset_fields
         for name in (
             "temperature", "top_p", "min_p", "repetition_penalty",
             "presence_penalty", "frequency_penalty",
         ):
             value = getattr(self, name)
+            if name in unset:
+                continue
             if not isinstance(value, int | float) or isinstance(value, bool):
                 raise bad(name, "must be a number")
             if not math.isfinite(value):
                 raise bad(name, "must be finite")
         for name in ("n", "top_k", "min_tokens"):
+            if name in unset:
+                continue
             if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool):
                 raise bad(name, "must be an integer")
         if self.n < 1:
             raise bad("n", "must be at least 1")
-        if self.temperature < 0:
+        if self.temperature is not None and self.temperature < 0:
             raise bad("temperature", "must be >= 0 (0 means greedy)")
-        if not 0 < self.top_p <= 1:
+        if self.top_p is not None and not 0 < self.top_p <= 1:
             raise bad("top_p", "must be in (0, 1]")
-        if self.top_k < 0:
+        if self.top_k is not None and self.top_k < 0:
             raise bad("top_k", "must be 0 or -1 (disabled) or a positive integer")
-        if not 0 <= self.min_p <= 1:
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
             raise bad("min_p", "must be in [0, 1]")
-        if self.repetition_penalty <= 0:
+        if self.repetition_penalty is not None and self.repetition_penalty <= 0:
             raise bad("repetition_penalty", "must be > 0 (1 disables it)")
         if not -2 <= self.presence_penalty <= 2:
             raise bad("presence_penalty", "must be in [-2, 2]")
@@ -126,7 +163,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < _GREEDY_EPS
+        """Whether the temperature is 0. Unset counts as not greedy: call it on params
+        with their defaults filled (the engine's, or `with_defaults()`)."""
+        return self.temperature is not None and self.temperature < _GREEDY_EPS
 
     def max_stop_len(self) -> int:
         return max((len(s) for s in self.stop), default=0)

@@ -19,7 +19,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from tokenmill.kv.manager import KVCacheManager
+from tokenmill.kv.manager import KVCacheManager, PrefixHit
 from tokenmill.kv_connector.messages import WorkerReport
 from tokenmill.kv_connector.scheduler_side import KVConnectorScheduler
 from tokenmill.request import Request, RequestStatus
@@ -36,10 +36,12 @@ class ScheduledRequest:
     request_id: str
     token_ids: list[int]  # the tokens to compute this step, in order
     start_position: int  # position of token_ids[0] (= tokens already in the KV cache)
-    block_ids: list[int]  # the request's whole block table
+    block_ids: list[int]  # the request's whole block table (KV group 0's)
     sample: bool  # whether this step completes the known tokens and samples a new one
     # prompt positions [start, end) whose next-token logprobs are wanted (empty: none)
     prompt_logprobs_range: tuple[int, int] = (0, 0)
+    # the block tables of KV groups 1, 2, ... (hybrid models; core/kv/groups.py)
+    extra_block_ids: tuple[list[int], ...] = ()
 
 
 @dataclass(slots=True)
@@ -213,7 +215,7 @@ class Scheduler:
             budget -= num_new
         return scheduled
 
-    def _start_external_load(self, request: Request, hits: list, num_hit: int) -> bool:
+    def _start_external_load(self, request: Request, hits: PrefixHit, num_hit: int) -> bool:
         """Admit a waiting request whose next tokens a KV tier holds: allocate blocks for
         them (unpublished until loaded) and start the load. False: nothing to load, or no
         KV for it now (the caller then tries the ordinary admission)."""
@@ -258,13 +260,15 @@ class Scheduler:
             # logits at position p predict token p + 1; the last prompt position's logits are
             # the first sampled token's, so prompt logprobs cover positions [0, prompt - 1).
             lp_range = (start, min(end, request.num_prompt_tokens - 1))
+        tables = self.kv.group_block_ids(request)
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=request.all_token_ids[start:end],
             start_position=start,
-            block_ids=self.kv.block_ids(request),
+            block_ids=tables[0],
             sample=end == request.num_tokens,
             prompt_logprobs_range=lp_range,
+            extra_block_ids=tuple(tables[1:]),
         )
 
     def update_computed(self, scheduler_output: SchedulerOutput) -> None:
@@ -322,7 +326,8 @@ class WorkerView:
     """
 
     def __init__(self) -> None:
-        self._sent: dict[str, tuple[int, int]] = {}  # id -> (num tokens, num blocks) sent
+        # id -> (num tokens, blocks per group) sent
+        self._sent: dict[str, tuple[int, tuple[int, ...]]] = {}
         self._finished: list[str] = []
         self._aborted: list[str] = []
         self._preempted: list[str] = []
@@ -365,19 +370,26 @@ class WorkerView:
                         seed=request.seed,
                         block_ids=item.block_ids,
                         num_computed_tokens=item.start_position,
+                        extra_block_ids=list(item.extra_block_ids),
                     )
                 )
             else:
+                # A window's table only grows: entries it nulls keep their old ids on the
+                # workers, which never read them (they are outside the window).
                 num_tokens, num_blocks = sent
                 step.cached_requests.append(
                     CachedRequest(
                         request_id=rid,
                         new_token_ids=request.all_token_ids[num_tokens:],
-                        new_block_ids=item.block_ids[num_blocks:],
+                        new_block_ids=item.block_ids[num_blocks[0] :],
                         num_computed_tokens=item.start_position,
+                        extra_new_block_ids=[
+                            t[n:] for t, n in zip(item.extra_block_ids, num_blocks[1:], strict=True)
+                        ],
                     )
                 )
-            self._sent[rid] = (request.num_tokens, len(item.block_ids))
+            tables = (item.block_ids, *item.extra_block_ids)
+            self._sent[rid] = (request.num_tokens, tuple(len(t) for t in tables))
             step.scheduled_request_ids.append(rid)
             step.num_scheduled_tokens.append(num_new)
             lo, hi = item.prompt_logprobs_range
@@ -387,7 +399,10 @@ class WorkerView:
 
 
 def sampling_spec(params: SamplingParams) -> SamplingSpec:
-    """The part of `params` the workers' sampler reads."""
+    """The part of `params` the workers' sampler reads, every field concrete. The engine
+    has filled the model's generation defaults in already; fields still unset (params
+    that did not come through an engine) take the neutral values."""
+    params = params.with_defaults()
     return SamplingSpec(
         temperature=params.temperature,
         top_p=params.top_p,

@@ -60,8 +60,11 @@ class NewRequest(msgspec.Struct, frozen=True):
     output_token_ids: list[int]
     sampling: SamplingSpec
     seed: int | None  # the request's own generator seed; None: the worker's global RNG
-    block_ids: list[int]  # [num_blocks]: the request's whole block table
+    block_ids: list[int]  # [num_blocks]: the request's whole block table (KV group 0's)
     num_computed_tokens: int  # tokens already in the KV cache (a prefix-cache hit)
+    # the whole block tables of KV groups 1, 2, ... (hybrid models: one table per group of
+    # layers of one attention type); entries a sliding window no longer reads hold block 0
+    extra_block_ids: list[list[int]] = []
 
 
 class CachedRequest(msgspec.Struct, frozen=True):
@@ -71,6 +74,9 @@ class CachedRequest(msgspec.Struct, frozen=True):
     new_token_ids: list[int]  # [n]: tokens appended since the worker last saw it (outputs)
     new_block_ids: list[int]  # [m]: blocks appended to its block table
     num_computed_tokens: int  # tokens in the KV cache before this step
+    # blocks appended to the tables of KV groups 1, 2, ... (tables only grow: an entry a
+    # sliding window stops reading is not sent again, and is never read)
+    extra_new_block_ids: list[list[int]] = []
 
 
 class StructuredMasks(msgspec.Struct, frozen=True):

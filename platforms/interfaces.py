@@ -19,7 +19,8 @@ import torch
 from tokenmill.step import StepDescription, StepResult
 
 # 1.1: op apply_token_bitmask. 1.2: tokenmill_model_runner gets a ModelRunnerContext and
-# returns a ModelRunnerBase; tokenmill_graph_capture returns a GraphCapture.
+# returns a ModelRunnerBase; tokenmill_graph_capture returns a GraphCapture; ops
+# moe_experts and gelu_tanh_and_mul; AttentionSpec.sinks.
 PLUGIN_API_VERSION = "1.2"
 
 
@@ -44,6 +45,12 @@ class AttentionSpec:
     block_size: int
     sliding_window: int | None = None
     scale: float | None = None  # None means head_size ** -0.5
+    # Learned per-head sink logits (gpt-oss): each query's softmax has one extra logit per
+    # head that takes probability mass and contributes no value. The layer then calls
+    # `forward(..., sinks=...)` with a float32 [num_heads] tensor; a backend that does not
+    # implement sinks must return False from `supports` for such a spec (the core then
+    # runs that layer on its reference attention and logs it).
+    sinks: bool = False
 
 
 @dataclass(slots=True)
@@ -148,6 +155,8 @@ class AttentionBackend(ABC):
 
         Each query token attends causally to its sequence's context (cached tokens plus the
         step's tokens up to and including itself). Returns [num_tokens, num_heads, head_size].
+        With `spec.sinks` the core adds the keyword `sinks` (float32 [num_heads]); it is
+        only passed to a backend whose `supports(spec)` is True for such a spec.
         """
 
 
@@ -298,6 +307,8 @@ OP_NAMES = frozenset(
         "copy_blocks",  # KV blocks within each layer's cache (conformance tier T2)
         "swap_blocks",  # KV blocks between two caches, e.g. device <-> host (tier T2)
         "apply_token_bitmask",  # structured output's grammar mask on the logits (tier T1)
+        "gelu_tanh_and_mul",  # Gemma's gated MLP activation
+        "moe_experts",  # routed expert GEMMs of a mixture-of-experts layer (tier T1)
     }
 )
 

@@ -111,10 +111,12 @@ async def create_message(body: MessagesRequest, request: Request):
                           session_id=session_id)
     head = {"id": rid, "type": "message", "role": "assistant", "model": model}
     parser = reasoning_parser(None if thinking is False else state.reasoning_parser, structured)
+    # display "omitted": thinking blocks come back empty (the model still thinks)
+    omit = getattr(body.thinking, "display", None) == "omitted"
     if body.stream:
         events = OutputEvents(plan, parser, text)
         hint = (lambda: state.engine.hint_session(session_id)) if session_id else None
-        return event_stream(_stream(started, head, params.max_stop_len(), events, hint),
+        return event_stream(_stream(started, head, params.max_stop_len(), events, omit, hint),
                             request.url.path)
     (final,) = await unless_disconnected(request, started.finals())
     out = final.outputs[0]
@@ -122,7 +124,8 @@ async def create_message(body: MessagesRequest, request: Request):
     found = split.found
     content: list[dict[str, Any]] = []
     if split.reasoning is not None:
-        content.append({"type": "thinking", "thinking": split.reasoning, "signature": ""})
+        content.append({"type": "thinking", "thinking": "" if omit else split.reasoning,
+                        "signature": ""})
     if not found.tools_called or found.content:
         content.append({"type": "text", "text": found.content or ""})
     content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments_dict()}
@@ -142,7 +145,8 @@ async def create_message(body: MessagesRequest, request: Request):
 class _Blocks:
     """Anthropic content blocks of a stream: opened as events need them, closed in turn."""
 
-    def __init__(self) -> None:
+    def __init__(self, omit_thinking: bool = False) -> None:
+        self.omit_thinking = omit_thinking
         self.index = -1
         self.open: str | None = None  # "thinking", "text" or "tool_use"
 
@@ -165,6 +169,8 @@ class _Blocks:
         if isinstance(event, ReasoningDelta):
             if self.open != "thinking":
                 out += self.start({"type": "thinking", "thinking": "", "signature": ""})
+            if self.omit_thinking:
+                return out
             delta = {"type": "thinking_delta", "thinking": event.text}
         elif isinstance(event, ContentDelta):
             if self.open != "text":
@@ -184,13 +190,13 @@ class _Blocks:
 
 async def _stream(
     started: Started, head: dict[str, Any], max_stop_len: int, tool_events: OutputEvents,
-    on_tool_call: Callable[[], None] | None = None,
+    omit_thinking: bool = False, on_tool_call: Callable[[], None] | None = None,
 ) -> AsyncIterator[str]:
     first = started.firsts[0]
     usage = {**_usage(first), "output_tokens": 0}
     message = {**head, "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}
     yield sse({"type": "message_start", "message": message}, "message_start")
-    blocks = _Blocks()
+    blocks = _Blocks(omit_thinking)
     if tool_events.plan.mode == "none" and tool_events.parser is None:
         # plain text: the text block opens at once, as before tools
         for event in blocks.start({"type": "text", "text": ""}):

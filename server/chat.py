@@ -125,7 +125,7 @@ def anthropic_tools(body) -> list[Message] | None:
 
 def served_template(engine: AsyncLLM) -> str | None:
     """The chat template the server renders with: `--chat-template`, else the model's."""
-    return engine.args.chat_template or engine.engine.loaded.chat_template
+    return engine.chat_template
 
 
 def _render(tokenizer, messages: list[Message], template: str | None,

@@ -6,9 +6,7 @@ import argparse
 import json
 import logging
 import os
-import signal
 import sys
-import threading
 from pathlib import Path
 
 from tokenmill.platforms import template
@@ -97,6 +95,7 @@ def _serve(args: argparse.Namespace) -> int:
         "distributed_executor_backend": args.distributed_executor_backend,
         "memory_utilization": args.memory_utilization,
         "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
+        "generation_config": args.generation_config,
     }
     try:
         engine_args = EngineArgs(**{k: v for k, v in engine_kw.items() if v is not None})
@@ -105,47 +104,33 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
     api_key = args.api_key or os.environ.get("TOKENMILL_API_KEY") or None
-    engine = AsyncLLM(engine_args, own_thread=False)
-    app = build_app(
-        engine, names, api_key=api_key,
-        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser, max_stored_responses=args.max_stored_responses,
-        compact_json=args.structured_outputs_disable_any_whitespace,
-    )
-    server = uvicorn.Server(uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        http="h11",  # its header-size limit is configurable
-        h11_max_incomplete_event_size=MAX_HTTP_HEAD_BYTES,
-        timeout_graceful_shutdown=args.shutdown_timeout,
-        log_level=args.log_level,
-    ))
-    return _run_with_engine_on_main_thread(server, engine)
-
-
-def _run_with_engine_on_main_thread(server, engine) -> int:
-    """uvicorn in a thread, the engine's step loop on this (main) thread.
-
-    The model step is the hot path and its OpenMP regions run fastest from the main thread.
-    SIGINT/SIGTERM go to uvicorn's own handler: it stops accepting, drains in-flight
-    requests (which still need the engine), then its lifespan shuts the engine down, which
-    ends `run_forever`. If uvicorn stops for any other reason (a port in use), the engine
-    loop is stopped too.
-    """
-
-    def serve_http() -> None:
-        try:
-            server.run()
-        finally:
-            engine.shutdown(timeout_s=0)
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, server.handle_exit)
-    http = threading.Thread(target=serve_http, name="tokenmill-http")
-    http.start()
-    engine.run_forever()
-    http.join()
+    try:
+        engine = AsyncLLM(engine_args, engine_process=True)
+    except (OSError, ValueError, RuntimeError) as e:
+        print(f"tokenmill serve: the engine did not start: {e}", file=sys.stderr)
+        return 1
+    try:
+        app = build_app(
+            engine, names, api_key=api_key,
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
+            tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+            max_stored_responses=args.max_stored_responses,
+            compact_json=args.structured_outputs_disable_any_whitespace,
+        )
+        server = uvicorn.Server(uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            http="h11",  # its header-size limit is configurable
+            h11_max_incomplete_event_size=MAX_HTTP_HEAD_BYTES,
+            timeout_graceful_shutdown=args.shutdown_timeout,
+            log_level=args.log_level,
+        ))
+        # SIGINT/SIGTERM: uvicorn stops accepting, drains in-flight requests (the engine
+        # process keeps stepping them), then the app's lifespan stops the engine process.
+        server.run()
+    finally:
+        engine.shutdown()  # also when uvicorn stopped for another reason (a port in use)
     return 0 if server.started else 1
 
 
@@ -186,6 +171,11 @@ def _add_serve_parser(sub) -> None:
                    help="KV offload: disk tier size, e.g. 100GiB")
     p.add_argument("--kv-offload-remote", default=None, metavar="URL",
                    help="KV offload: remote tier, e.g. redis://127.0.0.1:6379")
+    p.add_argument("--generation-config", default=None, metavar="auto|vllm|DIR",
+                   help="default sampling parameters for requests that leave them unset: "
+                   "'auto' (default) takes the model's generation_config.json, or tokenmill's "
+                   "settings for the default model; 'vllm' (or 'none') turns them off; a "
+                   "directory uses its generation_config.json")
     p.add_argument("--chat-template", default=None, help="a file holding a jinja chat template")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='serve tool_choice "auto": parse the model\'s own tool calls')

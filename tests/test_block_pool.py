@@ -57,7 +57,7 @@ def test_manager_prefix_hit_leaves_one_token_and_counts():
     assert len(kv.block_ids(r1)) == 3
     r2 = make_request("b", list(range(8)) + [99, 98])
     hits, n = kv.find_cached_prefix(r2)
-    assert n == 8 and [b.block_id for b in hits] == kv.block_ids(r1)[:2]
+    assert n == 8 and [b.block_id for b in hits.tables[0]] == kv.block_ids(r1)[:2]
     # a prompt that is exactly cached still leaves its last token to compute
     r3 = make_request("c", list(range(8)))
     assert kv.find_cached_prefix(r3)[1] == 4
@@ -85,7 +85,7 @@ def test_free_hit_blocks_count_against_capacity():
     assert n == 8
     # needs 2 hit blocks + 2 fresh = 4 > 3
     assert not kv.allocate_slots(r2, 5, hits)
-    assert all(b.ref_cnt == 0 for b in hits)
+    assert all(b.ref_cnt == 0 for b in hits.blocks())
 
 
 def test_stale_hits_are_refused_loudly():

@@ -115,3 +115,58 @@ def test_mp_refuses_an_in_process_registry(tiny_dirs):
     with pytest.raises(ValueError, match="in-process registry cannot cross"):
         LLM(str(tiny_dirs["llama"]), platform="cpu", registry=registry,
             distributed_executor_backend="mp", num_kv_blocks=16)
+
+
+def test_steps_reach_every_rank_and_errors_name_the_rank(tiny_dirs):
+    """Two ranks (each a full replica: no tensor parallelism yet) get every step; rank 0's
+    result equals the in-process worker's; a bad step fails naming the rank, and a rank
+    whose answer nobody reads dies with it (the monitor reports the exit)."""
+    from tokenmill.distributed.config import WorkerConfig
+    from tokenmill.distributed.errors import WorkerCallError, WorkerDiedError
+    from tokenmill.distributed.executor import UniExecutor
+    from tokenmill.distributed.mp import MultiprocExecutor
+    from tokenmill.model.loader import load_model_info
+    from tokenmill.platforms.registry import load_platform
+    from tokenmill.step import CachedRequest, NewRequest, SamplingSpec, StepDescription
+
+    info = load_model_info(str(tiny_dirs["llama"]), load_tokenizer=False)
+    config = WorkerConfig(
+        model_path=info.model_path, platform="cpu", dtype="float32", block_size=4,
+        max_num_batched_tokens=64, max_num_seqs=4, max_model_len=128, seed=0, num_kv_blocks=16,
+    )
+    uni = UniExecutor(config, load_platform("cpu"), info.hf_config)
+    mp = MultiprocExecutor(msgspec_replace(config, world_size=2, distributed_executor_backend="mp"))
+    try:
+        assert uni.initialize() == mp.initialize() == 16
+        assert mp.collective_rpc("determine_num_blocks") == [16, 16]
+        first = StepDescription(
+            step_id=0, new_requests=[NewRequest("a", [5, 6, 7, 8, 9], [], SamplingSpec(
+                temperature=0, logprobs=1), None, [0, 1], 0)],
+            scheduled_request_ids=["a"], num_scheduled_tokens=[5],
+        )
+        want, got = uni.execute(first), mp.execute(first)
+        assert got == want and list(got.sampled_token_ids) == ["a"]
+        token = got.sampled_token_ids["a"]
+        second = StepDescription(
+            step_id=1, cached_requests=[CachedRequest("a", [token], [], 5)],
+            scheduled_request_ids=["a"], num_scheduled_tokens=[1],
+        )
+        assert mp.execute(second) == uni.execute(second)  # rank 1 held "a" too, or it died
+        mp.check_health()
+        bad = StepDescription(step_id=2, cached_requests=[CachedRequest("zzz", [], [], 0)])
+        with pytest.raises(WorkerCallError, match=r"(?s)rank 0 failed in execute.*'zzz'"):
+            mp.execute(bad)
+        deadline = time.monotonic() + 15
+        with pytest.raises(WorkerDiedError, match=r"worker rank 1 .* exit code 1"):
+            while time.monotonic() < deadline:
+                mp.check_health()
+                time.sleep(0.05)
+    finally:
+        mp.shutdown()
+        uni.shutdown()
+
+
+def msgspec_replace(struct, **changes):
+    import msgspec
+
+    return msgspec.structs.replace(struct, **changes)

@@ -102,7 +102,7 @@ class KVAccounting(RuleBasedStateMachine):
             self._step(lambda: 1)
         assert not self.sched.has_unfinished_requests(), "requests never finished"
         assert self.kv.usage == 0.0
-        assert not self.kv.full.req_to_blocks
+        assert not self.kv.allocators[0].req_to_blocks
         assert all(b.ref_cnt == 0 for b in self.kv.pool.blocks)
 
     # ---- the runner's part ---------------------------------------------------------------
@@ -161,8 +161,8 @@ class KVAccounting(RuleBasedStateMachine):
         pool = self.kv.pool
         refs = [0] * pool.num_blocks
         live = {r.request_id for r in self.sched.running}
-        assert set(self.kv.full.req_to_blocks) <= live
-        for blocks in self.kv.full.req_to_blocks.values():
+        assert set(self.kv.allocators[0].req_to_blocks) <= live
+        for blocks in self.kv.allocators[0].req_to_blocks.values():
             assert len({id(b) for b in blocks}) == len(blocks), "a request holds a block twice"
             for block in blocks:
                 refs[block.block_id] += 1

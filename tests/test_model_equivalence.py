@@ -18,7 +18,9 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3TextConfig,
     GenerationConfig,
+    GptOssConfig,
     LlamaConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
@@ -72,6 +74,36 @@ CONFIGS = {
     ),
     # head_dim 32 is not hidden / heads (16): the config's head_dim must win
     "qwen3": lambda: Qwen3Config(**_COMMON, head_dim=32, tie_word_embeddings=True),
+    # window 4 then global; global rope linearly scaled; logits soft-capped
+    "gemma3": lambda: Gemma3TextConfig(
+        **{**_COMMON, "num_hidden_layers": 3},
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        final_logit_softcapping=30.0,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+        },
+    ),
+    # window 4 then global, sinks, 4 experts (top 2), YaRN with a small original context
+    "gpt_oss": lambda: GptOssConfig(
+        **{**_COMMON, "intermediate_size": 32},
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=4,
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 32,
+            "rope_theta": 150000.0,
+        },
+    ),
 }
 
 
@@ -91,11 +123,12 @@ def _make_checkpoint(name: str, path: Path, **save_kwargs) -> torch.nn.Module:
     config = CONFIGS[name]()
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
     with torch.no_grad():
-        # HF initialises norms to 1 and biases to 0; randomise them so loading them matters.
+        # HF initialises norms to 1 (Gemma: 0) and biases to 0; randomise them so loading
+        # them matters.
         for param_name, param in model.named_parameters():
             if "norm" in param_name:
                 param.copy_(1 + 0.2 * torch.randn_like(param))
-            elif param_name.endswith(".bias"):
+            elif param_name.endswith("bias") or param_name.endswith(".sinks"):
                 param.copy_(0.2 * torch.randn_like(param))
     model.generation_config = GenerationConfig(eos_token_id=[1, 3])
     model.save_pretrained(path, **save_kwargs)

@@ -19,7 +19,7 @@ VOCAB = 50
 
 def row(prompt=(), output=(), seed=None, **kwargs) -> SamplingRow:
     return SamplingRow(
-        params=SamplingParams(seed=seed, **kwargs),
+        params=SamplingParams(seed=seed, **kwargs).with_defaults(),  # as the engine fills them
         prompt_token_ids=list(prompt),
         output_token_ids=list(output),
         generator=make_generator(seed, "cpu"),
@@ -261,7 +261,10 @@ def test_extreme_penalties_do_not_break_sampling():
 
     logits = torch.randn(3, 300)
     rows = [
-        SamplingRow(SamplingParams(temperature=t, repetition_penalty=rp, seed=1), [1, 2], [3], None)
+        SamplingRow(
+            SamplingParams(temperature=t, repetition_penalty=rp, seed=1).with_defaults(),
+            [1, 2], [3], None,
+        )
         for t, rp in ((1.0, 5e-324), (0.7, 1e300), (0.0, 1e-300))
     ]
     out = Sampler()(logits, rows)

@@ -38,16 +38,17 @@ def full_step() -> StepDescription:
     sampling = SamplingSpec(
         temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, repetition_penalty=1.2,
         presence_penalty=0.5, frequency_penalty=-0.5, min_tokens=3, stop_token_ids=[7, 8],
-        eos_token_ids=[2], ignore_eos=True, logprobs=4, prompt_logprobs=2, logit_bias={5: 1.5},
+        eos_token_ids=[2], ignore_eos=True, logprobs=4, prompt_logprobs=2,
+        logit_bias={3: -100.0, 9: 2.5},
     )
     words = np.array([[-1, 0x7FFFFFFF, -(2**31)], [5, 6, 7]], dtype="<i4")
     return StepDescription(
         step_id=12,
         new_requests=[
-            NewRequest("a", [1, 2, 3], [9, 10], sampling, 1234, [4, 5], 2),
+            NewRequest("a", [1, 2, 3], [9, 10], sampling, 1234, [4, 5], 2, [[0, 8], [3]]),
             NewRequest("b", [4], [], SamplingSpec(), None, [6], 0),
         ],
-        cached_requests=[CachedRequest("c", [11], [7], 40)],
+        cached_requests=[CachedRequest("c", [11], [7], 40, [[12], []])],
         scheduled_request_ids=["a", "b", "c"],
         num_scheduled_tokens=[3, 1, 1],
         finished_request_ids=["d"],

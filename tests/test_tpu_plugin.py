@@ -68,3 +68,20 @@ def test_jax_suite_on_four_cpu_devices():
         cwd=ROOT, capture_output=True, text=True, timeout=900, env={**os.environ, **JAX_CPU_4},
     )
     assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+
+
+def test_attention_declines_what_its_kernel_lacks():
+    import torch
+
+    from tokenmill.platforms.interfaces import AttentionKind, AttentionSpec
+    from tokenmill_tpu.attention import PallasPagedAttention
+
+    full = PallasPagedAttention(AttentionKind.FULL, interpret=True)
+    spec = AttentionSpec(AttentionKind.FULL, 8, 2, 64, torch.bfloat16, 16)
+    assert full.supports(spec)
+    assert not full.supports(AttentionSpec(AttentionKind.FULL, 8, 2, 64, torch.bfloat16, 16,
+                                           sinks=True))
+    assert not full.supports(AttentionSpec(AttentionKind.FULL, 8, 2, 64, torch.float16, 16))
+    window = AttentionSpec(AttentionKind.SLIDING_WINDOW, 8, 2, 64, torch.float32, 16, 8)
+    assert not full.supports(window)
+    assert PallasPagedAttention(AttentionKind.SLIDING_WINDOW, interpret=True).supports(window)

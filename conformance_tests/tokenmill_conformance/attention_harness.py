@@ -134,10 +134,15 @@ def to_device(step: Step, device: torch.device) -> Step:
 
 
 def check_step(
-    backend: AttentionBackend, spec: AttentionSpec, step: Step, prepare: bool = True
+    backend: AttentionBackend,
+    spec: AttentionSpec,
+    step: Step,
+    prepare: bool = True,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One layer of `backend` against the reference on a copy of the same step; returns
-    the backend's output."""
+    the backend's output. `sinks` (float32 [num_heads], for a spec with sinks) goes to
+    both."""
     device = step.kv_cache.device
     ref_meta = make_metadata(
         list(zip(
@@ -148,13 +153,15 @@ def check_step(
         spec.block_size,
     )
     ref_cache = step.kv_cache.cpu().clone()
+    ref_sinks = None if sinks is None else sinks.cpu()
     expected = paged_attention(
-        spec, step.query.cpu(), step.key.cpu(), step.value.cpu(), ref_cache, ref_meta
+        spec, step.query.cpu(), step.key.cpu(), step.value.cpu(), ref_cache, ref_meta, ref_sinks
     )
     inputs = (step.query.clone(), step.key.clone(), step.value.clone())
     if prepare:
         backend.prepare(step.metadata)
-    out = backend.forward(spec, *inputs, step.kv_cache, step.metadata)
+    extra = {} if sinks is None else {"sinks": sinks.to(device)}
+    out = backend.forward(spec, *inputs, step.kv_cache, step.metadata, **extra)
     assert out.shape == step.query.shape, f"output shape {tuple(out.shape)}"
     assert out.dtype == step.query.dtype, f"output dtype {out.dtype}, query {step.query.dtype}"
     assert out.device == device

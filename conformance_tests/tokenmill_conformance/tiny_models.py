@@ -13,6 +13,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     Gemma3TextConfig,
+    GptOssConfig,
     LlamaConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
@@ -87,6 +88,18 @@ def make_config(arch: str, vocab_size: int):
             **common, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
             layer_types=["sliding_attention", "full_attention"],
         )
+    if arch == "gpt_oss":
+        # a sliding layer (window 8) then a global one, both with sinks; 4 experts, top 2;
+        # YaRN over a small original context
+        return GptOssConfig(
+            **{**common, "intermediate_size": 32}, head_dim=16, sliding_window=8,
+            num_local_experts=4, num_experts_per_tok=2,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150000.0,
+            },
+        )
     raise ValueError(arch)
 
 
@@ -113,4 +126,5 @@ VARIANTS = {
     "qwen2": ("qwen2",),
     "qwen3": ("qwen3",),
     "gemma3_text": ("gemma3",),
+    "gpt_oss": ("gpt_oss",),
 }

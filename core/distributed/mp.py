@@ -185,8 +185,10 @@ class MultiprocExecutor(Executor):
         self._stopping.set()
         data = self._encoder.encode(ShutdownCall(0))
         for inbox, process in zip(self._inboxes, self.processes):
-            if process.is_alive():
+            try:
                 inbox.send(data, flags=zmq.NOBLOCK)
+            except zmq.Again:  # no peer: the worker is gone or going; the join below kills
+                logger.info("worker %s is not connected; not asked to stop", process.pid)
         self._finalizer()
 
 
@@ -236,9 +238,14 @@ def worker_main(
             reply = _answer(worker, rank, message)
             if message.reply_rank is None or message.reply_rank == rank:
                 outbox.send(encoder.encode(reply))
+            elif isinstance(reply, ErrorReply):
+                # nobody reads this rank's answer: dying is how it reports (the engine's
+                # monitor sees the exit code), rather than going on out of step
+                logger.error("worker %d failed in %s:\n%s", rank, reply.method, reply.error)
+                raise SystemExit(1)
     finally:
         worker.shutdown()
-        context.destroy(linger=1000)
+        context.destroy(linger=0)  # every reply was read: the engine waits for them
 
 
 def _answer(worker: Any, rank: int, message: Call | ExecuteCall) -> Response:

@@ -130,6 +130,11 @@ class Worker:
                     block_bytes, why)
         return num_blocks
 
+    def uses_kv_groups(self) -> bool:
+        """Whether this rank's runner keeps one block table per KV group (the core's runner
+        does, core/kv/groups.py); a plugin's own runner gets one table for every layer."""
+        return isinstance(self._runner, ModelRunner)
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self._runner.initialize_kv_cache(num_blocks)
         if self.config.kv_offload is not None:

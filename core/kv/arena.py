@@ -2,15 +2,16 @@
 
 Layout. The arena holds `num_layer_slots` regions; region s holds, for every block id b,
 one page of layer-slot s: its keys then its values, [2, num_blocks, block_size, kv_heads,
-head_size]. Every layer of one attention group owns one slot, so a block id names one
-page in each slot: allocating block b gives a request that block in every layer. Groups
-of other attention types (sliding window, recurrent state) will map their layers onto
-the same slots with pages of the same byte size, so that all types draw block ids from
-one free list and the split between them moves with the workload.
+head_size]. The layers of one KV group (core/kv/groups.py) own one slot each, so a block
+id names one page in each slot: allocating block b to a group gives the request that
+block in every layer of the group. Groups of other attention types (sliding windows) map
+their layers onto the same slots, so that all types draw block ids from one free list and
+the split between them moves with the workload.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,9 +42,12 @@ class KVArena:
         return page_bytes.pop()
 
     @classmethod
-    def block_bytes_for(cls, specs: list[AttentionSpec]) -> int:
-        """Bytes of one block id over every layer slot."""
-        return cls.page_bytes_of(specs) * len(specs)
+    def block_bytes_for(
+        cls, specs: list[AttentionSpec], layer_slots: Sequence[int] | None = None
+    ) -> int:
+        """Bytes of one block id over every layer slot (`layer_slots`: as in `create`)."""
+        num_slots = len(specs) if layer_slots is None else max(layer_slots) + 1
+        return cls.page_bytes_of(specs) * num_slots
 
     @classmethod
     def create(
@@ -53,10 +57,14 @@ class KVArena:
         *,
         num_blocks: int,
         device: torch.device,
+        layer_slots: Sequence[int] | None = None,
     ) -> KVArena:
-        """Allocate an arena of `num_blocks` blocks for layers with `specs`."""
+        """Allocate an arena of `num_blocks` blocks for layers with `specs`. `layer_slots[i]`
+        is layer i's slot (`KVLayout.layer_slot`); None gives every layer its own."""
         page = cls.page_bytes_of(specs)
-        num_slots = len(specs)
+        if layer_slots is None:
+            layer_slots = range(len(specs))
+        num_slots = max(layer_slots) + 1
         if num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks}: the KV arena needs at least one block")
         # Not zeroed: touching every page of a large arena at start costs seconds and
@@ -66,7 +74,7 @@ class KVArena:
         # which conformance tier T1 checks with NaN-filled caches.
         buffer = allocator.allocate(num_blocks * page * num_slots)
         caches = []
-        for slot, spec in enumerate(specs):
+        for slot, spec in zip(layer_slots, specs, strict=True):
             region = buffer[slot * num_blocks * page : (slot + 1) * num_blocks * page]
             caches.append(
                 region.view(spec.dtype).view(

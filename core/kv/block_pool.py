@@ -20,6 +20,12 @@ class KVBlock:
     block_hash: BlockHash | None = None  # set once the block is full and cached
 
 
+# The entry of a block table that holds no block (a sliding window's blocks that left the
+# window). Its id, 0, names a page that a pool with `reserve_null` never hands out;
+# attention backends never read it (they read only what the window covers).
+NULL_BLOCK = KVBlock(0, ref_cnt=1)
+
+
 class BlockPool:
     """Hands out blocks; keeps freed full blocks findable by hash until they are reused.
 
@@ -28,13 +34,22 @@ class BlockPool:
     as long as the pool can afford it.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
-        if num_blocks < 1:
+    def __init__(
+        self, num_blocks: int, enable_caching: bool = True, reserve_null: bool = False
+    ) -> None:
+        """`reserve_null`: block 0 is the null block (NULL_BLOCK), never handed out; block
+        tables with holes need it."""
+        if num_blocks < 1 + reserve_null:
             raise ValueError(f"num_blocks={num_blocks}: the KV pool needs at least one block")
         self.num_blocks = num_blocks
+        self.num_reserved = int(reserve_null)
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        if reserve_null:
+            self.blocks[0] = NULL_BLOCK
+        self._free: OrderedDict[int, KVBlock] = OrderedDict(
+            (b.block_id, b) for b in self.blocks[self.num_reserved :]
+        )
         self._cached: dict[BlockHash, KVBlock] = {}
 
     @property
@@ -43,9 +58,14 @@ class BlockPool:
         return len(self._free)
 
     @property
+    def num_usable_blocks(self) -> int:
+        """Blocks the pool can ever hand out (all but the null block)."""
+        return self.num_blocks - self.num_reserved
+
+    @property
     def usage(self) -> float:
-        """Fraction of blocks held by live requests."""
-        return 1.0 - len(self._free) / self.num_blocks
+        """Fraction of the usable blocks held by live requests."""
+        return 1.0 - len(self._free) / self.num_usable_blocks
 
     def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
         return self._cached.get(block_hash)
@@ -95,9 +115,9 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only allowed when no block is in use."""
-        if len(self._free) != self.num_blocks:
+        if len(self._free) != self.num_usable_blocks:
             return False
-        for block in self.blocks:
+        for block in self.blocks[self.num_reserved :]:
             block.block_hash = None
         self._cached.clear()
         return True

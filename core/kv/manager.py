@@ -1,18 +1,26 @@
 """KV accounting for requests: which blocks each request holds, prefix-cache lookups and
-admission. One allocator per attention type draws from the shared `BlockPool`.
+admission. One allocator per KV group (core/kv/groups.py) draws from the shared
+`BlockPool`; there is no split between attention types.
 
-Only full attention has an allocator today. Sliding-window (a ring freeing blocks that
-leave the window) and recurrent state (one slot per sequence) plug in as further
-`AttentionTypeAllocator`s drawing from the same pool; the manager asks each for its need
-and admits a request only when the joint need fits.
+- Admission and growth check the joint need: a step's allocation for a request succeeds
+  only if the fresh blocks of every group together fit the free blocks.
+- A sliding-window group gives back the blocks leaving its window before each
+  allocation, so its share shrinks to the windows while full attention's grows with the
+  context; the pool's split moves with the workload on its own.
+- A prefix-cache hit is as long as every group allows: full attention needs every block
+  of the prefix cached, a sliding window only the blocks its next query reads.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 
-from tokenmill.kv.block_pool import BlockPool, KVBlock
+from tokenmill.kv.allocators import FullAttentionAllocator, SlidingWindowAllocator
+from tokenmill.kv.block_pool import NULL_BLOCK, BlockPool, KVBlock
+from tokenmill.kv.groups import KVGroup
 from tokenmill.kv.hashing import hash_blocks
+from tokenmill.platforms.interfaces import AttentionKind
 from tokenmill.request import Request
 
 
@@ -22,60 +30,47 @@ class PrefixCacheStats:
     hits: int = 0  # of those, tokens found in the cache
 
 
-class FullAttentionAllocator:
-    """Block tables for full attention: a request holds one block per block_size tokens."""
+@dataclass(slots=True)
+class PrefixHit:
+    """A prefix-cache hit: its length and the table each group starts with."""
 
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
-        self.pool = pool
-        self.block_size = block_size
-        self.req_to_blocks: dict[str, list[KVBlock]] = {}
+    num_tokens: int = 0
+    tables: list[list[KVBlock]] = field(default_factory=list)  # per group; NULL_BLOCK holes
 
-    def num_blocks_needed(self, request: Request, num_tokens: int, num_new_hits: int) -> int:
-        """Fresh blocks needed so `request` can hold `num_tokens` tokens."""
-        held = len(self.req_to_blocks.get(request.request_id, ())) + num_new_hits
-        return max(0, -(-num_tokens // self.block_size) - held)
+    def __len__(self) -> int:  # blocks per table (the hit's length in blocks)
+        return max((len(t) for t in self.tables), default=0)
 
-    def longest_hit(self, request: Request, max_tokens: int) -> list[KVBlock]:
-        """Cached blocks matching the request's leading full blocks, up to max_tokens."""
-        hits: list[KVBlock] = []
-        for block_hash in request.block_hashes[: max_tokens // self.block_size]:
-            block = self.pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            hits.append(block)
-        return hits
-
-    def allocate(self, request: Request, num_tokens: int, hits: list[KVBlock]) -> None:
-        blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        self.pool.touch(hits)
-        blocks.extend(hits)
-        need = -(-num_tokens // self.block_size) - len(blocks)
-        if need > 0:
-            blocks.extend(self.pool.allocate(need))
-
-    def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
-        """Publish the blocks that the first `num_tokens` tokens fill completely."""
-        blocks = self.req_to_blocks[request.request_id]
-        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
-        for block, block_hash in zip(blocks[:num_full], request.block_hashes[:num_full]):
-            self.pool.cache(block, block_hash)
-
-    def free(self, request: Request) -> None:
-        blocks = self.req_to_blocks.pop(request.request_id, [])
-        self.pool.free(reversed(blocks))
-
-    def block_ids(self, request: Request) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request.request_id, ())]
+    def blocks(self) -> list[KVBlock]:
+        """The distinct real blocks of the hit."""
+        seen = {id(b): b for t in self.tables for b in t if b is not NULL_BLOCK}
+        return list(seen.values())
 
 
 class KVCacheManager:
-    """The scheduler's view of KV memory. Pure Python; never touches tensors."""
+    """The scheduler's view of KV memory. Pure Python; never touches tensors.
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    `groups` (from `plan_groups`) defaults to one full-attention group: a plain model.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        groups: tuple[KVGroup, ...] | None = None,
+    ):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
-        self.full = FullAttentionAllocator(self.pool, block_size)
+        groups = groups or (KVGroup(0, AttentionKind.FULL, None, ()),)
+        windowed = any(g.kind == AttentionKind.SLIDING_WINDOW for g in groups)
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching, reserve_null=windowed)
+        self.allocators: list[FullAttentionAllocator] = [
+            SlidingWindowAllocator(self.pool, block_size, g)
+            if g.kind == AttentionKind.SLIDING_WINDOW
+            else FullAttentionAllocator(self.pool, block_size, g)
+            for g in groups
+        ]
+        self.groups = groups
         self.stats = PrefixCacheStats()
 
     @property
@@ -85,6 +80,10 @@ class KVCacheManager:
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.allocators)
 
     def update_block_hashes(self, request: Request) -> None:
         """Extend the request's block keys to cover its newly full blocks."""
@@ -96,19 +95,38 @@ class KVCacheManager:
             hash_blocks(request.all_token_ids, self.block_size, request.extra_keys, start, parent)
         )
 
-    def find_cached_prefix(self, request: Request) -> tuple[list[KVBlock], int]:
-        """The cached blocks that cover the request's leading tokens, and how many tokens.
+    def find_cached_prefix(self, request: Request) -> tuple[PrefixHit, int]:
+        """The longest cached prefix every group can serve, and its length in tokens.
 
-        At least one token is always left to compute, since the step that computes it
-        produces the logits to sample from.
+        Full-attention groups bound it by their leading run of cached blocks; from there
+        the length steps down a block at a time until each sliding-window group has the
+        blocks its next query reads. At least one token is always left to compute, since
+        the step that computes it produces the logits to sample from.
         """
+        empty = PrefixHit(0, [[] for _ in self.allocators])
         if not self.enable_prefix_caching:
-            return [], 0
+            return empty, 0
         self.update_block_hashes(request)
         if request.sampling_params.prompt_logprobs is not None:
-            return [], 0  # every prompt position must be computed to score it
-        hits = self.full.longest_hit(request, request.num_tokens - 1)
-        return hits, len(hits) * self.block_size
+            return empty, 0  # every prompt position must be computed to score it
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        cached: dict[int, list[KVBlock | None]] = {}
+        for i, alloc in enumerate(self.allocators):  # full attention bounds the windows' scan
+            if not isinstance(alloc, SlidingWindowAllocator):
+                cached[i] = alloc.cached_blocks(request, max_blocks)
+                max_blocks = min(max_blocks, len(cached[i]))
+        misses: dict[int, list[int]] = {}  # per window group: misses among its first j blocks
+        for i, alloc in enumerate(self.allocators):
+            if isinstance(alloc, SlidingWindowAllocator):
+                cached[i] = alloc.cached_blocks(request, max_blocks)
+                misses[i] = list(itertools.accumulate((b is None for b in cached[i]), initial=0))
+        for num_blocks in range(max_blocks, 0, -1):
+            first = {i: self.allocators[i].first_needed_block(num_blocks * self.block_size)
+                     for i in misses}
+            if all(m[num_blocks] == m[first[i]] for i, m in misses.items()):
+                tables = [a.hit_table(cached[i], num_blocks) for i, a in enumerate(self.allocators)]
+                return PrefixHit(num_blocks * self.block_size, tables), num_blocks * self.block_size
+        return empty, 0
 
     def record_lookup(self, num_queried: int, num_hit: int) -> None:
         """Count one admitted request's prefix-cache lookup in the stats."""
@@ -119,7 +137,7 @@ class KVCacheManager:
         self,
         request: Request,
         num_new_tokens: int,
-        hits: list[KVBlock] | None = None,
+        hits: PrefixHit | None = None,
         publish: bool = True,
     ) -> bool:
         """Reserve KV for `num_new_tokens` more tokens (after `hits`, if any).
@@ -128,50 +146,113 @@ class KVCacheManager:
         `find_cached_prefix` returned with no allocation in between: allocating takes the
         least recently freed blocks, cached ones included, so an older lookup may name a
         block that now holds another request's tokens. Stale hits raise RuntimeError.
-        Returns False, changing nothing, when the pool cannot supply the blocks.
-        `publish=False` keeps the new blocks out of the prefix cache (their content is
-        still being loaded by the KV connector; `cache_blocks` publishes them after).
+
+        First every sliding-window group gives back the blocks no query of the request
+        reads any more (always safe: they are never needed again). Then, if the fresh
+        blocks of all groups together fit, allocates them; else returns False and changes
+        nothing more. `publish=False` keeps every group's new blocks out of the prefix
+        cache (their content is still being loaded by the KV connector; `cache_blocks`
+        publishes them after).
         """
-        hits = hits or []
-        if hits:
+        num_hit = hits.num_tokens if hits is not None else 0
+        if num_hit:
             self._check_hits(request, hits)
-        num_computed = request.num_computed_tokens + len(hits) * self.block_size
+        num_computed = request.num_computed_tokens + num_hit
         total = num_computed + num_new_tokens
+        tables = hits.tables if hits is not None and hits.tables else [[] for _ in self.allocators]
+        for alloc in self.allocators:
+            alloc.release_outside_window(request, num_computed)
+        need = sum(
+            alloc.num_blocks_needed(request, total, table)
+            for alloc, table in zip(self.allocators, tables, strict=True)
+        )
         # Cached hits sitting in the free queue stop being allocatable once touched.
-        num_hits_free = sum(1 for b in hits if b.ref_cnt == 0)
-        need = self.full.num_blocks_needed(request, total, len(hits))
+        num_hits_free = sum(1 for b in (hits.blocks() if hits else ()) if b.ref_cnt == 0)
         if need + num_hits_free > self.pool.num_free_blocks:
             return False
-        self.full.allocate(request, total, hits)
+        for alloc, table in zip(self.allocators, tables, strict=True):
+            alloc.take_hits(request, table)
+        for alloc in self.allocators:
+            alloc.allocate(request, total)
         if self.enable_prefix_caching and publish:
             self.update_block_hashes(request)
-            self.full.cache_full_blocks(request, total)
+            for alloc in self.allocators:
+                alloc.cache_full_blocks(request, total)
         return True
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
-        """Publish the request's blocks that its first `num_tokens` tokens fill."""
+        """Publish, in every group, the request's blocks that its first `num_tokens`
+        tokens fill."""
         if self.enable_prefix_caching:
-            self.full.cache_full_blocks(request, num_tokens)
+            self.update_block_hashes(request)
+            for alloc in self.allocators:
+                alloc.cache_full_blocks(request, num_tokens)
 
-    def _check_hits(self, request: Request, hits: list[KVBlock]) -> None:
-        if request.num_computed_tokens or self.full.block_ids(request):
+    def _check_hits(self, request: Request, hits: PrefixHit) -> None:
+        if request.num_computed_tokens or any(
+            alloc.req_to_blocks.get(request.request_id) for alloc in self.allocators
+        ):
             raise RuntimeError(
                 f"request {request.request_id!r} already holds KV: prefix-cache hits only "
                 "start a request"
             )
-        if len(hits) > len(request.block_hashes) or any(
-            self.pool.get_cached_block(h) is not b for b, h in zip(hits, request.block_hashes)
-        ):
-            raise RuntimeError(
-                f"stale prefix-cache hits for request {request.request_id!r}: look them up "
-                "again (find_cached_prefix) right before allocate_slots"
-            )
+        for alloc, table in zip(self.allocators, hits.tables, strict=True):
+            if len(table) > len(request.block_hashes) or any(
+                b is not NULL_BLOCK and alloc.pool.get_cached_block(alloc.key(h)) is not b
+                for b, h in zip(table, request.block_hashes)
+            ):
+                raise RuntimeError(
+                    f"stale prefix-cache hits for request {request.request_id!r}: look them "
+                    "up again (find_cached_prefix) right before allocate_slots"
+                )
 
     def free(self, request: Request) -> None:
-        self.full.free(request)
+        for alloc in self.allocators:
+            alloc.free(request)
 
     def block_ids(self, request: Request) -> list[int]:
-        return self.full.block_ids(request)
+        """Group 0's block table (the only one of a plain model)."""
+        return self.allocators[0].block_ids(request)
+
+    def group_block_ids(self, request: Request) -> list[list[int]]:
+        """Every group's block table, in group order; null entries are NULL_BLOCK's id."""
+        return [alloc.block_ids(request) for alloc in self.allocators]
+
+    def num_blocks_held(self, request: Request) -> list[int]:
+        """Real blocks the request holds, per group (its KV bytes: each block is one page
+        per arena slot)."""
+        return [alloc.num_held(request) for alloc in self.allocators]
+
+    def blocks_in_use_per_group(self) -> list[int]:
+        """Real blocks held by live requests, per group (a block shared by several
+        requests counts once)."""
+        out = []
+        for alloc in self.allocators:
+            ids = {b.block_id for t in alloc.req_to_blocks.values() for b in t if b is not NULL_BLOCK}
+            out.append(len(ids))
+        return out
+
+    def blocks_for_one_request(self, num_tokens: int, max_chunk: int) -> int:
+        """The most blocks one request of `num_tokens` tokens holds at once, computing at
+        most `max_chunk` tokens a step: a window holds its blocks plus one chunk's."""
+        total = 0
+        for alloc in self.allocators:
+            blocks = -(-num_tokens // self.block_size)
+            if isinstance(alloc, SlidingWindowAllocator):
+                blocks = min(blocks, -(-(alloc.window - 1 + max_chunk) // self.block_size) + 1)
+            total += blocks
+        return total
+
+    def max_request_tokens(self, max_chunk: int) -> int:
+        """The longest request the pool can hold alone (see `blocks_for_one_request`)."""
+        lo, hi = 0, self.pool.num_usable_blocks * self.block_size
+        while lo < hi:  # the need grows with the length: bisect
+            mid = (lo + hi + 1) // 2
+            if self.blocks_for_one_request(mid, max_chunk) <= self.pool.num_usable_blocks:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()

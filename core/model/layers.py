@@ -11,8 +11,10 @@ checkpoint tensor into its slice.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -20,7 +22,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.ops import Ops
+from tokenmill.ops.reference import ReferenceAttentionBackend
 from tokenmill.platforms.interfaces import AttentionBackend, AttentionMetadata, AttentionSpec
+from tokenmill.platforms.registry import PlatformError
+
+logger = logging.getLogger(__name__)
 
 
 class Linear(nn.Module):
@@ -136,13 +142,54 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: Mapping[str, Any]) -> torch
     return torch.where(is_medium, smoothed, scaled)
 
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+def _yarn_inv_freq(
+    params: Mapping[str, Any], rotary_dim: int, max_position: int, device: torch.device | None
+) -> tuple[torch.Tensor, float]:
+    """YaRN (gpt-oss, DeepSeek): frequencies blended between interpolated and extrapolated
+    along a ramp over the dimensions, and the factor that scales cos and sin.
+
+    Same arithmetic as transformers' `_compute_yarn_parameters`.
+    """
+    base, dim = params["rope_theta"], rotary_dim
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor") or max_position / original
+    attention_factor = params.get("attention_factor")
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = get_mscale(factor)
+    beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(original / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no singularity
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low))
+    extrapolation = 1 - ramp.clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, device=device).float() / dim)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def build_cos_sin_cache(
     params: Mapping[str, Any], rotary_dim: int, max_position: int, device: torch.device | None
 ) -> torch.Tensor:
-    """float32 [max_position, rotary_dim] table: cos of the angles | sin of the angles.
+    """float32 [max_position, rotary_dim] table: cos of the angles | sin of the angles
+    (both times YaRN's attention factor when the rope type is yarn).
 
     Float32 whatever the model dtype: bf16 angles lose whole radians past a few thousand
     positions.
@@ -151,17 +198,20 @@ def build_cos_sin_cache(
     base = params["rope_theta"]
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=device).float()
     inv_freq = 1.0 / (base ** (exponents / rotary_dim))
+    scaling = 1.0
     if rope_type == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, params)
     elif rope_type == "linear":
         inv_freq = inv_freq / params["factor"]
+    elif rope_type == "yarn":
+        inv_freq, scaling = _yarn_inv_freq(params, rotary_dim, max_position, device)
     elif rope_type != "default":
         raise ValueError(
             f"rope_type {rope_type!r} is not supported; supported: {list(SUPPORTED_ROPE_TYPES)}"
         )
     positions = torch.arange(max_position, dtype=torch.float32, device=device)
     angles = torch.outer(positions, inv_freq)
-    return torch.cat((angles.cos(), angles.sin()), dim=-1)
+    return torch.cat((angles.cos() * scaling, angles.sin() * scaling), dim=-1)
 
 
 class RotaryEmbedding(nn.Module):
@@ -214,6 +264,7 @@ class Attention(nn.Module):
         qkv_bias: bool,
         o_bias: bool,
         qk_norm_eps: float | None,
+        norm_cls: type[nn.Module] | None = None,
     ) -> None:
         super().__init__()
         self.spec = spec
@@ -226,11 +277,15 @@ class Attention(nn.Module):
             hidden_size, [self.q_size, self.kv_size, self.kv_size], qkv_bias, dtype
         )
         self.o_proj = Linear(self.q_size, hidden_size, o_bias, dtype)
-        # Qwen3 normalises each head's q and k before rotary.
+        # Qwen3 and Gemma 3 normalise each head's q and k before rotary (`norm_cls`: the
+        # family's RMSNorm; default the llama one).
         self.q_norm = self.k_norm = None
         if qk_norm_eps is not None:
-            self.q_norm = RMSNorm(spec.head_size, qk_norm_eps, ops, dtype)
-            self.k_norm = RMSNorm(spec.head_size, qk_norm_eps, ops, dtype)
+            norm_cls = norm_cls or RMSNorm
+            self.q_norm = norm_cls(spec.head_size, qk_norm_eps, ops, dtype)
+            self.k_norm = norm_cls(spec.head_size, qk_norm_eps, ops, dtype)
+        # gpt-oss: one learned sink logit per head (see AttentionSpec.sinks)
+        self.sinks = nn.Parameter(torch.empty(spec.num_heads, dtype=dtype)) if spec.sinks else None
         # Plain attributes, not submodules: the rotary table is shared by every layer.
         self.__dict__["rotary"] = rotary
         self.backend = backend
@@ -251,7 +306,11 @@ class Attention(nn.Module):
             q = self.q_norm(q)
             k = self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        out = self.backend.forward(self.spec, q, k, v, kv_cache, metadata)
+        if self.sinks is None:
+            out = self.backend.forward(self.spec, q, k, v, kv_cache, metadata)
+        else:
+            sinks = self.sinks.float()
+            out = self.backend.forward(self.spec, q, k, v, kv_cache, metadata, sinks=sinks)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -270,3 +329,42 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+BackendChoice = AttentionBackend | Callable[[AttentionSpec], AttentionBackend]
+
+
+def resolve_backends(specs: Sequence[AttentionSpec], choice: BackendChoice) -> list[AttentionBackend]:
+    """The attention backend of each layer: `choice` is one backend for every layer or a
+    chooser per spec (a platform picks by kind; it raises PlatformError when it has none).
+
+    A layer whose spec asks for a feature the platform's backends lack (sinks) but whose
+    plain spec they support runs on the core's reference attention instead, with a
+    warning naming the layers; anything else unsupported is a ValueError naming the layer.
+    """
+    choose = choice if not isinstance(choice, AttentionBackend) else lambda spec: choice
+
+    def supported(spec: AttentionSpec) -> AttentionBackend | None:
+        try:
+            backend = choose(spec)
+        except PlatformError:
+            return None
+        return backend if backend.supports(spec) else None
+
+    reference = ReferenceAttentionBackend()
+    backends, fallbacks = [], []
+    for i, spec in enumerate(specs):
+        backend = supported(spec)
+        if backend is None and spec.sinks and supported(dataclasses.replace(spec, sinks=False)):
+            backend = reference
+            fallbacks.append(i)
+        if backend is None:
+            raise ValueError(f"no attention backend supports layer {i}'s spec {spec}")
+        backends.append(backend)
+    if fallbacks:
+        logger.warning(
+            "the platform's attention has no sinks: layers %s run the core's reference "
+            "attention (slow)",
+            fallbacks,
+        )
+    return backends

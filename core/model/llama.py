@@ -14,21 +14,24 @@ Parameter names follow HF's, except that q/k/v become `qkv_proj` and gate/up bec
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.kv.groups import KVLayout, plan_groups
 from tokenmill.model.layers import (
     Attention,
+    BackendChoice,
     Embedding,
     GatedMLP,
     Linear,
     MergedLinear,
     RMSNorm,
     RotaryEmbedding,
+    resolve_backends,
     rope_parameters,
 )
 from tokenmill.ops import Ops
@@ -49,7 +52,7 @@ _FUSED_SHARDS = {
 }
 
 
-def _attention_specs(hf_config: Any, dtype: torch.dtype, block_size: int) -> list[AttentionSpec]:
+def attention_specs(hf_config: Any, dtype: torch.dtype, block_size: int) -> list[AttentionSpec]:
     """One spec per layer; a layer is SLIDING_WINDOW when `layer_types` marks it so."""
     num_heads = hf_config.num_attention_heads
     head_size = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
@@ -109,10 +112,13 @@ class DecoderLayer(nn.Module):
             o_bias=False if model_type == "qwen2" else attention_bias,
             qk_norm_eps=eps if model_type == "qwen3" else None,
         )
-        mlp_bias = bool(getattr(hf_config, "mlp_bias", False))
-        self.mlp = GatedMLP(hidden, hf_config.intermediate_size, mlp_bias, ops, dtype)
+        self.mlp = self._make_mlp(hf_config, ops, dtype)
         self.input_layernorm = RMSNorm(hidden, eps, ops, dtype)
         self.post_attention_layernorm = RMSNorm(hidden, eps, ops, dtype)
+
+    def _make_mlp(self, hf_config: Any, ops: Ops, dtype: torch.dtype) -> nn.Module:
+        mlp_bias = bool(getattr(hf_config, "mlp_bias", False))
+        return GatedMLP(hf_config.hidden_size, hf_config.intermediate_size, mlp_bias, ops, dtype)
 
     def forward(
         self,
@@ -142,6 +148,7 @@ class Model(nn.Module):
         backends: list[AttentionBackend],
         ops: Ops,
         dtype: torch.dtype,
+        layer_cls: type[DecoderLayer] = DecoderLayer,
     ) -> None:
         super().__init__()
         head_size = specs[0].head_size
@@ -152,7 +159,7 @@ class Model(nn.Module):
         )
         self.embed_tokens = Embedding(hf_config.vocab_size, hf_config.hidden_size, dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(hf_config, spec, self.rotary_emb, backend, ops, dtype)
+            layer_cls(hf_config, spec, self.rotary_emb, backend, ops, dtype)
             for spec, backend in zip(specs, backends, strict=True)
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, ops, dtype)
@@ -162,54 +169,51 @@ class Model(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
-        metadata: AttentionMetadata,
+        metadata: list[AttentionMetadata],
     ) -> torch.Tensor:
+        """`metadata[i]` is layer i's (its KV group's)."""
         hidden = self.embed_tokens(input_ids)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
+        for layer, kv_cache, meta in zip(self.layers, kv_caches, metadata, strict=True):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
 
 class CausalLM(nn.Module):
-    """A llama / qwen2 / qwen3 causal LM over a paged KV cache.
+    """A llama / qwen2 / qwen3 causal LM over a paged KV cache; the base of other families.
 
     Build it in its final dtype under the target device (`with torch.device(d): CausalLM(...)`),
     then `load_weights`. Parameters never require grad. The caller (the model runner) calls
     `attention_backend.prepare(metadata)` once per step before `forward`; the model does not.
-    """
 
-    attention_specs_for = staticmethod(_attention_specs)  # (hf_config, dtype, block_size)
+    A family subclasses it and overrides `attention_specs_for` (its layers' specs),
+    `_build_model` (the `model.` body) and, if its checkpoint names or lays out weights
+    otherwise, `_convert` (HF tensor -> our parameters).
+    """
 
     def __init__(
         self,
         hf_config: Any,
         *,
         ops: Ops,
-        attention_backend: AttentionBackend | Callable[[AttentionSpec], AttentionBackend],
+        attention_backend: BackendChoice,
         dtype: torch.dtype,
         block_size: int,
     ) -> None:
         super().__init__()
         self.hf_config = hf_config
         self.dtype = dtype
-        self.attention_specs: list[AttentionSpec] = _attention_specs(hf_config, dtype, block_size)
-        # One backend for every layer, or a chooser per spec (a platform picks per kind).
-        choose = (
-            attention_backend
-            if not isinstance(attention_backend, AttentionBackend)
-            else lambda spec: attention_backend
+        self.attention_specs: list[AttentionSpec] = self.attention_specs_for(
+            hf_config, dtype, block_size
         )
-        backends = [choose(spec) for spec in self.attention_specs]
-        for i, (spec, backend) in enumerate(zip(self.attention_specs, backends)):
-            if not backend.supports(spec):
-                raise ValueError(
-                    f"attention backend {backend.name!r} does not support layer {i}'s spec {spec}"
-                )
+        # One backend for every layer, or a chooser per spec (a platform picks per kind).
+        backends = resolve_backends(self.attention_specs, attention_backend)
         # the distinct backends, for the runner's once-per-step `prepare`
         self.attention_backends = list({id(b): b for b in backends}.values())
-        self.model = Model(hf_config, self.attention_specs, backends, ops, dtype)
+        # which layers share a block table (and metadata) and which arena slot each uses
+        self.kv_layout: KVLayout = plan_groups(self.attention_specs)
+        self.model = self._build_model(hf_config, self.attention_specs, backends, ops, dtype)
         self.ops = ops
         self._logits_fn = None
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
@@ -217,6 +221,31 @@ class CausalLM(nn.Module):
         if not self.tie_word_embeddings:
             self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, False, dtype)
         self.requires_grad_(False)
+
+    @classmethod
+    def attention_specs_for(
+        cls, hf_config: Any, dtype: torch.dtype, block_size: int
+    ) -> list[AttentionSpec]:
+        """The attention spec of every layer, from the config alone (the engine plans its
+        KV groups with it before any worker has built the model)."""
+        return attention_specs(hf_config, dtype, block_size)
+
+    def _build_model(
+        self,
+        hf_config: Any,
+        specs: list[AttentionSpec],
+        backends: list[AttentionBackend],
+        ops: Ops,
+        dtype: torch.dtype,
+    ) -> nn.Module:
+        return Model(hf_config, specs, backends, ops, dtype)
+
+    def _convert(
+        self, hf_name: str, tensor: torch.Tensor
+    ) -> Iterator[tuple[str, int | None, torch.Tensor]]:
+        """One checkpoint tensor -> (our parameter name, shard index or None, tensor)."""
+        name, shard = self._map_name(hf_name)
+        yield name, shard, tensor
 
     def forward(
         self,
@@ -229,13 +258,26 @@ class CausalLM(nn.Module):
 
         `input_ids` and `positions` are int64 [num_tokens], flattened sequence by sequence as in
         `metadata`; `kv_caches[i]` is layer i's [2, num_blocks, block_size, num_kv_heads,
-        head_size] cache, which the step's keys and values are written into.
+        head_size] cache, which the step's keys and values are written into. `metadata` is
+        one for every layer, or a list with one per KV group (`kv_layout.groups`), which
+        differ in their block tables.
         """
         if len(kv_caches) != len(self.attention_specs):
             raise ValueError(
                 f"got {len(kv_caches)} kv caches for {len(self.attention_specs)} layers"
             )
-        return self.model(input_ids, positions, kv_caches, metadata)
+        return self.model(input_ids, positions, kv_caches, self.layer_metadata(metadata))
+
+    def layer_metadata(
+        self, metadata: AttentionMetadata | list[AttentionMetadata]
+    ) -> list[AttentionMetadata]:
+        """Each layer's metadata: its KV group's when given per group."""
+        if not isinstance(metadata, list):
+            return [metadata] * len(self.attention_specs)
+        groups = self.kv_layout.groups
+        if len(metadata) != len(groups):
+            raise ValueError(f"got metadata for {len(metadata)} KV groups; the model has {len(groups)}")
+        return [metadata[g] for g in self.kv_layout.layer_group]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 [n, vocab] logits for hidden states [n, hidden] (matmul in the model dtype)."""
@@ -280,24 +322,25 @@ class CausalLM(nn.Module):
                 continue  # recomputed from the config
             if hf_name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # the embedding is the head
-            name, shard = self._map_name(hf_name)
-            if name not in params:
-                raise KeyError(
-                    f"checkpoint weight {hf_name!r} has no parameter in "
-                    f"{type(self).__name__} ({self.hf_config.model_type}); is the config right?"
-                )
-            if shard is None:
-                param = params[name]
-                if tuple(tensor.shape) != tuple(param.shape):
-                    raise ValueError(
-                        f"checkpoint weight {hf_name!r} has shape {tuple(tensor.shape)}, "
-                        f"expected {tuple(param.shape)}"
+            for name, shard, converted in self._convert(hf_name, tensor):
+                if name not in params:
+                    raise KeyError(
+                        f"checkpoint weight {hf_name!r} has no parameter in "
+                        f"{type(self).__name__} ({self.hf_config.model_type}); is the config "
+                        "right?"
                     )
-                param.copy_(tensor)
-            else:
-                module_name, _, param_name = name.rpartition(".")
-                modules[module_name].load_shard(param_name, shard, tensor)
-            loaded.add((name, shard))
+                if shard is None:
+                    param = params[name]
+                    if tuple(converted.shape) != tuple(param.shape):
+                        raise ValueError(
+                            f"checkpoint weight {hf_name!r} has shape {tuple(converted.shape)}, "
+                            f"expected {tuple(param.shape)}"
+                        )
+                    param.copy_(converted)
+                else:
+                    module_name, _, param_name = name.rpartition(".")
+                    modules[module_name].load_shard(param_name, shard, converted)
+                loaded.add((name, shard))
         missing = sorted(self._hf_name(n, s) for n, s in expected - loaded)
         if missing:
             shown = ", ".join(missing[:8]) + (

@@ -7,16 +7,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenmill.model.gemma3 import Gemma3ForCausalLM
+from tokenmill.model.gpt_oss import GptOssForCausalLM
 from tokenmill.model.llama import CausalLM
 from tokenmill.platforms.interfaces import AttentionSpec
 
 # HF `model_type` -> class. One class covers the llama family; its module docstring says how
-# the types differ. Keyed by model_type, not `architectures`, because the class reads its
-# per-type switches from model_type.
+# the types differ. Other families have a file each. Keyed by model_type, not
+# `architectures`, because the classes read their per-type switches from model_type.
 _MODEL_TYPES: dict[str, type[nn.Module]] = {
     "llama": CausalLM,
     "qwen2": CausalLM,
     "qwen3": CausalLM,
+    "gemma3_text": Gemma3ForCausalLM,
+    "gpt_oss": GptOssForCausalLM,
 }
 
 

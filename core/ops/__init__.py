@@ -16,6 +16,8 @@ class Ops:
     fused_add_rms_norm: Callable
     rotary_embedding: Callable
     silu_and_mul: Callable
+    gelu_tanh_and_mul: Callable
+    moe_experts: Callable
     prepack_linear: Callable
     copy_blocks: Callable
     swap_blocks: Callable

@@ -65,6 +65,70 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x is [..., 2 * d] holding (gate | up); returns gelu_tanh(gate) * up (Gemma's MLP)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+MOE_ACTIVATIONS = ("silu", "swiglu_oai")
+
+
+def moe_experts(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: str = "silu",
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
+) -> torch.Tensor:
+    """The routed experts of a mixture-of-experts layer, each token through its top k.
+
+    Shapes: `hidden` [T, H]; `w13` [E, 2I, H], each expert's gate rows then its up rows
+    (nn.Linear layout: out x in); `w2` [E, H, I]; `topk_weights` float32 [T, k], the
+    routing weights the model's router normalised; `topk_ids` int64 [T, k] in [0, E);
+    optional biases `w13_bias` [E, 2I] and `w2_bias` [E, H]. Returns [T, H] in
+    hidden.dtype:
+
+        out[t] = sum_j topk_weights[t, j] * (w2[e] @ act(w13[e] @ hidden[t] + b13[e]) + b2[e])
+
+    with e = topk_ids[t, j], and `act` one of MOE_ACTIVATIONS: "silu" is silu(gate) * up;
+    "swiglu_oai" is gpt-oss's (up.clamp(-limit, limit) + 1) * g * sigmoid(alpha * g) with
+    g = gate.clamp(max=limit). Each expert's matmuls run in the weights' dtype; the
+    weighted sum accumulates in float32. Does not modify its inputs.
+    """
+    if activation not in MOE_ACTIVATIONS:
+        raise ValueError(f"MoE activation {activation!r} is not one of {MOE_ACTIVATIONS}")
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    flat_ids = topk_ids.flatten()
+    token_of = torch.arange(hidden.shape[0], device=hidden.device).repeat_interleave(
+        topk_ids.shape[1]
+    )
+    flat_weights = topk_weights.flatten().float()
+    for e in torch.unique(flat_ids).tolist():
+        if not 0 <= e < num_experts:
+            raise ValueError(f"topk_ids holds expert {e}; the layer has {num_experts} experts")
+        picks = (flat_ids == e).nonzero()[:, 0]
+        tokens = token_of[picks]
+        bias13 = None if w13_bias is None else w13_bias[e]
+        gate_up = F.linear(hidden[tokens], w13[e], bias13)
+        gate, up = gate_up[:, :inter], gate_up[:, inter:]
+        if activation == "silu":
+            act = F.silu(gate) * up
+        else:
+            gate = gate.clamp(max=swiglu_limit)
+            up = up.clamp(-swiglu_limit, swiglu_limit)
+            act = (up + 1) * (gate * torch.sigmoid(gate * swiglu_alpha))
+        y = F.linear(act, w2[e], None if w2_bias is None else w2_bias[e])
+        out.index_add_(0, tokens, y.float() * flat_weights[picks, None])
+    return out.to(hidden.dtype)
+
+
 def prepack_linear(
     weight: torch.Tensor, bias: torch.Tensor | None
 ) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -85,14 +149,17 @@ def write_kv(
 
 
 def gather_kv(
-    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, first_block: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first `seq_len` cached key and value rows of one sequence, in order."""
+    """The cached key and value rows of one sequence from block `first_block` up to
+    position `seq_len`, in order. Entries of the table before `first_block` are not read
+    (a sliding window's table holds the null block there)."""
     block_size = kv_cache.shape[2]
     num_blocks = (seq_len + block_size - 1) // block_size
-    blocks = block_table[:num_blocks].long()
-    k = kv_cache[0].index_select(0, blocks).flatten(0, 1)[:seq_len]
-    v = kv_cache[1].index_select(0, blocks).flatten(0, 1)[:seq_len]
+    blocks = block_table[first_block:num_blocks].long()
+    length = seq_len - first_block * block_size
+    k = kv_cache[0].index_select(0, blocks).flatten(0, 1)[:length]
+    v = kv_cache[1].index_select(0, blocks).flatten(0, 1)[:length]
     return k, v
 
 
@@ -156,32 +223,46 @@ def paged_attention(
     value: torch.Tensor,
     kv_cache: torch.Tensor,
     metadata: AttentionMetadata,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference paged attention: one sequence at a time, explicit masks, float32 math.
 
     Full attention is causal over the whole context; with `spec.sliding_window = w` a query
-    at position p sees positions (p - w, p].
+    at position p sees positions (p - w, p]. `sinks` (float32 [num_heads], given exactly
+    when `spec.sinks`) adds one logit per head to every query's softmax that carries no
+    value: the probabilities of the real keys then sum to less than one.
     """
+    if (sinks is not None) != spec.sinks:
+        raise ValueError(f"spec.sinks={spec.sinks} but sinks {'not ' * (sinks is None)}given")
     write_kv(key, value, kv_cache, metadata.slot_mapping)
     scale = spec.scale if spec.scale is not None else spec.head_size**-0.5
     group = spec.num_heads // spec.num_kv_heads
+    block_size = kv_cache.shape[2]
     out = torch.empty_like(query)
     starts = metadata.query_start_loc.tolist()
     for i in range(metadata.num_seqs):
         q = query[starts[i] : starts[i + 1]].float()  # [q_len, H, D]
         q_len = q.shape[0]
         seq_len = metadata.seq_lens_cpu[i]
-        k, v = gather_kv(kv_cache, metadata.block_tables[i], seq_len)
-        k = k.float().repeat_interleave(group, dim=1)  # [seq_len, H, D]
+        # a window reads only the blocks from its first query's first visible position
+        first_block = 0
+        if spec.sliding_window is not None:
+            first_block = max(0, seq_len - q_len - spec.sliding_window + 1) // block_size
+        k, v = gather_kv(kv_cache, metadata.block_tables[i], seq_len, first_block)
+        k = k.float().repeat_interleave(group, dim=1)  # [keys, H, D]
         v = v.float().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
         q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
-        k_pos = torch.arange(seq_len).unsqueeze(0)
+        k_pos = torch.arange(first_block * block_size, seq_len).unsqueeze(0)
         visible = k_pos <= q_pos
         if spec.sliding_window is not None:
             visible &= k_pos > q_pos - spec.sliding_window
         scores = scores.masked_fill(~visible, float("-inf"))
-        probs = scores.softmax(dim=-1)
+        if sinks is not None:
+            sink = sinks.float().view(-1, 1, 1).expand(-1, q_len, 1)
+            probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]
+        else:
+            probs = scores.softmax(dim=-1)
         out[starts[i] : starts[i + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
     return out
 
@@ -195,8 +276,8 @@ class ReferenceAttentionBackend(AttentionBackend):
     def supports(self, spec: AttentionSpec) -> bool:
         return spec.kind in (AttentionKind.FULL, AttentionKind.SLIDING_WINDOW)
 
-    def forward(self, spec, query, key, value, kv_cache, metadata):
-        return paged_attention(spec, query, key, value, kv_cache, metadata)
+    def forward(self, spec, query, key, value, kv_cache, metadata, sinks=None):
+        return paged_attention(spec, query, key, value, kv_cache, metadata, sinks)
 
 
 REFERENCE_OPS = {
@@ -204,6 +285,8 @@ REFERENCE_OPS = {
     "fused_add_rms_norm": fused_add_rms_norm,
     "rotary_embedding": rotary_embedding,
     "silu_and_mul": silu_and_mul,
+    "gelu_tanh_and_mul": gelu_tanh_and_mul,
+    "moe_experts": moe_experts,
     "prepack_linear": prepack_linear,
     "copy_blocks": copy_blocks,
     "swap_blocks": swap_blocks,

@@ -121,7 +121,8 @@ def test_abort_before_the_load_is_sent_frees_at_once():
     scheduler.add_request(request("b", prompt))
     # admitted (blocks allocated, load queued) but finished before a step sends the load
     req = scheduler.requests["b"]
-    scheduler.kv.find_cached_prefix(req)
-    assert scheduler._start_external_load(req, [], 0)
+    hits, num_hit = scheduler.kv.find_cached_prefix(req)
+    assert num_hit == 0  # the prefix cache was reset: every block comes from a tier
+    assert scheduler._start_external_load(req, hits, num_hit)
     scheduler.finish("b", RequestStatus.FINISHED_ABORTED)
     assert not scheduler.parked and scheduler.kv.pool.num_free_blocks == NUM_BLOCKS

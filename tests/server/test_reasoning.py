@@ -220,6 +220,16 @@ def test_anthropic_thinking_blocks(scripted):
     assert [b.type for b in final.content] == ["thinking", "text"]
     assert final.content[0].thinking == m.content[0].thinking
     assert final.content[1].text == m.content[1].text
+    omitted = {"type": "enabled", "budget_tokens": 1024, "display": "omitted"}
+    m = an.messages.create(model="scripted", max_tokens=50, messages=ask, thinking=omitted)
+    assert [(b.type, getattr(b, "thinking", None)) for b in m.content] == [
+        ("thinking", ""), ("text", None)]
+    with an.messages.stream(model="scripted", max_tokens=50, messages=ask,
+                            thinking=omitted) as stream:
+        kinds = [e.delta.type for e in stream if e.type == "content_block_delta"]
+        final = stream.get_final_message()
+    assert "thinking_delta" not in kinds and final.content[0].type == "thinking"
+    assert final.content[0].thinking == "" and final.content[1].text == "Paris is in France."
     # disabled: the template is told, and nothing is split off as thinking
     engine.script = "Paris."
     m = an.messages.create(model="scripted", max_tokens=50, messages=ask,

@@ -16,18 +16,19 @@ MARKER = "EXPLODE"
 
 @pytest.fixture(scope="module")
 def failing_server(tiny_model):
-    """A server whose engine fails any request whose prompt contains MARKER, the way a bug
-    in output processing would (the engine's per-request isolation catches it)."""
+    """A server whose frontend fails any request whose prompt contains MARKER, the way a bug
+    in output processing would (the per-request isolation catches it and aborts the
+    request in the engine core)."""
     engine = tiny_engine(tiny_model)
-    outputs = engine.engine.outputs
-    append = outputs._append
+    outputs = engine.outputs
+    apply = outputs._apply
 
-    def maybe_fail(request, parent, seq, token_id, logprobs):
+    def maybe_fail(parent, seq, delta):
         if MARKER in (parent.prompt or ""):
             raise RuntimeError("injected failure")
-        return append(request, parent, seq, token_id, logprobs)
+        return apply(parent, seq, delta)
 
-    outputs._append = maybe_fail
+    outputs._apply = maybe_fail
     with running_server(build_app(engine, [TINY_NAME])) as url:
         yield url, engine
     engine.shutdown()

@@ -217,6 +217,45 @@ def test_fused_moe_matches_reference(dtype, tokens, experts, top_k):
     torch.testing.assert_close(got.cpu(), expected, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@pytest.mark.parametrize("activation", ["silu", "swiglu_oai"])
+def test_moe_experts_matches_the_core_reference(dtype, activation):
+    """The core's op: given routing, biases and gpt-oss's clamped SwiGLU on request."""
+    tokens, experts, hidden, inter, top_k = 13, 5, 64, 32, 2
+    g = torch.Generator().manual_seed(7)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=g).softmax(-1)
+    x = _randn(tokens, hidden, dtype=dtype)
+    w13 = _randn(experts, 2 * inter, hidden, dtype=dtype, scale=0.2, seed=1)
+    w2 = _randn(experts, hidden, inter, dtype=dtype, scale=0.2, seed=2)
+    biased = activation == "swiglu_oai"
+    b13 = _randn(experts, 2 * inter, dtype=dtype, seed=3) if biased else None
+    b2 = _randn(experts, hidden, dtype=dtype, seed=4) if biased else None
+    args = (x, w13, w2, weights.to(DEVICE), ids.to(DEVICE), b13, b2, activation)
+    got = moe.moe_experts(*args, configs=CONFIGS)
+    expected = reference.moe_experts(*[a.cpu() if isinstance(a, torch.Tensor) else a
+                                       for a in args])
+    tol = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}[dtype]
+    torch.testing.assert_close(got.cpu(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+def test_gelu_tanh_and_mul(dtype):
+    x = _randn(9, 2 * 300, dtype=dtype, scale=2)
+    _close(elementwise.gelu_tanh_and_mul(x, CONFIGS.elementwise),
+           reference.gelu_tanh_and_mul(x), dtype)
+
+
+def test_backend_takes_sinks_from_the_spec():
+    spec = AttentionSpec(AttentionKind.SLIDING_WINDOW, 8, 2, 64, torch.float32, 16, 7,
+                         sinks=True)
+    backend = TritonPagedAttention(AttentionKind.SLIDING_WINDOW, CONFIGS, "test")
+    assert backend.supports(spec)
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(0)) * 2
+    check_step(backend, spec, _on_device(make_step(mixed_batch(5), spec, 0, poison=True)),
+               sinks=sinks)
+
+
 def test_align_by_expert_groups_and_pads():
     ids = torch.tensor([[2, 0], [2, 1], [0, 2]], device=DEVICE)
     pair_ids, block_expert = moe.align_by_expert(ids, num_experts=4, block_m=2)

@@ -173,7 +173,8 @@ def test_device_allocator_limits_and_double_free():
 
 def test_cuda_graph_buckets_and_the_interpreter_runs_eagerly(monkeypatch):
     from tokenmill_nvidia import plugin
-    from tokenmill_nvidia.graphs import CudaGraphCapture
+    from tokenmill_rocm import plugin as rocm_plugin
+    from tokenmill_triton.graphs import CudaGraphCapture
 
     graphs = CudaGraphCapture()
     assert graphs.batch_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 48, 64]
@@ -185,3 +186,6 @@ def test_cuda_graph_buckets_and_the_interpreter_runs_eagerly(monkeypatch):
     platform = plugin.tokenmill_platform()
     assert not platform.capabilities.graphs and plugin.GPU_CAPABILITIES.graphs
     assert plugin.tokenmill_graph_capture(platform) is None
+    rocm = rocm_plugin.tokenmill_platform()
+    assert not rocm.capabilities.graphs and rocm_plugin.GPU_CAPABILITIES.graphs
+    assert rocm_plugin.tokenmill_graph_capture(rocm) is None

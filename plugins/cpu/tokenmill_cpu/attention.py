@@ -93,9 +93,12 @@ class CpuPagedAttention(AttentionBackend):
         self._bf16_kernel = self._kernels is not None and self._kernels.has_bf16_dot()
 
     def supports(self, spec: AttentionSpec) -> bool:
+        """Not for attention sinks (gpt-oss): neither the C++ kernels nor SDPA take the
+        extra logit, so such layers run on the core's reference attention."""
         windowed = spec.sliding_window is not None
         return (
-            spec.kind == self.kind
+            not spec.sinks
+            and spec.kind == self.kind
             and windowed == (self.kind == AttentionKind.SLIDING_WINDOW)
             and (not windowed or spec.sliding_window > 0)
             and spec.dtype in SUPPORTED_DTYPES

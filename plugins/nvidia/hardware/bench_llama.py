@@ -2,6 +2,7 @@
 
 Usage: python plugins/nvidia/hardware/bench_llama.py --out docs/hardware-results.md
            [--certificate cert.json] [--kernels kernels.md] [--workdir DIR] [--dry-run]
+           [--results llama.json] [--render-only]
 
 Builds the model from its config (hidden 4096, 32 layers, 32 heads / 8 KV heads, MLP
 14336, vocab 128256) with random bf16 weights and a word-level tokenizer of the same
@@ -67,6 +68,8 @@ def build_model(path: Path, shape: dict, device: str) -> Path:
                 p.normal_(0, 0.02)
     model.save_pretrained(path)
     del model
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the engine loads its own copy
     vocab = {f"<t{i}>": i for i in range(shape["vocab_size"])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<t0>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -123,7 +126,8 @@ def measured_peak(n: int, device: torch.device) -> float:
     return 2 * n**3 / best
 
 
-def run(args: argparse.Namespace) -> str:
+def run(args: argparse.Namespace) -> dict:
+    """Build the model, measure, and return what was measured (plain JSON-able data)."""
     from tokenmill import LLM
 
     plan, shape = (DRY, TINY) if args.dry_run else (FULL, LLAMA3_8B)
@@ -164,33 +168,42 @@ def run(args: argparse.Namespace) -> str:
     peak = measured_peak(plan.matmul_n, torch.device(device))
     rows.append((f"prefill, {plan.prefill_len} tokens", prefill * 1e3, flops / prefill / 1e12,
                  "TFLOP/s", flops / prefill / peak, "measured bf16 matmul peak", 0.6))
-    return report(args, hw, rows, peak, replays)
-
-
-def report(args, hw, rows, peak: float, replays: int) -> str:
     versions = {name: _version(name) for name in
                 ("tokenmill", "tokenmill-triton", "tokenmill-nvidia", "torch", "triton")}
+    if torch.version.cuda:
+        versions["CUDA"] = torch.version.cuda
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, cwd=Path(__file__).parent).stdout.strip() or "unknown"
+    return {
+        "dry_run": args.dry_run, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "commit": commit, "versions": versions, "device": hw.name,
+        "bandwidth": hw.memory_bandwidth, "bf16_peak": hw.peak_flops["bfloat16"],
+        "measured_peak": peak, "replays": replays, "rows": rows,
+    }
+
+
+def report(args: argparse.Namespace, measured: dict) -> str:
+    """The Markdown report of `measured` (from `run`), with the certificate's verdict and the
+    kernel table when their files exist."""
+    replays = measured["replays"]
     lines = [
         "# Hardware results: nvidia plugin" + (" (dry run, not hardware figures)"
-                                                if args.dry_run else ""),
+                                                if measured["dry_run"] else ""),
         "",
-        f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, commit {commit}",
-        f"- device: {hw.name}; declared {hw.memory_bandwidth / 1e12:.2f} TB/s HBM, bf16 "
-        f"{hw.peak_flops['bfloat16'] / 1e12:.0f} TFLOP/s; measured bf16 matmul peak "
-        f"{peak / 1e12:.0f} TFLOP/s",
-        "- versions: " + ", ".join(f"{k} {v}" for k, v in versions.items())
-        + (f", CUDA {torch.version.cuda}" if torch.version.cuda else ""),
-        "- model: random-weight Llama-3-8B shape in bf16 (tokenmill.LLM)"
-        if not args.dry_run else "- model: tiny random Llama (dry run)",
+        f"- date: {measured['date']}, commit {measured['commit']}",
+        f"- device: {measured['device']}; declared {measured['bandwidth'] / 1e12:.2f} TB/s HBM, "
+        f"bf16 {measured['bf16_peak'] / 1e12:.0f} TFLOP/s; measured bf16 matmul peak "
+        f"{measured['measured_peak'] / 1e12:.0f} TFLOP/s",
+        "- versions: " + ", ".join(f"{k} {v}" for k, v in measured["versions"].items()),
+        "- model: tiny random Llama (dry run)" if measured["dry_run"]
+        else "- model: random-weight Llama-3-8B shape in bf16 (tokenmill.LLM)",
         f"- decode steps replayed from CUDA graphs: {replays}"
         + (" (none: every step ran eagerly)" if replays == 0 else ""),
         "",
         "| case | ms per step | achieved | roofline | fraction | goal |",
         "|---|---|---|---|---|---|",
     ]
-    for case, ms, rate, unit, fraction, roof, goal in rows:
+    for case, ms, rate, unit, fraction, roof, goal in measured["rows"]:
         verdict = "met" if fraction >= goal else "not met"
         lines.append(f"| {case} | {ms:.2f} | {rate:.3g} {unit} | {roof} | {fraction:.0%} | "
                      f">= {goal:.0%}: {verdict} |")
@@ -219,8 +232,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernels", help="bench_triton.py's Markdown table to include")
     parser.add_argument("--workdir", default="/tmp/tokenmill-hardware")
     parser.add_argument("--dry-run", action="store_true", help="tiny model, tiny lengths")
+    parser.add_argument("--results", help="the measurements as JSON (default: in --workdir)")
+    parser.add_argument("--render-only", action="store_true",
+                        help="measure nothing: rewrite --out from --results (e.g. once the "
+                        "certificate exists)")
     args = parser.parse_args(argv)
-    text = run(args)
+    results = Path(args.results or Path(args.workdir) / "llama-results.json")
+    if args.render_only:
+        measured = json.loads(results.read_text())
+    else:
+        measured = run(args)
+        results.parent.mkdir(parents=True, exist_ok=True)
+        results.write_text(json.dumps(measured, indent=2) + "\n")
+    text = report(args, measured)
     Path(args.out).write_text(text)
     print(text)
     return 0

@@ -7,11 +7,12 @@
 # 1. installs core + tokenmill-triton + tokenmill-nvidia + the conformance suite (editable,
 #    into a venv that sees the machine's CUDA build of torch; the GPU machine has no
 #    network, so dependencies must be installed already, or be wheels in $WHEELHOUSE);
-# 2. certifies the plugin T0-T5 (docs/certificates/nvidia-h200.{json,md});
-# 3. times the Triton kernels (benchmarks/bench_triton.py) against the HBM and bf16 peaks;
-# 4. benchmarks a random-weight Llama-3-8B-shaped model in bf16: batch-1 and batch-64 decode
+# 2. benchmarks a random-weight Llama-3-8B-shaped model in bf16: batch-1 and batch-64 decode
 #    against the HBM bandwidth roofline, a 4096-token prefill against the bf16 peak
-#    (bench_llama.py), and writes docs/hardware-results.md with date, versions, fractions.
+#    (bench_llama.py), and writes docs/hardware-results.md with date, versions, fractions;
+# 3. certifies the plugin T0-T5 (docs/certificates/nvidia-h200.{json,md});
+# 4. times the Triton kernels (benchmarks/bench_triton.py) against the HBM and bf16 peaks,
+#    and rewrites the report with the certificate's verdict and the kernel table.
 # Outputs go to $TOKENMILL_HW_OUT (default: the repository's docs/); scratch (the venv, the
 # 16 GB model) to $TOKENMILL_HW_WORKDIR (default /tmp/tokenmill-hardware). Exit status: the
 # certification's (0 certified), or 2 when the machine has no usable GPU.
@@ -43,6 +44,13 @@ else
     python3 -m venv --system-site-packages "$work/venv"
     # shellcheck disable=SC1091
     . "$work/venv/bin/activate"
+    # A venv's bundled setuptools may predate 70.1 (no built-in bdist_wheel, so building
+    # without network fails): drop it when it is older, and use the machine's.
+    if ! python3 -c 'import setuptools, sys
+v = tuple(int(x) for x in setuptools.__version__.split(".")[:2])
+sys.exit(0 if v >= (70, 1) else 1)' 2>/dev/null; then
+        pip uninstall -q -y setuptools || true
+    fi
     packages=(-e . -e plugins/triton -e plugins/nvidia -e ./conformance_tests)
     if [[ -n "${WHEELHOUSE:-}" ]]; then
         pip install -q --no-index --find-links "$WHEELHOUSE" "${packages[@]}"
@@ -57,20 +65,28 @@ echo "== platforms"
 tokenmill platforms
 python3 -c 'from tokenmill.platforms.registry import load_platform; print(load_platform("nvidia"))'
 
+# Most valuable first, in case the machine's time runs out: the model benchmark, then the
+# certificate, then the kernel table; the report is rewritten at the end with all three.
+dry_flag=()
+(( dry )) && dry_flag=(--dry-run)
+report=(--out "$out/hardware-results.md" --results "$work/llama-results.json"
+        --certificate "$cert.json" --kernels "$work/kernels.md" --workdir "$work")
+rm -f "$work/llama-results.json" "$work/kernels.md"
+echo "== Llama-3-8B-shaped model"
+timeout 420 python3 "$here/bench_llama.py" "${dry_flag[@]}" "${report[@]}" \
+    || echo "run.sh: bench_llama.py failed (status $?)" >&2
+
 echo "== certification $tiers"
 cert_rc=0
-timeout 480 tokenmill-conformance --platform nvidia --tier "$tiers" --quick -q \
+timeout 420 tokenmill-conformance --platform nvidia --tier "$tiers" --quick -q \
     --report "$cert.json" --markdown "$cert.md" || cert_rc=$?
 
 echo "== kernels"
-timeout 240 python3 benchmarks/bench_triton.py --platform nvidia --markdown "$work/kernels.md" \
+timeout 180 python3 benchmarks/bench_triton.py --platform nvidia --markdown "$work/kernels.md" \
     || echo "run.sh: bench_triton.py failed (status $?)" >&2
-
-echo "== Llama-3-8B-shaped model"
-dry_flag=()
-(( dry )) && dry_flag=(--dry-run)
-timeout 600 python3 "$here/bench_llama.py" "${dry_flag[@]}" --out "$out/hardware-results.md" \
-    --certificate "$cert.json" --kernels "$work/kernels.md" --workdir "$work"
+if [[ -f "$work/llama-results.json" ]]; then
+    python3 "$here/bench_llama.py" "${dry_flag[@]}" "${report[@]}" --render-only > /dev/null
+fi
 
 echo "run.sh: wrote $out/hardware-results.md and $cert.{json,md} (certification status $cert_rc)"
 exit "$cert_rc"

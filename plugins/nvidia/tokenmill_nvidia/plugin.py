@@ -8,7 +8,7 @@ initialises CUDA; the hooks import what they need.
 
 Two modes, decided by the probe:
 - a GPU: device "cuda", NCCL, the CUDA caching allocator, bf16 by default, CUDA graphs of
-  the decode step per padded batch-size bucket (graphs.py);
+  the decode step per padded batch-size bucket (tokenmill_triton.graphs);
 - `TRITON_INTERPRET=1`: the same Triton kernels in Triton's interpreter on CPU tensors
   (device "cpu", gloo), so CI without a GPU certifies the kernels' logic. Triton 3.9's
   interpreter gets bf16 `tl.dot` wrong, so bf16 tiles are upcast to float32 there
@@ -49,7 +49,7 @@ GPU_CAPABILITIES = Capabilities(
     block_sizes=frozenset({16, 32, 64, 128}),
     head_sizes=frozenset({64, 128, 256}),
     collectives=True,
-    graphs=True,  # CUDA graphs of the decode step (graphs.py); never in the interpreter
+    graphs=True,  # CUDA graphs of the decode step (tokenmill_triton.graphs); never interpreted
     sleep_mode=True,
 )
 # The interpreter runs every program in Python (~1 ms per tensor op), so the certified set
@@ -180,7 +180,7 @@ def tokenmill_hardware_spec(platform: Platform) -> HardwareSpec:
 def tokenmill_graph_capture(platform: Platform) -> GraphCapture | None:
     if _interpreter(platform):  # graphs need a GPU stream; the interpreter has none
         return None
-    from tokenmill_nvidia.graphs import CudaGraphCapture
+    from tokenmill_triton.graphs import CudaGraphCapture
 
     return CudaGraphCapture()
 

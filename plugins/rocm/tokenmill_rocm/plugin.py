@@ -7,7 +7,8 @@ launch settings (configs.py), collectives (communicator.py: RCCL), allocators
 neither triton nor initialises HIP; the hooks import what they need.
 
 Two modes, decided by the probe:
-- a GPU: torch's "cuda" device (HIP behind it), RCCL, the caching allocator, bf16;
+- a GPU: torch's "cuda" device (HIP behind it), RCCL, the caching allocator, bf16, HIP
+  graphs of the decode step per padded batch-size bucket;
 - `TRITON_INTERPRET=1`: the same Triton kernels in Triton's interpreter on CPU tensors
   (device "cpu", gloo), so CI without a GPU certifies the kernels' logic with the gfx942
   launch settings. Triton 3.9's interpreter gets bf16 `tl.dot` wrong, so bf16 tiles are
@@ -30,6 +31,7 @@ from tokenmill.platforms.interfaces import (
     Capabilities,
     Communicator,
     DetectionResult,
+    GraphCapture,
     HardwareSpec,
     MemoryInfo,
     Platform,
@@ -46,7 +48,7 @@ GPU_CAPABILITIES = Capabilities(
     block_sizes=frozenset({16, 32, 64, 128}),
     head_sizes=frozenset({64, 128, 256}),
     collectives=True,
-    graphs=False,  # HIP graph capture lands with the core's graph-capture interface
+    graphs=True,  # HIP graphs of the decode step (tokenmill_triton.graphs); never interpreted
     sleep_mode=True,
 )
 # The interpreter runs every program in Python (~1 ms per tensor op), so the certified set
@@ -95,7 +97,7 @@ def _host_memory_info() -> MemoryInfo:
 
 @hookimpl
 def tokenmill_api_version() -> str:
-    return "1.1"
+    return "1.2"  # 1.2: tokenmill_graph_capture returns a GraphCapture
 
 
 @hookimpl
@@ -176,6 +178,15 @@ def tokenmill_hardware_spec(platform: Platform) -> HardwareSpec:
     from tokenmill_rocm.hardware import device_spec
 
     return device_spec(torch.cuda.current_device())
+
+
+@hookimpl
+def tokenmill_graph_capture(platform: Platform) -> GraphCapture | None:
+    if _interpreter(platform):  # graphs need a GPU stream; the interpreter has none
+        return None
+    from tokenmill_triton.graphs import CudaGraphCapture
+
+    return CudaGraphCapture()  # torch.cuda.CUDAGraph records a HIP graph on ROCm
 
 
 @hookimpl

@@ -73,6 +73,7 @@ class PallasPagedAttention(AttentionBackend):
             and (not windowed or spec.sliding_window > 0)
             and spec.dtype in SUPPORTED_DTYPES
             and spec.num_heads % spec.num_kv_heads == 0
+            and not spec.sinks  # gpt-oss sink logits: not in the kernel (the core's reference runs them)
         )
 
     def prepare(self, metadata: AttentionMetadata) -> None:

@@ -32,7 +32,7 @@ def fallback_reason(spec: SamplingSpec, state: RequestState) -> str | None:
     """Why this row needs the core's sampler, or None when the JAX sampler covers it."""
     if spec.logprobs is not None:
         return "logprobs"
-    if getattr(spec, "logit_bias", None):
+    if spec.logit_bias:
         return "logit_bias"
     if (spec.repetition_penalty, spec.presence_penalty, spec.frequency_penalty) != (1.0, 0.0, 0.0):
         return "penalties"

@@ -51,8 +51,7 @@ def write_kv(
         key, value, kv_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        num_tokens, num_kv_heads,
-        BLOCK_SIZE=kv_cache.shape[2],
+        num_tokens, num_kv_heads, kv_cache.shape[2],
         HEAD=head_size,
         HEAD_PAD=head_pad,
         BLOCK_T=block_t,
@@ -111,10 +110,8 @@ def paged_attention(
         scale, num_seqs, sliding_window or 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        metadata.block_tables.stride(0),
-        BLOCK_SIZE=kv_cache.shape[2],
+        metadata.block_tables.stride(0), kv_cache.shape[2], group,
         BLOCK_Q=block_q,
-        GROUP=group,
         GROUP_PAD=group_pad,
         HEAD=head_size,
         HEAD_PAD=head_pad,
@@ -170,7 +167,7 @@ class TritonPagedAttention(AttentionBackend):
             and spec.dtype in SUPPORTED_DTYPES
             and MIN_HEAD_SIZE <= spec.head_size <= MAX_HEAD_SIZE
             and spec.num_heads % spec.num_kv_heads == 0
-        )
+        )  # sinks (spec.sinks) are a kernel argument: supported either way
 
     def forward(
         self,
@@ -180,10 +177,17 @@ class TritonPagedAttention(AttentionBackend):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Writes key/value into `kv_cache`, then attends; does not modify the inputs."""
+        """Writes key/value into `kv_cache`, then attends; does not modify the inputs.
+        `sinks`: float32 [num_heads] learned logits, given exactly when `spec.sinks`."""
+        if (sinks is not None) != spec.sinks:
+            raise ValueError(f"spec.sinks={spec.sinks} but sinks {'not ' * (sinks is None)}given")
         write_kv(key, value, kv_cache, metadata.slot_mapping, self.configs)
         scale = spec.scale if spec.scale is not None else spec.head_size**-0.5
         q = query if query.dtype == kv_cache.dtype else query.to(kv_cache.dtype)
-        out = paged_attention(q, kv_cache, metadata, scale, self.configs, spec.sliding_window)
+        if sinks is not None:
+            sinks = sinks.to(device=q.device, dtype=torch.float32).contiguous()
+        out = paged_attention(q, kv_cache, metadata, scale, self.configs, spec.sliding_window,
+                              sinks)
         return out if out.dtype == query.dtype else out.to(query.dtype)

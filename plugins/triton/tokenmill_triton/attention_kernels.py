@@ -26,8 +26,7 @@ def write_kv_kernel(
     key_ptr, value_ptr, cache_ptr, slot_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cache_kv, stride_cache_block, stride_cache_slot, stride_cache_head,
-    num_tokens, num_kv_heads,
-    BLOCK_SIZE: tl.constexpr,
+    num_tokens, num_kv_heads, block_size,
     HEAD: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr,  # tokens per program
@@ -46,7 +45,7 @@ def write_kv_kernel(
     t64 = tokens.to(tl.int64)[:, None]
     k = tl.load(key_ptr + t64 * stride_kt + (head * stride_kh + dim)[None, :], mask=mask)
     v = tl.load(value_ptr + t64 * stride_vt + (head * stride_vh + dim)[None, :], mask=mask)
-    row = (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_slot
+    row = (slot // block_size) * stride_cache_block + (slot % block_size) * stride_cache_slot
     dest = cache_ptr + row[:, None] + (head * stride_cache_head + dim)[None, :]
     tl.store(dest, k.to(cache_ptr.dtype.element_ty), mask=mask)
     tl.store(dest + stride_cache_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
@@ -75,9 +74,9 @@ def paged_attention_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cache_kv, stride_cache_block, stride_cache_slot, stride_cache_head,
     stride_table,
-    BLOCK_SIZE: tl.constexpr,  # tokens per KV page
+    block_size,  # tokens per KV page (a runtime value: one compiled kernel for every size)
+    group,  # query heads per KV head (<= GROUP_PAD)
     BLOCK_Q: tl.constexpr,  # query tokens per program
-    GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,
     HEAD: tl.constexpr,
     HEAD_PAD: tl.constexpr,
@@ -105,8 +104,8 @@ def paged_attention_kernel(
     rows = tl.arange(0, BLOCK_M)
     token = local_block * BLOCK_Q + rows // GROUP_PAD  # query index within the sequence
     head_in_group = rows % GROUP_PAD
-    row_valid = (token < q_len) & (head_in_group < GROUP)
-    head = kv_head * GROUP + head_in_group
+    row_valid = (token < q_len) & (head_in_group < group)
+    head = kv_head * group + head_in_group
     q_pos = context + token  # the query's position in its sequence
     dims = tl.arange(0, HEAD_PAD)
     dim_valid = dims < HEAD
@@ -138,8 +137,8 @@ def paged_attention_kernel(
     for tile in range(tile_begin, tile_end):
         k_pos = tile * TILE_N + tl.arange(0, TILE_N)
         k_valid = (k_pos < kv_end) & (k_pos >= kv_begin)
-        page = tl.load(table + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
-        kv_offsets = (page * stride_cache_block + (k_pos % BLOCK_SIZE) * stride_cache_slot)
+        page = tl.load(table + k_pos // block_size, mask=k_valid, other=0).to(tl.int64)
+        kv_offsets = page * stride_cache_block + (k_pos % block_size) * stride_cache_slot
         kv_mask = k_valid[:, None] & dim_valid[None, :]
         k = tl.load(k_base + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
@@ -175,7 +174,7 @@ def paged_attention_kernel(
                  mask=q_mask)
     else:
         # partials: [num_tokens, num_heads, NUM_SEGMENTS] (+ HEAD_PAD for the output)
-        num_heads = tl.num_programs(1) * GROUP
+        num_heads = tl.num_programs(1) * group
         part = ((q_start + token) * num_heads + head) * NUM_SEGMENTS + segment
         tl.store(partial_max_ptr + part, running_max, mask=row_valid)
         tl.store(partial_sum_ptr + part, running_sum, mask=row_valid)

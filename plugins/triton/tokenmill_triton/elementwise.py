@@ -159,21 +159,46 @@ def _rotate(positions, x, cache, half, config):
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_rows, d, ROWS: tl.constexpr,
-                         BLOCK: tl.constexpr):
+def _act_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_rows, d, alpha, limit,
+                        ACTIVATION: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """out = act(gate) * up for x = (gate | up); rounded as torch rounds each op in the
+    activations' dtype. ACTIVATION: "silu", "gelu_tanh" or "swiglu_oai" (gpt-oss:
+    (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit))."""
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)[None, :]
     mask = (rows < n_rows) & (cols < d)
-    gate = tl.load(x_ptr + rows * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + rows * stride_x + d + cols, mask=mask, other=0.0)
     dtype = out_ptr.dtype.element_ty
-    # rounded as torch rounds silu(gate) * up: silu in float32 to the dtype, then the product
-    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    tl.store(out_ptr + rows * stride_o + cols, (silu * up.to(tl.float32)).to(dtype), mask=mask)
+    gate = tl.load(x_ptr + rows * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + rows * stride_x + d + cols, mask=mask, other=0.0).to(tl.float32)
+    if ACTIVATION == "silu":
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    elif ACTIVATION == "gelu_tanh":
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        tanh = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
+        act = (0.5 * gate * (1.0 + tanh)).to(dtype).to(tl.float32)
+    else:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        scaled = (gate * alpha).to(dtype).to(tl.float32)
+        sig = (1.0 / (1.0 + tl.exp(-scaled))).to(dtype).to(tl.float32)
+        act = (gate * sig).to(dtype).to(tl.float32)
+        up = (up + 1.0).to(dtype).to(tl.float32)
+    tl.store(out_ptr + rows * stride_o + cols, (act * up).to(dtype), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor, config: ElementwiseConfig) -> torch.Tensor:
     """reference.silu_and_mul: x is [..., 2 * d] holding (gate | up); returns silu(gate) * up."""
+    return act_and_mul(x, config, "silu")
+
+
+def gelu_tanh_and_mul(x: torch.Tensor, config: ElementwiseConfig) -> torch.Tensor:
+    """reference.gelu_tanh_and_mul: gelu_tanh(gate) * up (Gemma's MLP)."""
+    return act_and_mul(x, config, "gelu_tanh")
+
+
+def act_and_mul(x: torch.Tensor, config: ElementwiseConfig, activation: str,
+                alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """act(gate) * up for x = [..., 2 * d] (gate | up); `activation` as in the kernel."""
     d = x.shape[-1] // 2
     rows = x.reshape(-1, 2 * d)
     if rows.stride(-1) != 1:
@@ -184,8 +209,9 @@ def silu_and_mul(x: torch.Tensor, config: ElementwiseConfig) -> torch.Tensor:
         block = min(config.block_n, triton.next_power_of_2(d))
         per_program = min(triton.next_power_of_2(n_rows), max(1, config.block_n // block))
         grid = (triton.cdiv(n_rows, per_program), triton.cdiv(d, block))
-        _silu_and_mul_kernel[grid](rows, out, rows.stride(0), out.stride(0), n_rows, d,
-                                   ROWS=per_program, BLOCK=block, num_warps=config.num_warps)
+        _act_and_mul_kernel[grid](rows, out, rows.stride(0), out.stride(0), n_rows, d, alpha,
+                                  limit, ACTIVATION=activation, ROWS=per_program, BLOCK=block,
+                                  num_warps=config.num_warps)
     return out.view(*x.shape[:-1], d)
 
 

@@ -8,8 +8,9 @@
 Every program of a grouped GEMM computes one block_m x block_n tile for one expert, so each
 expert's weights stream once per block of its tokens (no per-token GEMV). The grid is an
 upper bound fixed by the token count (cdiv(T * k, block_m) + experts blocks, idle ones
-return at once), so no host synchronisation is needed. The core has no MoE layer yet; this
-is the kernel its MoE op will call (`w1` [E, 2 * I, H] holds gate then up, `w2` [E, H, I]).
+return at once), so no host synchronisation is needed. `moe_experts` is the core's op of
+that name (`w13` [E, 2 * I, H] holds gate then up, `w2` [E, H, I]);
+`fused_moe` adds the Triton routing in front.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import triton
 import triton.language as tl
 
 from tokenmill_triton.configs import KernelConfigs
-from tokenmill_triton.elementwise import silu_and_mul
+from tokenmill_triton.elementwise import act_and_mul
 
 
 @triton.jit
@@ -101,11 +102,12 @@ def align_by_expert(
 
 @triton.jit
 def _grouped_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, pair_ids_ptr, block_expert_ptr, weights_ptr,
+    a_ptr, b_ptr, c_ptr, pair_ids_ptr, block_expert_ptr, weights_ptr, bias_ptr,
     n, k, num_pairs, num_blocks,
-    stride_am, stride_be, stride_bn, stride_cm,
+    stride_am, stride_be, stride_bn, stride_cm, stride_bias,
     A_ROWS_PER_TOKEN: tl.constexpr,  # top_k: A is x indexed by token; 1: A indexed by pair
-    MUL_WEIGHT: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,  # round to A's dtype (as a GEMM in it), then the routing weight
+    HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -113,7 +115,7 @@ def _grouped_gemm_kernel(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """C[pair] = A[row(pair)] @ B[expert].T (times the pair's routing weight)."""
+    """C[pair] = A[row(pair)] @ B[expert].T + bias[expert] (times the pair's routing weight)."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(n, BLOCK_N)
     # grouped order: GROUP_M row blocks share each weight tile while it is in L2
@@ -143,28 +145,77 @@ def _grouped_gemm_kernel(
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc += tl.dot(a, b, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + expert.to(tl.int64) * stride_bias + cols, mask=col_ok, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
     if MUL_WEIGHT:
         w = tl.load(weights_ptr + pairs, mask=pair_ok, other=0.0)
-        acc = acc * w[:, None]
+        acc = acc.to(a_ptr.dtype.element_ty).to(tl.float32) * w[:, None]
     tl.store(c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + cols[None, :],
              acc.to(c_ptr.dtype.element_ty), mask=pair_ok[:, None] & col_ok[None, :])
 
 
-def _grouped_gemm(a, b, out, pair_ids, block_expert, weights, rows_per_token, configs):
+def _grouped_gemm(a, b, out, pair_ids, block_expert, weights, rows_per_token, configs,
+                  bias=None):
     cfg = configs.moe
     num_blocks = block_expert.numel()
     n, k = b.shape[1], b.shape[2]
     grid = (num_blocks * triton.cdiv(n, cfg.block_n),)
+    bias = None if bias is None else bias.contiguous()
     _grouped_gemm_kernel[grid](
         a, b, out, pair_ids, block_expert, weights if weights is not None else out,
+        bias if bias is not None else out,
         n, k, out.shape[0], num_blocks,
         a.stride(0), b.stride(0), b.stride(1), out.stride(0),
+        bias.stride(0) if bias is not None else 0,
         A_ROWS_PER_TOKEN=rows_per_token, MUL_WEIGHT=weights is not None,
+        HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         UPCAST=configs.upcast_bf16_dot and a.dtype == torch.bfloat16,
         DOT_PRECISION=configs.fp32_dot_precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+
+
+def moe_experts(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: str = "silu",
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
+    *,
+    configs: KernelConfigs,
+) -> torch.Tensor:
+    """reference.moe_experts (the core's op) on the grouped GEMMs: [T, H] in hidden's dtype,
+    out[t] = sum_j w[t, j] * (w2[e] @ act(w13[e] @ x[t] + b13[e]) + b2[e]), e = topk_ids[t, j];
+    each expert GEMM rounds to the weights' dtype, the weighted sum is float32."""
+    if activation not in ("silu", "swiglu_oai"):
+        raise ValueError(f"MoE activation {activation!r} is not one of ('silu', 'swiglu_oai')")
+    num_tokens, hidden_size = hidden.shape
+    num_experts, two_i, _ = w13.shape
+    if num_tokens == 0:
+        return torch.zeros_like(hidden)
+    top_k = topk_ids.shape[1]
+    capturing = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
+    if not capturing and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= num_experts):
+        # (a host sync, so not inside a graph capture: the capture's router is the model's)
+        raise ValueError(f"topk_ids holds experts outside [0, {num_experts}): "
+                         f"{topk_ids.min().item()}..{topk_ids.max().item()}")
+    x, w13, w2 = hidden.contiguous(), w13.contiguous(), w2.contiguous()
+    pair_ids, block_expert = align_by_expert(topk_ids, num_experts, configs.moe.block_m)
+    num_pairs = num_tokens * top_k
+    gate_up = torch.empty((num_pairs, two_i), dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, w13, gate_up, pair_ids, block_expert, None, top_k, configs, w13_bias)
+    act = act_and_mul(gate_up, configs.elementwise, activation, swiglu_alpha, swiglu_limit)
+    down = torch.empty((num_pairs, hidden_size), dtype=torch.float32, device=x.device)
+    weights = topk_weights.float().contiguous().flatten()
+    _grouped_gemm(act, w2, down, pair_ids, block_expert, weights, 1, configs, w2_bias)
+    return down.view(num_tokens, top_k, hidden_size).sum(1).to(hidden.dtype)
 
 
 def fused_moe(
@@ -176,24 +227,15 @@ def fused_moe(
     configs: KernelConfigs,
     renormalize: bool = True,
 ) -> torch.Tensor:
-    """sum over the top-k experts e of weight_e * (silu(x W1g_e^T) * (x W1u_e^T)) W2_e^T,
-    the weights a softmax over the router logits (renormalised over the top k). [T, H] in
+    """Routing (softmax, top-k, optionally renormalised) then `moe_experts` with silu: sum
+    over the top-k experts e of weight_e * (silu(x W1g_e^T) * (x W1u_e^T)) W2_e^T. [T, H] in
     hidden's dtype; does not modify its inputs."""
     num_tokens, hidden_size = hidden.shape
     num_experts, two_i, _ = w1.shape
     if w1.shape[2] != hidden_size or w2.shape != (num_experts, hidden_size, two_i // 2):
         raise ValueError(f"fused_moe: w1 {tuple(w1.shape)} and w2 {tuple(w2.shape)} do not fit "
                          f"hidden {hidden_size} with {num_experts} experts")
-    out = torch.zeros_like(hidden)
     if num_tokens == 0:
-        return out
-    x, w1, w2 = hidden.contiguous(), w1.contiguous(), w2.contiguous()
+        return torch.zeros_like(hidden)
     expert_ids, weights = route(router_logits, top_k, renormalize)
-    pair_ids, block_expert = align_by_expert(expert_ids, num_experts, configs.moe.block_m)
-    num_pairs = num_tokens * top_k
-    gate_up = torch.empty((num_pairs, two_i), dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w1, gate_up, pair_ids, block_expert, None, top_k, configs)
-    act = silu_and_mul(gate_up, configs.elementwise)
-    down = torch.empty((num_pairs, hidden_size), dtype=torch.float32, device=x.device)
-    _grouped_gemm(act, w2, down, pair_ids, block_expert, weights.flatten(), 1, configs)
-    return down.view(num_tokens, top_k, hidden_size).sum(1).to(hidden.dtype)
+    return moe_experts(hidden, w1, w2, weights, expert_ids, configs=configs)

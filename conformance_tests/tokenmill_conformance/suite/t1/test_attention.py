@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from tokenmill.ops.reference import paged_attention
 from tokenmill.platforms.interfaces import AttentionKind, AttentionSpec
+from tokenmill.platforms.registry import PlatformError
 from tokenmill_conformance.attention_harness import (
     TOLERANCE,
     check_step,
@@ -79,7 +80,13 @@ def _cases(name: str, caps) -> list:
         return [(k, e) for k in kinds for e in EDGE_BATCHES]
     if name == "test_sliding_windows":
         return [f"window{w}" for w in (1, 5, 24, 500) if AttentionKind.SLIDING_WINDOW in kinds]
-    if name in ("test_unwritten_slots_are_never_read", "test_chunked_prefill_then_decode"):
+    if name == "test_windows_never_read_blocks_they_left":
+        if AttentionKind.SLIDING_WINDOW not in kinds:
+            return []
+        return [(d, f"window{w}") for d in dtypes for w in (5, 24)]
+    if name in (
+        "test_unwritten_slots_are_never_read", "test_chunked_prefill_then_decode", "test_sinks"
+    ):
         return [(k, d) for k in kinds for d in dtypes]
     return []
 
@@ -163,6 +170,44 @@ def test_sliding_windows(active, case):
         min(caps.block_sizes), sliding_window=int(case.removeprefix("window")),
     )
     _run(active, spec, mixed_batch(10), 1)
+
+
+def test_sinks(active, case):
+    """Attention sinks (gpt-oss), where a backend declares them: one learned logit per head
+    in every query's softmax. A platform without them is not failed: the core runs such
+    layers on its reference attention."""
+    kind, dtype = case
+    caps = active.platform.capabilities
+    spec = AttentionSpec(
+        kind, 8, 2, _head_size(caps), dtype, min(caps.block_sizes), _window(kind, 7), sinks=True
+    )
+    try:
+        backend = active.attention_backend(spec)
+    except PlatformError:
+        pytest.skip("no attention backend declares sinks; the core's reference runs them")
+    device = active.platform.device
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(0)) * 2
+    step = to_device(make_step(mixed_batch(5), spec, 0, poison=True), device)
+    check_step(backend, spec, step, sinks=sinks)
+
+
+def test_windows_never_read_blocks_they_left(active, case):
+    """The core gives a window's blocks back once no query reads them, and its table then
+    names the null block there (a page another request may be writing). Here every block
+    wholly before a sequence's window holds NaN: none of it may reach the output."""
+    dtype, window = case[0], int(case[1].removeprefix("window"))
+    caps = active.platform.capabilities
+    block = min(caps.block_sizes)
+    spec = AttentionSpec(
+        AttentionKind.SLIDING_WINDOW, 6, 2, _head_size(caps), dtype, block, window
+    )
+    seqs = mixed_batch(7) + [(120, 1), (90, 17), (64, 3)]
+    step = make_step(seqs, spec, 3)
+    for i, (cached, _) in enumerate(seqs):
+        first_block = max(0, cached - window + 1) // block  # the first query is at `cached`
+        for j in range(first_block):
+            step.kv_cache[:, int(step.metadata.block_tables[i, j])] = float("nan")
+    check_step(active.attention_backend(spec), spec, to_device(step, active.platform.device))
 
 
 def test_unwritten_slots_are_never_read(active, case):

@@ -57,8 +57,24 @@ def _inputs(op: str, dtype: torch.dtype, device: torch.device, seed: int):
         freqs = torch.outer(torch.arange(128).float(), inv_freq)
         cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
         return positions, randn(tokens, heads, head), randn(tokens, kv_heads, head), cache
-    if op == "silu_and_mul":
+    if op in ("silu_and_mul", "gelu_tanh_and_mul"):
         return (randn(tokens, 2 * hidden),)
+    if op == "moe_experts":
+        # 4 experts, top 2 of them per token; biases and gpt-oss's activation on odd seeds
+        experts, inter, k = 4, 32, 2
+        ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+        weights = torch.rand(tokens, k, generator=g).softmax(-1).to(device)
+        biased = seed % 2 == 1
+        return (
+            randn(tokens, hidden),
+            randn(experts, 2 * inter, hidden, scale=0.2),
+            randn(experts, hidden, inter, scale=0.2),
+            weights,
+            ids.to(device),
+            randn(experts, 2 * inter) if biased else None,
+            randn(experts, hidden) if biased else None,
+            "swiglu_oai" if biased else "silu",
+        )
     if op == "prepack_linear":
         bias = randn(48) if seed % 2 else None
         return randn(48, hidden, scale=0.2), bias, randn(tokens, hidden)
@@ -78,7 +94,8 @@ def test_op_matches_reference(active, op_case):
     if override is getattr(reference, op):
         pytest.skip(f"{op} is not overridden: the core's reference is used")
     device = active.platform.device
-    tolerance = LINEAR_TOLERANCE[dtype] if op == "prepack_linear" else TOLERANCE[dtype]
+    linear = op in ("prepack_linear", "moe_experts")
+    tolerance = LINEAR_TOLERANCE[dtype] if linear else TOLERANCE[dtype]
     for seed in range(3):
         args = _inputs(op, dtype, device, seed)
         before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]

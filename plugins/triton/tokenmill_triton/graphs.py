@@ -1,4 +1,7 @@
-"""CUDA graphs of the decode step, per padded batch-size bucket (`tokenmill_graph_capture`).
+"""CUDA / HIP graphs of the decode step, per padded batch-size bucket (`tokenmill_graph_capture`).
+
+Shared by the nvidia and rocm plugins: `torch.cuda.CUDAGraph` records HIP graphs on a ROCm
+build of torch.
 
 The core runner owns the static input buffers and pads each decode-only step to the
 smallest bucket at least its size; this class records the forward once per bucket and
@@ -28,7 +31,7 @@ _WARMUP_RUNS = 2
 
 
 class CudaGraphCapture(GraphCapture):
-    """One `torch.cuda.CUDAGraph` per bucket, sharing a memory pool."""
+    """One `torch.cuda.CUDAGraph` per bucket, sharing a memory pool."""  # HIP on ROCm
 
     def __init__(self) -> None:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}

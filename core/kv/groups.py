@@ -1,0 +1,79 @@
+"""KV groups: which layers share a block table, and which arena slot each layer uses.
+
+Layers of one attention type (full attention, or a sliding window of one size) behave
+alike: they need the same blocks at the same time. Layers are split into groups of
+equal size L, each group of one type; each group has its own block table per request.
+The arena holds L layer slots; layer j of every group uses slot j. A block id names one
+page in each of the L slots, and the pool hands each block to one (request, group) at a
+time, so groups of different types share the slots' pages without ever overlapping.
+
+L is the greatest common divisor of the per-type layer counts: every group is full and
+no slot of any page is padding (Gemma 3's 5:1 sliding:global pattern gives L = the
+global count's gcd with the sliding count; gpt-oss's 1:1 gives L = half the layers).
+A model of one type has one group of all its layers: the layout of a plain model.
+
+Pure Python with no device import.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tokenmill.platforms.interfaces import AttentionKind, AttentionSpec
+
+GROUPED_KINDS = (AttentionKind.FULL, AttentionKind.SLIDING_WINDOW)
+
+
+@dataclass(frozen=True, slots=True)
+class KVGroup:
+    """Layers with one block table. `layers[j]` (a model layer index) uses arena slot j."""
+
+    group_id: int
+    kind: AttentionKind
+    sliding_window: int | None  # tokens; None for full attention
+    layers: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    groups: tuple[KVGroup, ...]
+    num_slots: int  # L: layers per group = arena slots
+    layer_group: tuple[int, ...]  # model layer -> its group id
+    layer_slot: tuple[int, ...]  # model layer -> its arena slot
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_group)
+
+
+def plan_groups(specs: list[AttentionSpec]) -> KVLayout:
+    """Group the layers of `specs` by attention type (kind and window), in layer order.
+
+    Groups are numbered so that the group of layer 0's type comes first (for a plain
+    model, group 0 is everything). Raises ValueError naming a layer whose kind has no
+    block allocator.
+    """
+    if not specs:
+        raise ValueError("the model declares no attention layers; nothing to cache")
+    by_type: dict[tuple[AttentionKind, int | None], list[int]] = {}
+    for i, spec in enumerate(specs):
+        if spec.kind not in GROUPED_KINDS:
+            raise ValueError(
+                f"layer {i} has attention kind {spec.kind.value!r}; the KV arena allocates "
+                f"blocks for {[k.value for k in GROUPED_KINDS]} only"
+            )
+        window = spec.sliding_window if spec.kind == AttentionKind.SLIDING_WINDOW else None
+        by_type.setdefault((spec.kind, window), []).append(i)
+    size = math.gcd(*(len(layers) for layers in by_type.values()))
+    groups: list[KVGroup] = []
+    layer_group = [0] * len(specs)
+    layer_slot = [0] * len(specs)
+    for (kind, window), layers in by_type.items():
+        for start in range(0, len(layers), size):
+            members = tuple(layers[start : start + size])
+            gid = len(groups)
+            groups.append(KVGroup(gid, kind, window, members))
+            for slot, layer in enumerate(members):
+                layer_group[layer], layer_slot[layer] = gid, slot
+    return KVLayout(tuple(groups), size, tuple(layer_group), tuple(layer_slot))
