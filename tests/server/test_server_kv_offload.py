@@ -66,3 +66,43 @@ def test_sessions_prefetch_and_tier_metrics(offload_server):
             assert tier(name, t) == getattr(stack.stats[t], attr), (name, t)
         assert tier("tokens_recomputed", t) == 0
     assert tier("hits", "disk") > 0 and tier("bytes_promoted", "host") > 0  # the prefetches
+
+
+def test_offload_with_the_engine_in_its_own_process(tiny_model, tmp_path):
+    """`tokenmill serve`'s layout: session ids and the tool-call hint cross the ZMQ link to
+    the engine core, and the tiers' counters come back in its SchedulerStats."""
+    from tokenmill.async_engine import AsyncLLM
+    from tokenmill.config import EngineArgs
+
+    engine = AsyncLLM(EngineArgs(
+        model=str(tiny_model), dtype="float32", block_size=4, num_kv_blocks=64,
+        max_model_len=256, kv_offload_host_bytes="8KiB", kv_offload_disk_path=str(tmp_path),
+        kv_offload_disk_bytes="16MiB",
+    ), engine_process=True)
+    try:
+        with running_server(build_app(engine, [TINY_NAME])) as url:
+            assert engine.engine is None  # no model in this process
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="x")
+            long = "the quick brown fox jumps over the lazy dog"
+            b = turn(client, [], "b: " + long, extra_body={"session_id": "agent-b"})
+            wait_idle(engine)
+            for i in range(3):  # other sessions push b's blocks out of the device and host
+                turn(client, [], f"{i}: " + long * 2, user=f"other-{i}")
+                wait_idle(engine)
+            before = scrape(url)
+            engine.hint_session("agent-b")
+            turn(client, b, "tool result: ok", extra_body={"session_id": "agent-b"})
+            wait_idle(engine)
+            after = scrape(url)
+
+            def delta(name, tier):
+                key = (f"tokenmill:kv_offload_{name}_total", (("tier", tier),))
+                return after[key] - before[key]
+            loaded_blocks = delta("tokens_loaded", "disk") // 4
+            assert loaded_blocks > 0  # b's history came back from disk
+            # the load reads each block from disk once; the hinted prefetch read them before
+            # (without the hint the two are equal: the hint crossed to the engine process)
+            assert delta("hits", "disk") > loaded_blocks
+            assert delta("bytes_promoted", "host") > 0
+    finally:
+        engine.shutdown()
