@@ -200,6 +200,7 @@ class AsyncLLM:
         request_id: str,
         prompt: str | None = None,
         cache_salt: str | None = None,
+        session_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield cumulative outputs until the request finishes.
 
@@ -221,6 +222,7 @@ class AsyncLLM:
             self._tracked[request_id] = tracked
         for core_request in core_requests:
             core_request.cache_salt = cache_salt
+            core_request.session_id = session_id
         finished = False
         try:
             self._client.add(core_requests)
@@ -236,6 +238,10 @@ class AsyncLLM:
         finally:
             if not finished:
                 self._abort(request_id)
+
+    def hint_session(self, session_id: str) -> None:
+        """`session_id`'s turn ended in a tool call (LLMEngine.hint_session); thread-safe."""
+        self._client.hint_session(session_id)
 
     def _abort(self, request_id: str) -> None:
         with self._lock:

@@ -81,6 +81,36 @@ class EngineArgs(BaseModel):
             )
         return data
 
+    # KV offload (core/kv_connector/, docs/kv-offload.md): each set tier joins the stack
+    kv_offload_host_bytes: int | None = Field(
+        None, description="host-memory tier size, bytes or a string like '8GiB'"
+    )
+    kv_offload_disk_path: str | None = Field(None, description="directory of the disk tier")
+    kv_offload_disk_bytes: int | None = Field(None, description="disk tier size ('100GiB')")
+    kv_offload_remote: str | None = Field(
+        None, description="remote tier URL; its scheme names the tier (redis://host:6379)"
+    )
+
+    @field_validator("kv_offload_host_bytes", "kv_offload_disk_bytes", mode="before")
+    @classmethod
+    def _size(cls, v: int | str | None, info) -> int | None:
+        from tokenmill.kv_connector.registry import parse_size
+
+        return None if v is None else parse_size(v, info.field_name)
+
+    @model_validator(mode="after")
+    def _offload_tiers(self) -> EngineArgs:
+        from tokenmill.kv_connector.engine_setup import offload_config
+
+        # raises ValueError naming a bad combination
+        if offload_config(self) is not None and self.distributed_executor_backend != "uni":
+            raise ValueError(
+                "KV offload runs with distributed_executor_backend='uni' for now (its "
+                "scheduler side looks the worker's tiers up in-process); got "
+                f"{self.distributed_executor_backend!r}"
+            )
+        return self
+
     @field_validator("generation_config")
     @classmethod
     def _generation_config(cls, v: str) -> str:

@@ -15,9 +15,10 @@ import torch
 from tokenmill.config import EngineArgs
 from tokenmill.distributed.config import WorkerConfig
 from tokenmill.distributed.errors import ExecutorError
-from tokenmill.distributed.executor import Executor, make_executor
+from tokenmill.distributed.executor import Executor, UniExecutor, make_executor
 from tokenmill.kv.groups import plan_groups
 from tokenmill.kv.manager import KVCacheManager
+from tokenmill.kv_connector.engine_setup import Offload, engine_offload, offload_config
 from tokenmill.model.generation_config import describe, load_generation_defaults
 from tokenmill.model.loader import ModelInfo, default_model_path, load_model_info
 from tokenmill.model.parallel import local_config
@@ -108,6 +109,7 @@ class LLMEngine:
                     "tokens; lower max_model_len or give the KV cache more memory"
                 )
             self.max_model_len = capacity
+        self.offload = self._connect_offload()
         self.failure: ExecutorError | None = None  # set when the workers cannot go on
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -115,6 +117,8 @@ class LLMEngine:
             ),
             self.kv,
         )
+        if self.offload is not None:
+            self.scheduler.connector = self.offload.scheduler_side
         self.structured = StructuredOutputManager(
             self.tokenizer,
             vocab_size=self.loaded.hf_config.vocab_size,
@@ -156,6 +160,7 @@ class LLMEngine:
             world_size=args.tensor_parallel_size,
             tensor_parallel_size=args.tensor_parallel_size,
             dist_init_method=_rendezvous() if args.tensor_parallel_size > 1 else None,
+            kv_offload=offload_config(args),
         )
         if args.tensor_parallel_size > 1:  # a bad size fails here, before any process starts
             if not self.platform.platform.capabilities.collectives:
@@ -168,6 +173,26 @@ class LLMEngine:
             args.distributed_executor_backend, config, self.platform, self.loaded.hf_config,
             in_process_registry,
         )
+
+    def _connect_offload(self) -> Offload | None:
+        """KV offload's engine side over the worker's tier stack, or None without tiers.
+        The scheduler side looks the tiers up in-process, so offload runs with the "uni"
+        executor for now (docs/kv-offload.md)."""
+        if offload_config(self.args) is None:
+            return None
+        if not isinstance(self.executor, UniExecutor):  # EngineArgs refuse it already
+            self.executor.shutdown()
+            raise ValueError("KV offload needs the in-process ('uni') executor")
+        if self.kv.num_groups > 1:
+            # the connector saves and loads one block table (group 0's) per request
+            self.executor.shutdown()
+            kinds = ", ".join(g.kind.name.lower() for g in self.kv.groups)
+            raise ValueError(
+                f"KV offload supports models with one KV group; this model has "
+                f"{self.kv.num_groups} ({kinds}): unset the kv_offload_* settings "
+                "(docs/kv-offload.md)"
+            )
+        return engine_offload(self.executor.worker.kv_offload, self.args.block_size)
 
     def shutdown(self) -> None:
         """Stop the workers (their processes, for "mp"); idempotent."""
@@ -184,6 +209,7 @@ class LLMEngine:
         params: SamplingParams,
         prompt: str | None = None,
         cache_salt: str | None = None,
+        session_id: str | None = None,
     ) -> None:
         """Queue a request (all its n sequences). Raises ValueError naming the problem if it
         can never run, and its subclass StructuredOutputError if its structured output
@@ -201,6 +227,7 @@ class LLMEngine:
         core_requests = self.outputs.add(request_id, prompt, prompt_token_ids, params)
         for core_request in core_requests:
             core_request.cache_salt = cache_salt
+            core_request.session_id = session_id
             self.add_core_request(core_request)
 
     def add_core_request(self, request: EngineCoreRequest) -> None:
@@ -230,12 +257,19 @@ class LLMEngine:
             prompt_token_ids=request.prompt_token_ids,
             sampling_params=params,
             cache_salt=request.cache_salt,
+            session_id=request.session_id,
             seed=params.seed,
         )
         if grammar is not None:
             self.structured.add_request(child.request_id, grammar)
         self.core_outputs.add(child)
         self.scheduler.add_request(child)
+
+    def hint_session(self, session_id: str) -> None:
+        """The session's last turn ended in a tool call: it will be back. With KV offload,
+        its next turn's blocks are prefetched into the fastest tier when it arrives."""
+        if self.offload is not None:
+            self.offload.scheduler_side.session_returns(session_id)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort every sequence of a request; its final output, None if it is unknown."""
@@ -259,6 +293,7 @@ class LLMEngine:
             kv_usage=self.kv.usage,
             prefix_cache_queries=self.kv.stats.queries,
             prefix_cache_hits=self.kv.stats.hits,
+            kv_tiers=self.offload.snapshot() if self.offload is not None else {},
         )
 
     # ---- the step --------------------------------------------------------------------
@@ -271,7 +306,7 @@ class LLMEngine:
     def core_step(self) -> list[EngineCoreOutput]:
         """One step of the engine core: schedule, execute, and the per-sequence deltas."""
         plan = self.scheduler.schedule()
-        if plan.is_empty:
+        if plan.step is None:
             return []
         plan.step.structured = self._structured_masks(plan)
         try:
@@ -279,6 +314,7 @@ class LLMEngine:
         except ExecutorError as e:
             return self._fail(e)
         self.scheduler.update_computed(plan)
+        self.scheduler.update_from_connector(result.kv_connector)
         return self.core_outputs.process(result)
 
     # ---- health ----------------------------------------------------------------------

@@ -35,6 +35,7 @@ from tokenmill.outputs import (
     EngineCoreOutputs,
     EngineCoreReady,
     EngineCoreRequest,
+    EngineCoreSessionHint,
     EngineCoreShutdown,
 )
 
@@ -192,6 +193,8 @@ class EngineCoreLoop:
                 self._add(message)
             elif isinstance(message, EngineCoreAbort):
                 self.engine.abort_core_requests(message.request_ids)
+            elif isinstance(message, EngineCoreSessionHint):
+                self.engine.hint_session(message.session_id)
             elif isinstance(message, EngineCoreShutdown):
                 self._stopping = True
                 return

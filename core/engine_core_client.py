@@ -39,6 +39,7 @@ from tokenmill.outputs import (
     EngineCoreOutputs,
     EngineCoreReady,
     EngineCoreRequest,
+    EngineCoreSessionHint,
     EngineCoreShutdown,
 )
 
@@ -86,6 +87,10 @@ class InprocClient:
     def abort(self, request_ids: list[str]) -> None:
         if request_ids:
             self._inbox.put(EngineCoreAbort(request_ids))
+
+    def hint_session(self, session_id: str) -> None:
+        """The session's turn ended in a tool call (LLMEngine.hint_session)."""
+        self._inbox.put(EngineCoreSessionHint(session_id))
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         self._inbox.put(EngineCoreShutdown())
@@ -138,6 +143,8 @@ class InprocClient:
                     ))
             elif isinstance(item, EngineCoreAbort):
                 self.engine.abort_core_requests(item.request_ids)
+            elif isinstance(item, EngineCoreSessionHint):
+                self.engine.hint_session(item.session_id)
             else:
                 return False
             try:
@@ -227,6 +234,14 @@ class EngineCoreProcClient:
         if request_ids and not self._dead.is_set():
             try:
                 self._send(EngineCoreAbort(request_ids))
+            except EngineDeadError:
+                pass
+
+    def hint_session(self, session_id: str) -> None:
+        """Best effort, like `abort`: a hint only speeds up the session's next turn."""
+        if not self._dead.is_set():
+            try:
+                self._send(EngineCoreSessionHint(session_id))
             except EngineDeadError:
                 pass
 

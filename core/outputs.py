@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from tokenmill.kv_connector.tier import TierStats
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.step import Logprobs
 
@@ -60,6 +61,15 @@ class EngineCoreRequest(msgspec.Struct, tag="add", array_like=True, omit_default
     prompt_token_ids: list[int]
     params: SamplingParams
     cache_salt: str | None = None
+    # the conversation it belongs to (KV offload keeps a session's blocks for its return)
+    session_id: str | None = None
+
+
+class EngineCoreSessionHint(msgspec.Struct, tag="hint", array_like=True):
+    """The session's last turn ended in a tool call: it will be back soon (KV offload
+    prefetches its blocks into the fastest tier when the next turn arrives)."""
+
+    session_id: str
 
 
 class EngineCoreAbort(msgspec.Struct, tag="abort", array_like=True):
@@ -72,7 +82,7 @@ class EngineCoreShutdown(msgspec.Struct, tag="shutdown", array_like=True):
     """Stop the step loop; the engine process exits."""
 
 
-EngineCoreInput = EngineCoreRequest | EngineCoreAbort | EngineCoreShutdown
+EngineCoreInput = EngineCoreRequest | EngineCoreAbort | EngineCoreSessionHint | EngineCoreShutdown
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -105,6 +115,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, frozen=True):
     kv_usage: float = 0.0  # fraction of KV blocks in use, 0..1
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found
+    # KV offload: tier name -> its counters, in stack order; empty without offload
+    kv_tiers: dict[str, TierStats] = msgspec.field(default_factory=dict)
 
 
 class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True, gc=False):

@@ -14,6 +14,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    WAITING_FOR_KV = "waiting_for_kv"  # blocks allocated, the KV connector loading into them
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -41,6 +42,7 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     cache_salt: str | None = None
+    session_id: str | None = None  # an agent session / user: KV offload prefetches by it
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)

@@ -19,7 +19,9 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from tokenmill.kv.manager import KVCacheManager
+from tokenmill.kv.manager import KVCacheManager, PrefixHit
+from tokenmill.kv_connector.messages import WorkerReport
+from tokenmill.kv_connector.scheduler_side import KVConnectorScheduler
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.step import CachedRequest, NewRequest, SamplingSpec, StepDescription
@@ -93,15 +95,22 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.workers = WorkerView()  # what the workers hold, to send them deltas only
+        # KV offload (core/kv_connector/): set by the engine when tiers are configured
+        self.connector: KVConnectorScheduler | None = None
+        self.loading: dict[str, Request] = {}  # WAITING_FOR_KV: their loads in flight
+        self.parked: dict[str, Request] = {}  # finished while loading: blocks freed on report
 
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self.parked:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if self.connector is not None and request.session_id is not None:
+            self.kv.update_block_hashes(request)
+            self.connector.request_arrived(request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading or self.parked)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -117,8 +126,14 @@ class Scheduler:
             out.num_preempted += 1
         for request, num_new in scheduled:
             out.scheduled.append(self._describe(request, num_new))
-        if scheduled:  # an empty step is not run: ended ids wait for the next one
+        # an empty step is not run (ended ids wait for the next one), unless the KV
+        # connector has loads to start or in flight
+        if scheduled or self.loading or self.parked:
             out.step = self.workers.describe_step(scheduled, out.scheduled)
+            if self.connector is not None:
+                out.step.kv_connector = self.connector.build_step_meta(
+                    [(r, self.kv.block_ids(r), r.num_computed_tokens, n) for r, n in scheduled]
+                )
         return out
 
     def _schedule_decodes(self, out: SchedulerOutput) -> list[tuple[Request, int]]:
@@ -176,12 +191,14 @@ class Scheduler:
                     scheduled.append((request, num_new))
                     budget -= num_new
                 continue
-            if not admitting or len(self.running) >= self.config.max_num_seqs:
+            if not admitting or len(self.running) + len(self.loading) >= self.config.max_num_seqs:
                 continue
             # The hits counted for sorting may be gone: an allocation earlier in this loop
             # takes the least recently freed blocks, cached ones included. Look them up
             # again right before allocating, with nothing in between.
             hits, num_hit = self.kv.find_cached_prefix(request)
+            if self.connector is not None and self._start_external_load(request, hits, num_hit):
+                continue  # admitted; computes once its load reports
             num_new = min(request.num_tokens - num_hit, budget, chunk_cap)
             if not self.kv.allocate_slots(request, num_new, hits):
                 # no KV for this one: admit nothing bigger either (running prompts go on)
@@ -197,6 +214,43 @@ class Scheduler:
             scheduled.append((request, num_new))
             budget -= num_new
         return scheduled
+
+    def _start_external_load(self, request: Request, hits: PrefixHit, num_hit: int) -> bool:
+        """Admit a waiting request whose next tokens a KV tier holds: allocate blocks for
+        them (unpublished until loaded) and start the load. False: nothing to load, or no
+        KV for it now (the caller then tries the ordinary admission)."""
+        num_external = self.connector.num_external_tokens(request, num_hit)
+        if not num_external or not self.kv.allocate_slots(
+            request, num_external, hits, publish=False
+        ):
+            return False
+        self.waiting.remove(request)
+        if request.num_cached_tokens < 0:
+            self.kv.record_lookup(request.num_tokens, num_hit)
+        request.num_computed_tokens = num_hit
+        request.status = RequestStatus.WAITING_FOR_KV
+        self.loading[request.request_id] = request
+        self.connector.start_load(request, self.kv.block_ids(request), num_hit, num_external)
+        return True
+
+    def update_from_connector(self, report: WorkerReport | None) -> None:
+        """Apply a KV connector report: a request whose load ended runs from the tokens
+        that arrived (a failed block and those after it are recomputed); a finished one
+        that was still loading gives its blocks back."""
+        if self.connector is None or report is None:
+            return
+        for outcome in self.connector.process_report(report):
+            parked = self.parked.pop(outcome.request_id, None)
+            if parked is not None:
+                self.kv.free(parked)
+                continue
+            request = self.loading.pop(outcome.request_id)
+            request.num_computed_tokens = outcome.num_computed_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = outcome.num_computed_tokens
+            self.kv.cache_blocks(request, outcome.num_computed_tokens)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
 
     def _describe(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -233,8 +287,12 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        self.loading.pop(request_id, None)
         request.status = status
-        self.kv.free(request)
+        if self.connector is not None and self.connector.request_finished(request):
+            self.parked[request_id] = request  # a load still writes into its blocks
+        else:
+            self.kv.free(request)
         aborted = status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
         self.workers.forget(request_id, aborted)
         return request

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import msgspec
 
+from tokenmill.kv_connector.messages import ConnectorStepMeta, WorkerReport
+
 _GREEDY_EPS = 1e-5  # as SamplingParams: a temperature below this is greedy
 
 
@@ -104,6 +106,9 @@ class StepDescription(msgspec.Struct, kw_only=True):
     # request id -> prompt positions [start, end) whose next-token logprobs are wanted
     prompt_logprob_ranges: dict[str, tuple[int, int]] = {}
     structured: StructuredMasks | None = None  # None: no sampling row is constrained
+    # KV offload: loads to start and blocks to save after the forward pass (None: no
+    # connector). A step may carry only this, with no scheduled request (loads in flight).
+    kv_connector: ConnectorStepMeta | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -127,6 +132,8 @@ class StepResult(msgspec.Struct):
     logprobs: dict[str, Logprobs] = {}
     # request id -> (start, logprobs of prompt positions [start, start + len)) this step
     prompt_logprobs: dict[str, tuple[int, list[Logprobs]]] = {}
+    # KV offload: loads and saves the worker finished since its last report
+    kv_connector: WorkerReport | None = None
 
 
 _ENCODER = msgspec.msgpack.Encoder()

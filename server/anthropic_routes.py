@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -105,15 +105,18 @@ async def create_message(body: MessagesRequest, request: Request):
         skip_special_tokens=not plan.keeps_special_tokens,
     )
     rid = f"msg_{secrets.token_hex(12)}"
+    session_id = body.metadata.user_id if body.metadata else None
     started = await start(request, state.engine, [(text, ids)], params, rid,
-                          error_param="tools" if plan.schema() else "output_config.format")
+                          error_param="tools" if plan.schema() else "output_config.format",
+                          session_id=session_id)
     head = {"id": rid, "type": "message", "role": "assistant", "model": model}
     parser = reasoning_parser(None if thinking is False else state.reasoning_parser, structured)
     # display "omitted": thinking blocks come back empty (the model still thinks)
     omit = getattr(body.thinking, "display", None) == "omitted"
     if body.stream:
         events = OutputEvents(plan, parser, text)
-        return event_stream(_stream(started, head, params.max_stop_len(), events, omit),
+        hint = (lambda: state.engine.hint_session(session_id)) if session_id else None
+        return event_stream(_stream(started, head, params.max_stop_len(), events, omit, hint),
                             request.url.path)
     (final,) = await unless_disconnected(request, started.finals())
     out = final.outputs[0]
@@ -128,6 +131,8 @@ async def create_message(body: MessagesRequest, request: Request):
     content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments_dict()}
                 for c in found.tool_calls]
     stop_reason, stop_sequence = _stop(out, found.tools_called)
+    if found.tools_called and session_id:
+        state.engine.hint_session(session_id)
     return JSONResponse({
         **head,
         "content": content,
@@ -185,7 +190,7 @@ class _Blocks:
 
 async def _stream(
     started: Started, head: dict[str, Any], max_stop_len: int, tool_events: OutputEvents,
-    omit_thinking: bool = False,
+    omit_thinking: bool = False, on_tool_call: Callable[[], None] | None = None,
 ) -> AsyncIterator[str]:
     first = started.firsts[0]
     usage = {**_usage(first), "output_tokens": 0}
@@ -216,6 +221,8 @@ async def _stream(
     for event in blocks.stop():
         yield event
     stop_reason, stop_sequence = _stop(final.outputs[0], tool_events.called)
+    if tool_events.called and on_tool_call is not None:
+        on_tool_call()  # the session will be back (KV offload prefetches its next turn)
     yield sse({
         "type": "message_delta",
         "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},

@@ -88,6 +88,10 @@ def _serve(args: argparse.Namespace) -> int:
         "max_num_batched_tokens": args.max_num_batched_tokens, "block_size": args.block_size,
         "long_prefill_token_threshold": args.long_prefill_token_threshold,
         "chat_template": chat_template, "seed": args.seed,
+        "kv_offload_host_bytes": args.kv_offload_host_bytes,
+        "kv_offload_disk_path": args.kv_offload_disk_path,
+        "kv_offload_disk_bytes": args.kv_offload_disk_bytes,
+        "kv_offload_remote": args.kv_offload_remote,
         "distributed_executor_backend": args.distributed_executor_backend,
         "tensor_parallel_size": args.tensor_parallel_size,
         "memory_utilization": args.memory_utilization,
@@ -162,6 +166,14 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--dtype", default=None,
                    choices=["auto", "bfloat16", "bf16", "float32", "fp32", "float16", "fp16"])
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--kv-offload-host-bytes", default=None, metavar="SIZE",
+                   help="KV offload: host-memory tier size, e.g. 8GiB")
+    p.add_argument("--kv-offload-disk-path", default=None, metavar="DIR",
+                   help="KV offload: directory of the disk tier (reused across restarts)")
+    p.add_argument("--kv-offload-disk-bytes", default=None, metavar="SIZE",
+                   help="KV offload: disk tier size, e.g. 100GiB")
+    p.add_argument("--kv-offload-remote", default=None, metavar="URL",
+                   help="KV offload: remote tier, e.g. redis://127.0.0.1:6379")
     p.add_argument("--generation-config", default=None, metavar="auto|vllm|DIR",
                    help="default sampling parameters for requests that leave them unset: "
                    "'auto' (default) takes the model's generation_config.json, or tokenmill's "

@@ -102,6 +102,7 @@ async def start(
     request_id: str,
     cache_salt: str | None = None,
     error_param: str | None = None,
+    session_id: str | None = None,
 ) -> Started:
     """Submit one engine request per prompt and wait for each one's first output.
 
@@ -111,7 +112,8 @@ async def start(
     """
     gens = [
         engine.generate(
-            ids, params, request_id if len(prompts) == 1 else f"{request_id}-{i}", text, cache_salt
+            ids, params, request_id if len(prompts) == 1 else f"{request_id}-{i}", text,
+            cache_salt, session_id,
         )
         for i, (text, ids) in enumerate(prompts)
     ]

@@ -52,6 +52,31 @@ class _EngineCollector:
             "tokenmill:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
             s.prefix_cache_hits,
         )
+        yield from self._kv_tiers(s)
+
+    # metric suffix -> (TierStats field, help); one series per tier (label `tier`)
+    _TIER_COUNTERS = {
+        "hits": ("hits", "KV objects found in the tier."),
+        "bytes_written": ("bytes_written", "Bytes saved to the tier (unique content)."),
+        "bytes_promoted": ("bytes_promoted", "Bytes copied up into the tier on a hit below."),
+        "bytes_read": ("bytes_read", "Bytes read from the tier."),
+        "tokens_loaded": ("tokens_loaded", "Tokens of KV loaded from the tier."),
+        "tokens_recomputed": (
+            "tokens_recomputed", "Tokens the tier held but could not supply (recomputed).",
+        ),
+        "corrupt_objects": ("corrupt", "Objects that failed their checksum (deleted)."),
+        "errors": ("errors", "Calls that found the tier unreachable."),
+    }
+
+    def _kv_tiers(self, s: EngineStats):
+        if not s.kv_tiers:
+            return
+        labels = [*self._labels, "tier"]
+        for suffix, (attr, doc) in self._TIER_COUNTERS.items():
+            c = CounterMetricFamily(f"tokenmill:kv_offload_{suffix}", doc, labels=labels)
+            for tier, stats in s.kv_tiers.items():
+                c.add_metric([*self._labels.values(), tier], getattr(stats, attr))
+            yield c
 
 
 class Metrics:

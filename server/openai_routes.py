@@ -167,7 +167,8 @@ async def create_completion(body: CompletionRequest, request: Request):
     params = _sampling(state, body, body.max_tokens or 16, body.logprobs, structured)
     rid = state.engine.new_request_id("cmpl")
     started = await start(request, state.engine, prompts, params, rid, body.cache_salt,
-                          error_param="structured_outputs")
+                          error_param="structured_outputs",
+                          session_id=body.session_id or body.user)
     n, created = body.n, int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created, "model": model}
 
@@ -267,9 +268,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     params = _sampling(state, body, max_tokens, top_k, structured,
                        skip_special_tokens=not plan.keeps_special_tokens)
     rid = state.engine.new_request_id("chatcmpl")
+    session_id = body.session_id or body.user
     started = await start(request, state.engine, [(text, ids)], params, rid, body.cache_salt,
                           error_param="tools" if plan.schema() else
-                          "structured_outputs" if body.structured_outputs else "response_format")
+                          "structured_outputs" if body.structured_outputs else "response_format",
+                          session_id=session_id)
     head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model}
     thinking = (body.chat_template_kwargs or {}).get("enable_thinking") is not False
     parser = reasoning_parser(state.reasoning_parser if thinking else None, structured)
@@ -278,7 +281,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         return event_stream(
             _stream_chat(started, {**head, "object": "chat.completion.chunk"}, top_k,
                          params.max_stop_len(), _include_usage(body),
-                         lambda: OutputEvents(plan, parser, text)),
+                         lambda: OutputEvents(plan, parser, text),
+                         _session_hint(state, session_id)),
             request.url.path,
         )
     (final,) = await unless_disconnected(request, started.finals())
@@ -289,6 +293,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         message: dict[str, Any] = {"role": "assistant",
                                    "content": o.text if parser is None else found.content}
         if found.tools_called:
+            if session_id:
+                state.engine.hint_session(session_id)
             message = {"role": "assistant", "content": found.content,
                        "tool_calls": [_tool_call(c) for c in found.tool_calls]}
         if parser is not None:
@@ -327,9 +333,17 @@ def _delta(event: OutputEvent) -> dict[str, Any]:
     return {"tool_calls": [call]}
 
 
+def _session_hint(state, session_id: str | None) -> Callable[[], None] | None:
+    """What to call when a turn ends in a tool call: the session will be back (KV offload
+    prefetches its next turn)."""
+    if session_id is None:
+        return None
+    return lambda: state.engine.hint_session(session_id)
+
+
 async def _stream_chat(
     started: Started, head: dict, top_k: int | None, max_stop_len: int, include_usage: bool,
-    new_events: Callable[[], OutputEvents],
+    new_events: Callable[[], OutputEvents], on_tool_call: Callable[[], None] | None = None,
 ) -> AsyncIterator[str]:
     streams = _streams(started, max_stop_len)
     tool_events: dict[int, OutputEvents] = {}
@@ -363,6 +377,8 @@ async def _stream_chat(
                 if last:
                     choice["stop_reason"] = o.stop_reason
                 yield sse({**head, "choices": [choice], **extra})
+    if on_tool_call is not None and any(e.called for e in tool_events.values()):
+        on_tool_call()
     if include_usage:
         yield sse({**head, "choices": [], "usage": _usage([final])})
     yield sse("[DONE]")

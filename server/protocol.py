@@ -97,6 +97,8 @@ class _SamplingFields(_Request):
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP)
     cache_salt: str | None = Field(None, max_length=1024)
+    # an agent session (extra_body); else `user` names it. KV offload prefetches by it.
+    session_id: str | None = Field(None, max_length=1024)
     skip_special_tokens: bool = True
     # token id (as a string, as OpenAI sends it) -> bias added to its logit
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(

@@ -202,3 +202,11 @@ def test_windows_hold_only_their_blocks(tiny):
     assert max_held and kv.usage == 0.0
     tokens = [o for o in outputs if o.finished][0].outputs[0].token_ids
     assert tokens == _hf_greedy(hf, prompt, 20)
+
+
+def test_kv_offload_refuses_a_model_with_several_kv_groups(tiny):
+    """The KV connector moves one block table per request: offload says so, at start."""
+    _, path, _ = tiny
+    with pytest.raises(ValueError, match=r"KV offload supports models with one KV group; this "
+                       r"model has [2-9] \(.*sliding_window.*\)"):
+        _llm(path, num_kv_blocks=64, kv_offload_host_bytes="1MiB")

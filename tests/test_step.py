@@ -8,6 +8,13 @@ import numpy as np
 import pytest
 
 from tokenmill.kv.manager import KVCacheManager
+from tokenmill.kv_connector.messages import (
+    BlockTransfer,
+    ConnectorStepMeta,
+    LoadJob,
+    LoadResult,
+    WorkerReport,
+)
 from tokenmill.request import Request
 from tokenmill.runner_state import RequestStateTable, StepProtocolError
 from tokenmill.sampling_params import SamplingParams
@@ -49,6 +56,11 @@ def full_step() -> StepDescription:
         preempted_request_ids=["f"],
         prompt_logprob_ranges={"a": (2, 4)},
         structured=StructuredMasks(words.tobytes(), 3, [0, 2], [2]),
+        kv_connector=ConnectorStepMeta(
+            loads=[LoadJob("g", [BlockTransfer(4, b"k" * 32)])],
+            saves=[BlockTransfer(1, b"s" * 32)],
+            prefetch=[b"p" * 32],
+        ),
     )
 
 
@@ -58,6 +70,10 @@ def full_result() -> StepResult:
         sampled_token_ids={"a": 5, "c": 1},
         logprobs={"a": lp},
         prompt_logprobs={"a": (2, [lp, lp])},
+        kv_connector=WorkerReport(
+            loads=[LoadResult("g", 1, 2, ["host"])], saved_keys=[b"s" * 32],
+            failed_save_keys=[b"t" * 32], num_prefetched=1,
+        ),
     )
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from tokenmill.kv_connector.registry import OffloadConfig
+
 
 class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """What a worker needs of EngineArgs, resolved by the engine core (no 'auto' left)."""
@@ -23,3 +25,4 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     distributed_executor_backend: str = "uni"
     tensor_parallel_size: int = 1  # the TP group spans all world_size ranks when > 1
     dist_init_method: str | None = None  # torch.distributed rendezvous, e.g. tcp://host:port
+    kv_offload: OffloadConfig | None = None  # KV offload tiers (core/kv_connector); None: off

@@ -21,6 +21,7 @@ from tokenmill.distributed.parallel_state import (
     init_parallel_state,
 )
 from tokenmill.kv.sizing import kv_cache_budget
+from tokenmill.kv_connector.engine_setup import WorkerOffload, make_worker_offload
 from tokenmill.model.loader import build_model, checkpoint_weights, load_model_info
 from tokenmill.model.registry import attention_specs_for
 from tokenmill.platforms.interfaces import (
@@ -56,6 +57,7 @@ class Worker:
         self.context: ModelRunnerContext | None = None
         self._memory_at_start: MemoryInfo | None = None
         self._owns_parallel_state = False
+        self.kv_offload: WorkerOffload | None = None  # KV offload's worker half, if configured
 
     # ---- set-up, in the executor's order -----------------------------------------------
     def init_device(self) -> None:
@@ -160,14 +162,40 @@ class Worker:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self._runner.initialize_kv_cache(num_blocks)
+        if self.config.kv_offload is not None:
+            caches = getattr(self._runner, "kv_caches", None)
+            if not caches:
+                raise ValueError(
+                    f"KV offload needs the core's model runner (its KV caches); platform "
+                    f"{self._platform.name!r} brings {type(self._runner).__name__}"
+                )
+            self.kv_offload = make_worker_offload(
+                self.config.kv_offload, self.config.model_path, self.hf_config, caches,
+                self._platform, self.config.block_size,
+            )
 
     # ---- steps -------------------------------------------------------------------------
     def execute(self, step: StepDescription) -> StepResult | None:
         """Run one step; rank 0 returns its result, the other ranks None."""
+        connector = self.kv_offload.worker_side if self.kv_offload is not None else None
+        meta = step.kv_connector
+        if connector is not None and meta is not None:
+            connector.start_prefetch(meta.prefetch)
+            connector.start_loads(meta.loads)  # overlapped with this step's forward pass
         result = self._runner.execute(step)
+        if connector is not None:
+            if meta is not None:
+                connector.save(meta.saves)  # the blocks this step filled, copied out now
+            # a step with nothing to compute waits a little for a load to report
+            result.kv_connector = connector.report(
+                wait_s=0.0 if step.scheduled_request_ids else 0.005
+            )
         return result if self.rank == 0 else None
 
     def shutdown(self) -> None:
+        if self.kv_offload is not None:
+            self.kv_offload.close()
+            self.kv_offload = None
         if self.runner is not None:
             self.runner.shutdown()
             self.runner = None

@@ -134,7 +134,11 @@ class KVCacheManager:
         self.stats.hits += num_hit
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, hits: PrefixHit | None = None
+        self,
+        request: Request,
+        num_new_tokens: int,
+        hits: PrefixHit | None = None,
+        publish: bool = True,
     ) -> bool:
         """Reserve KV for `num_new_tokens` more tokens (after `hits`, if any).
 
@@ -146,7 +150,9 @@ class KVCacheManager:
         First every sliding-window group gives back the blocks no query of the request
         reads any more (always safe: they are never needed again). Then, if the fresh
         blocks of all groups together fit, allocates them; else returns False and changes
-        nothing more.
+        nothing more. `publish=False` keeps every group's new blocks out of the prefix
+        cache (their content is still being loaded by the KV connector; `cache_blocks`
+        publishes them after).
         """
         num_hit = hits.num_tokens if hits is not None else 0
         if num_hit:
@@ -168,11 +174,19 @@ class KVCacheManager:
             alloc.take_hits(request, table)
         for alloc in self.allocators:
             alloc.allocate(request, total)
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and publish:
             self.update_block_hashes(request)
             for alloc in self.allocators:
                 alloc.cache_full_blocks(request, total)
         return True
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Publish, in every group, the request's blocks that its first `num_tokens`
+        tokens fill."""
+        if self.enable_prefix_caching:
+            self.update_block_hashes(request)
+            for alloc in self.allocators:
+                alloc.cache_full_blocks(request, num_tokens)
 
     def _check_hits(self, request: Request, hits: PrefixHit) -> None:
         if request.num_computed_tokens or any(

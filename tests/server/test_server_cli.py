@@ -8,7 +8,8 @@ FLAGS = ["--host", "--port", "--served-model-name", "--api-key", "--platform", "
          "--max-num-seqs", "--max-num-batched-tokens", "--dtype", "--chat-template",
          "--enable-auto-tool-choice", "--tool-call-parser", "--distributed-executor-backend",
          "--memory-utilization", "--kv-cache-memory-bytes", "--reasoning-parser",
-         "--max-stored-responses"]
+         "--max-stored-responses", "--kv-offload-host-bytes", "--kv-offload-disk-path",
+         "--kv-offload-disk-bytes", "--kv-offload-remote"]
 
 
 def test_serve_has_the_flags():
@@ -27,6 +28,15 @@ def test_bad_engine_arguments_exit_2(capsys):
     assert "block_size=3 must be a power of two" in capsys.readouterr().err
     assert main(["serve", "--memory-utilization", "1.5", "--port", "1"]) == 2
     assert "memory_utilization" in capsys.readouterr().err
+
+
+def test_bad_kv_offload_arguments_exit_2(capsys):
+    assert main(["serve", "--kv-offload-host-bytes", "8 gigs", "--port", "1"]) == 2
+    assert "kv_offload_host_bytes='8 gigs' is not a size" in capsys.readouterr().err
+    assert main(["serve", "--kv-offload-disk-path", "/tmp/kv", "--port", "1"]) == 2
+    assert "needs kv_offload_disk_bytes" in capsys.readouterr().err
+    assert main(["serve", "--kv-offload-remote", "127.0.0.1:6379", "--port", "1"]) == 2
+    assert "is not a URL" in capsys.readouterr().err
 
 
 def test_unknown_tool_call_parser_lists_the_choices(capsys):

@@ -42,7 +42,13 @@ class ScriptedLLM(AsyncLLM):
     prompt: str | None = None
     params = None
 
-    async def generate(self, prompt_token_ids, params, request_id, prompt=None, cache_salt=None):
+    hinted: list[str] = []  # sessions the server said will return (a turn ended in a tool call)
+
+    def hint_session(self, session_id: str) -> None:
+        self.hinted.append(session_id)
+
+    async def generate(self, prompt_token_ids, params, request_id, prompt=None, cache_salt=None,
+                       session_id=None):
         self.prompt, self.params = prompt, params
         text, n = self.script, len(self.script)
         for end in [*range(3, n, 3), n]:
@@ -345,3 +351,22 @@ def test_anthropic_forced_tool_and_any(scripted, an):
     m = an.messages.create(model=NAME, max_tokens=64, messages=ASK, tools=[ANTHROPIC_WEATHER],
                            tool_choice={"type": "any"})
     assert [(b.type, b.input) for b in m.content] == [("tool_use", {"city": "Oslo"})]
+
+
+# ---- sessions: a turn that ends in a tool call hints that its session returns ------------
+def test_tool_call_turns_hint_their_session(scripted, oa, an):
+    engine = say(scripted, CALL)
+    engine.hinted.clear()
+    oa.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER], user="u1")
+    list(oa.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER], stream=True,
+                                    extra_body={"session_id": "s2"}))
+    oa.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER])  # no session
+    an.messages.create(model=NAME, max_tokens=50, messages=ASK, tools=[ANTHROPIC_WEATHER],
+                       metadata={"user_id": "a3"})
+    with an.messages.stream(model=NAME, max_tokens=50, messages=ASK, tools=[ANTHROPIC_WEATHER],
+                            metadata={"user_id": "a4"}) as stream:
+        stream.get_final_message()
+    assert engine.hinted == ["u1", "s2", "a3", "a4"]
+    say(scripted, "Just text.")
+    oa.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER], user="u5")
+    assert engine.hinted == ["u1", "s2", "a3", "a4"]  # no tool call: no hint

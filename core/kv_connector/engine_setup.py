@@ -1,0 +1,110 @@
+"""Wiring the connector into an engine: the layout of its arena, the tier stack its
+arguments ask for, and both halves of the connector over it."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenmill.kv_connector.objects import KVLayout
+from tokenmill.kv_connector.registry import OffloadConfig, TierContext, build_stack
+from tokenmill.kv_connector.scheduler_side import KVConnectorScheduler
+from tokenmill.kv_connector.stack import TierStack
+from tokenmill.kv_connector.tier import TierStats
+from tokenmill.kv_connector.worker import KVConnectorWorker
+from tokenmill.platforms.interfaces import AllocatorPurpose
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class WorkerOffload:
+    """A worker's half: the tier stack and the loads and saves over its KV caches."""
+
+    stack: TierStack
+    layout: KVLayout
+    worker_side: KVConnectorWorker
+
+    def close(self) -> None:
+        self.worker_side.close()
+        self.stack.close()
+
+
+@dataclass(slots=True)
+class Offload:
+    """The engine's view: the scheduler side over the worker's stack (in-process)."""
+
+    stack: TierStack
+    layout: KVLayout
+    scheduler_side: KVConnectorScheduler
+    worker_side: KVConnectorWorker
+
+    def snapshot(self) -> dict[str, TierStats]:
+        """A copy of every tier's counters, in stack order (for the metrics)."""
+        return {name: copy.copy(stats) for name, stats in self.stack.stats.items()}
+
+
+def model_identity(model_path: str, hf_config) -> str:
+    """The model's name for object keys: its resolved path, its config, and the size and
+    modification time of every file under it (a rewritten checkpoint gets new keys
+    without hashing gigabytes of weights)."""
+    path = Path(model_path).resolve()
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    h = hashlib.sha256(str(path).encode())
+    h.update(hf_config.to_json_string().encode())
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()
+
+
+def offload_config(args) -> OffloadConfig | None:
+    """The tiers EngineArgs ask for, or None without any. Raises ValueError naming a bad
+    combination."""
+    config = OffloadConfig(
+        host_bytes=args.kv_offload_host_bytes,
+        disk_path=None if args.kv_offload_disk_path is None else os.fspath(args.kv_offload_disk_path),
+        disk_bytes=args.kv_offload_disk_bytes,
+        remote=args.kv_offload_remote,
+    )
+    if not config.enabled:
+        return None
+    if not args.enable_prefix_caching:
+        raise ValueError(
+            "KV offload addresses blocks by their prefix-cache keys; it needs "
+            "enable_prefix_caching=True"
+        )
+    return config
+
+
+def make_worker_offload(
+    config: OffloadConfig, model_path: str, hf_config, caches: list, platform, block_size: int
+) -> WorkerOffload:
+    """A worker's tier stack and connector half over its arena's per-layer `caches`."""
+    layout = KVLayout(
+        model_id=model_identity(model_path, hf_config),
+        dtype=str(caches[0].dtype).removeprefix("torch."),
+        block_size=block_size,
+        layer_shapes=tuple((c.shape[0], *c.shape[2:]) for c in caches),
+        itemsize=caches[0].element_size(),
+    )
+    staging = platform.allocator(AllocatorPurpose.HOST_STAGING)
+    stack = build_stack(config, TierContext(layout, lambda: staging))
+    worker = KVConnectorWorker(stack, layout, staging)
+    worker.register_kv_caches(caches)
+    logger.info(
+        "KV offload: tiers %s, %d-byte objects (one block of every layer)",
+        [t.name for t in stack.tiers], layout.object_bytes,
+    )
+    return WorkerOffload(stack, layout, worker)
+
+
+def engine_offload(worker_offload: WorkerOffload, block_size: int) -> Offload:
+    """The engine's view of an in-process worker's offload."""
+    w = worker_offload
+    side = KVConnectorScheduler(w.stack, w.layout.fingerprint(), block_size)
+    return Offload(w.stack, w.layout, side, w.worker_side)

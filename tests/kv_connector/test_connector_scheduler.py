@@ -1,0 +1,128 @@
+"""The connector's scheduler side inside the real Scheduler, with a real host tier and a
+real worker over small KV tensors (no model): admission on an external hit, a request
+that waits for its load, saves that are never issued twice, and a request aborted while
+its load is in flight (its blocks stay allocated until the load reports)."""
+
+from __future__ import annotations
+
+import torch
+from test_kv_tiers import staging
+
+from tokenmill.kv.manager import KVCacheManager
+from tokenmill.kv_connector.host import HostMemoryTier
+from tokenmill.kv_connector.objects import KVLayout
+from tokenmill.kv_connector.scheduler_side import KVConnectorScheduler
+from tokenmill.kv_connector.stack import TierStack
+from tokenmill.kv_connector.worker import KVConnectorWorker
+from tokenmill.request import Request, RequestStatus
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.scheduler import Scheduler, SchedulerConfig
+
+BS, NUM_BLOCKS = 4, 16
+LAYOUT = KVLayout("m", "float32", BS, ((2, BS, 1, 2),) * 2, 4)
+
+
+def setup():
+    kv = KVCacheManager(NUM_BLOCKS, BS)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=64), kv)
+    stack = TierStack([HostMemoryTier(staging(), 64 * LAYOUT.object_bytes, LAYOUT.object_bytes)])
+    scheduler.connector = KVConnectorScheduler(stack, LAYOUT.fingerprint(), BS)
+    worker = KVConnectorWorker(stack, LAYOUT)
+    caches = [torch.zeros(2, NUM_BLOCKS, BS, 1, 2) for _ in range(2)]
+    worker.register_kv_caches(caches)
+    return scheduler, worker, caches
+
+
+def request(rid: str, prompt: list[int]) -> Request:
+    return Request(rid, prompt, SamplingParams(temperature=0, max_tokens=4))
+
+
+def run_step(scheduler, worker, caches, wait: bool = True):
+    """What the runner does with a step's connector part; computing a token writes a
+    value derived from it into every layer (a stand-in forward pass)."""
+    plan = scheduler.schedule()
+    if plan.step is None:
+        return plan
+    meta = plan.step.kv_connector
+    worker.start_loads(meta.loads)
+    for s in plan.scheduled:
+        for i, tok in enumerate(s.token_ids):
+            pos = s.start_position + i
+            for c in caches:
+                c[:, s.block_ids[pos // BS], pos % BS] = float(tok)
+    worker.save(meta.saves)
+    scheduler.update_computed(plan)
+    if wait:
+        scheduler.update_from_connector(worker.drain())
+    return plan
+
+
+def test_external_hit_loads_then_computes_only_the_rest():
+    scheduler, worker, caches = setup()
+    prompt = list(range(10, 30))  # 20 tokens: 5 blocks
+    scheduler.add_request(request("a", prompt))
+    plan = run_step(scheduler, worker, caches)
+    assert len(plan.step.kv_connector.saves) == 5
+    scheduler.finish("a", RequestStatus.FINISHED_STOPPED)
+    scheduler.kv.pool.reset_prefix_cache()  # the device forgets it: only the tier has it
+    for c in caches:
+        c.zero_()
+    scheduler.add_request(request("b", prompt + [99, 98]))
+    plan = run_step(scheduler, worker, caches)  # admission: a load, nothing computed
+    assert plan.scheduled == [] and len(plan.step.kv_connector.loads[0].blocks) == 5
+    assert scheduler.requests["b"].status is RequestStatus.RUNNING
+    assert scheduler.requests["b"].num_computed_tokens == 20
+    plan = run_step(scheduler, worker, caches)
+    (s,) = plan.scheduled
+    assert (s.start_position, s.token_ids) == (20, [99, 98])
+    for pos, tok in enumerate(prompt):  # the loaded pages hold what "a" computed
+        assert caches[1][0, s.block_ids[pos // BS], pos % BS, 0, 0] == tok
+    assert plan.step.kv_connector.saves == []  # the loaded blocks are not saved again
+
+
+def test_a_block_being_saved_is_not_saved_twice():
+    scheduler, worker, caches = setup()
+    prompt = list(range(40, 52))
+    scheduler.add_request(request("a", prompt))
+    scheduler.add_request(request("b", prompt))  # same prefix, same step
+    plan = run_step(scheduler, worker, caches, wait=False)
+    keys = [t.key for t in plan.step.kv_connector.saves]
+    assert len(keys) == len(set(keys))
+    worker.drain()
+
+
+def test_abort_while_loading_keeps_blocks_until_the_load_reports():
+    scheduler, worker, caches = setup()
+    prompt = list(range(60, 80))
+    scheduler.add_request(request("a", prompt))
+    run_step(scheduler, worker, caches)
+    scheduler.finish("a", RequestStatus.FINISHED_STOPPED)
+    scheduler.kv.pool.reset_prefix_cache()
+    scheduler.add_request(request("b", prompt))
+    plan = scheduler.schedule()  # the load is handed to the worker with this step
+    assert plan.step.kv_connector.loads and scheduler.requests["b"].status is RequestStatus.WAITING_FOR_KV
+    held = NUM_BLOCKS - scheduler.kv.pool.num_free_blocks
+    scheduler.finish("b", RequestStatus.FINISHED_ABORTED)
+    assert "b" in scheduler.parked and scheduler.has_unfinished_requests()
+    assert NUM_BLOCKS - scheduler.kv.pool.num_free_blocks == held  # not reusable yet
+    worker.start_loads(plan.step.kv_connector.loads)
+    scheduler.update_from_connector(worker.drain())
+    assert not scheduler.parked and not scheduler.has_unfinished_requests()
+    assert scheduler.kv.pool.num_free_blocks == NUM_BLOCKS
+
+
+def test_abort_before_the_load_is_sent_frees_at_once():
+    scheduler, worker, caches = setup()
+    prompt = list(range(60, 80))
+    scheduler.add_request(request("a", prompt))
+    run_step(scheduler, worker, caches)
+    scheduler.finish("a", RequestStatus.FINISHED_STOPPED)
+    scheduler.kv.pool.reset_prefix_cache()
+    scheduler.add_request(request("b", prompt))
+    # admitted (blocks allocated, load queued) but finished before a step sends the load
+    req = scheduler.requests["b"]
+    hits, num_hit = scheduler.kv.find_cached_prefix(req)
+    assert num_hit == 0  # the prefix cache was reset: every block comes from a tier
+    assert scheduler._start_external_load(req, hits, num_hit)
+    scheduler.finish("b", RequestStatus.FINISHED_ABORTED)
+    assert not scheduler.parked and scheduler.kv.pool.num_free_blocks == NUM_BLOCKS
