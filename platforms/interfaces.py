@@ -47,9 +47,9 @@ class AttentionSpec:
     scale: float | None = None  # None means head_size ** -0.5
     # Learned per-head sink logits (gpt-oss): each query's softmax has one extra logit per
     # head that takes probability mass and contributes no value. The layer then calls
-    # `forward(..., sinks=...)` with a float32 [num_heads] tensor; a backend that does not
-    # implement sinks must return False from `supports` for such a spec (the core then
-    # runs that layer on its reference attention and logs it).
+    # `forward(..., sinks=...)` with a float32 [num_heads] tensor, only on a backend that
+    # sets `AttentionBackend.supports_sinks` (the core otherwise runs that layer on its
+    # reference attention and logs it).
     sinks: bool = False
 
 
@@ -133,6 +133,9 @@ class AttentionBackend(ABC):
 
     name: str = "abstract"
     kind: AttentionKind = AttentionKind.FULL
+    # whether `forward` takes `sinks` (AttentionSpec.sinks); plugins written before 1.2
+    # do not, and never get a spec with sinks
+    supports_sinks: bool = False
 
     @abstractmethod
     def supports(self, spec: AttentionSpec) -> bool:
@@ -155,8 +158,8 @@ class AttentionBackend(ABC):
 
         Each query token attends causally to its sequence's context (cached tokens plus the
         step's tokens up to and including itself). Returns [num_tokens, num_heads, head_size].
-        With `spec.sinks` the core adds the keyword `sinks` (float32 [num_heads]); it is
-        only passed to a backend whose `supports(spec)` is True for such a spec.
+        With `spec.sinks` the core adds the keyword `sinks` (float32 [num_heads]); only a
+        backend with `supports_sinks` gets such a spec.
         """
 
 

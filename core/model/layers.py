@@ -349,7 +349,8 @@ def resolve_backends(specs: Sequence[AttentionSpec], choice: BackendChoice) -> l
             backend = choose(spec)
         except PlatformError:
             return None
-        return backend if backend.supports(spec) else None
+        sinks_ok = not spec.sinks or backend.supports_sinks
+        return backend if sinks_ok and backend.supports(spec) else None
 
     reference = ReferenceAttentionBackend()
     backends, fallbacks = [], []

@@ -272,6 +272,7 @@ class ReferenceAttentionBackend(AttentionBackend):
 
     name = "reference"
     kind = AttentionKind.FULL
+    supports_sinks = True
 
     def supports(self, spec: AttentionSpec) -> bool:
         return spec.kind in (AttentionKind.FULL, AttentionKind.SLIDING_WINDOW)
