@@ -1,27 +1,9 @@
-"""The nvidia plugin's allocators: device memory through torch's CUDA caching allocator
-(the KV arena is one allocation), pinned host memory for staging, sleep mode; the
-mechanics are `tokenmill_triton.memory`'s, the limits are chosen here.
+"""The nvidia plugin's allocator setting: the variable that fixes its KV arena in GiB.
 
-Limits, fixed when an allocator is made (at activation): KV arena
-`$TOKENMILL_NVIDIA_KVCACHE_GIB` GiB, else 90% of the device memory free at that moment;
-weights the device's total memory; host staging 10% of available host memory. In
-interpreter mode everything is host memory: 40% / 90% / 10% of what is available.
+Device memory comes from torch's CUDA caching allocator (the KV arena is one allocation),
+staging from pinned host memory, with sleep mode; mechanics in `tokenmill_triton.memory`,
+limits (90% of free device memory for the KV arena unless `$TOKENMILL_NVIDIA_KVCACHE_GIB`
+is set) in `tokenmill_triton.platform_kit`.
 """
 
-from __future__ import annotations
-
-from tokenmill.platforms.interfaces import AllocatorPurpose
-from tokenmill_triton.memory import DeviceAllocator, make_device_allocator
-
 KVCACHE_ENV = "TOKENMILL_NVIDIA_KVCACHE_GIB"
-GPU_FRACTIONS = {AllocatorPurpose.KV_ARENA: 0.9, AllocatorPurpose.WEIGHTS: 1.0}
-HOST_FRACTIONS = {
-    AllocatorPurpose.KV_ARENA: 0.4,
-    AllocatorPurpose.WEIGHTS: 0.9,
-    AllocatorPurpose.HOST_STAGING: 0.1,
-}
-
-
-def make_allocator(purpose: AllocatorPurpose, interpreter: bool) -> DeviceAllocator:
-    return make_device_allocator(purpose, interpreter, "nvidia", KVCACHE_ENV, GPU_FRACTIONS,
-                                 HOST_FRACTIONS)

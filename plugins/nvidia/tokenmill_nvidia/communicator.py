@@ -1,14 +1,5 @@
-"""NCCL collectives through torch.distributed; gloo in interpreter mode (CPU tensors), so
-conformance tier T1 runs every collective in real multi-process groups either way."""
-
-from __future__ import annotations
-
-from tokenmill.platforms.interfaces import Communicator
-from tokenmill_triton.distributed import make_communicator as _make
+"""NCCL collectives through torch.distributed; in interpreter mode gloo (CPU tensors,
+`tokenmill_triton.platform_kit.INTERPRETER_BACKENDS`), so conformance tier T1 runs every
+collective in real multi-process groups either way."""
 
 GPU_BACKENDS = frozenset({"nccl"})
-INTERPRETER_BACKENDS = frozenset({"gloo"})
-
-
-def make_communicator(group: object | None, interpreter: bool) -> Communicator:
-    return _make(group, INTERPRETER_BACKENDS if interpreter else GPU_BACKENDS, "nvidia")

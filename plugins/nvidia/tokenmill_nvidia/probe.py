@@ -7,38 +7,23 @@ interpreter on CPU tensors instead (correctness only), whatever the machine has.
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from tokenmill_triton.configs import interpreter_mode
+from tokenmill_triton.platform_kit import Probe, common_probe
 
-INTERPRETER_REASON = (
-    "Triton interpreter on CPU (TRITON_INTERPRET=1): the plugin's Triton kernels run in "
-    "Python on CPU tensors, for correctness checks only"
-)
 _DRIVER_VERSION = Path("/proc/driver/nvidia/version")
 _DEV = Path("/dev")
-
-
-@dataclass(frozen=True, slots=True)
-class Probe:
-    available: bool
-    interpreter: bool
-    reason: str
 
 
 def probe(driver_version: Path = _DRIVER_VERSION, dev: Path = _DEV) -> Probe:
     """What this machine offers the nvidia platform, and why (paths are arguments so that
     tests can point them elsewhere)."""
-    if interpreter_mode():
-        return Probe(True, True, INTERPRETER_REASON)
-    if importlib.util.find_spec("triton") is None:
-        return Probe(False, False, "triton is not installed (pip install triton)")
+    if (common := common_probe()) is not None:  # interpreter mode, or no triton
+        return common
     devices = sorted(p.name for p in dev.glob("nvidia[0-9]*")) if dev.is_dir() else []
     driver = _driver_version(driver_version)
     smi = shutil.which("nvidia-smi")

@@ -1,10 +1,11 @@
 """The rocm platform plugin: tokenmill on AMD Instinct GPUs with the shared Triton kernels.
 
 Announced through the entry point group `tokenmill.platforms` (../pyproject.toml). The
-kernels live in `tokenmill_triton` (shared with the nvidia plugin); this plugin keeps its
-launch settings (configs.py), collectives (communicator.py: RCCL), allocators
-(allocator.py), hardware table (hardware.py) and probe (probe.py). Importing it imports
-neither triton nor initialises HIP; the hooks import what they need.
+kernels and the hook bodies live in `tokenmill_triton` (shared with the nvidia plugin; see
+`tokenmill_triton.platform_kit`); this plugin keeps its launch settings (configs.py),
+collectives backend (communicator.py: RCCL), KV-arena variable (allocator.py), hardware
+table (hardware.py) and probe (probe.py). Importing it imports neither triton nor
+initialises HIP; the hooks import what they need.
 
 Two modes, decided by the probe:
 - a GPU: torch's "cuda" device (HIP behind it), RCCL, the caching allocator, bf16, HIP
@@ -18,7 +19,6 @@ Two modes, decided by the probe:
 from __future__ import annotations
 
 from collections.abc import Callable
-from importlib import metadata
 
 import pluggy
 import torch
@@ -27,54 +27,35 @@ from tokenmill.platforms.interfaces import (
     Allocator,
     AllocatorPurpose,
     AttentionBackend,
-    AttentionKind,
-    Capabilities,
     Communicator,
     DetectionResult,
     GraphCapture,
     HardwareSpec,
-    MemoryInfo,
     Platform,
+)
+from tokenmill_rocm.allocator import KVCACHE_ENV
+from tokenmill_rocm.communicator import GPU_BACKENDS
+from tokenmill_triton.configs import KernelConfigs
+from tokenmill_triton.platform_kit import (  # noqa: F401 - part of this plugin's surface
+    GPU_CAPABILITIES,
+    INTERPRETER_CAPABILITIES,
+    GpuPlugin,
+    Probe,
 )
 
 hookimpl = pluggy.HookimplMarker("tokenmill")
 NAME = "rocm"
 
-_KINDS = frozenset({AttentionKind.FULL, AttentionKind.SLIDING_WINDOW})
-_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
-GPU_CAPABILITIES = Capabilities(
-    attention_kinds=_KINDS,
-    dtypes=_DTYPES,
-    block_sizes=frozenset({16, 32, 64, 128}),
-    head_sizes=frozenset({64, 128, 256}),
-    collectives=True,
-    graphs=True,  # HIP graphs of the decode step (tokenmill_triton.graphs); never interpreted
-    sleep_mode=True,
-)
-# The interpreter runs every program in Python (~1 ms per tensor op), so the certified set
-# is smaller there: float32 (exact) and bfloat16 (the GPU default, through float32-upcast
-# tiles), one page size smaller than the key tile; float16 and other page sizes are
-# checked by tests/triton/kernel_cases.py on the same kernels.
-INTERPRETER_CAPABILITIES = Capabilities(
-    attention_kinds=_KINDS,
-    dtypes=frozenset({torch.float32, torch.bfloat16}),
-    block_sizes=frozenset({16}),
-    head_sizes=frozenset({64, 128, 256}),
-    collectives=True,
-    graphs=False,
-    sleep_mode=True,
-)
 
-
-def _interpreter(platform: Platform) -> bool:
-    return platform.device_type == "cpu"
-
-
-def _configs(platform: Platform):
+def _interpreter_configs() -> KernelConfigs:
     from tokenmill_rocm import configs
 
-    if _interpreter(platform):
-        return configs.INTERPRETER
+    return configs.INTERPRETER
+
+
+def _gpu_configs() -> KernelConfigs:
+    from tokenmill_rocm import configs
+
     return configs.for_arch(_gcn_arch())
 
 
@@ -83,16 +64,24 @@ def _gcn_arch() -> str:
                    "gcnArchName", "")
 
 
-def _gpu_memory_info() -> MemoryInfo:
-    free, total = torch.cuda.mem_get_info()
-    return MemoryInfo(total_bytes=total, free_bytes=free)
+def _probe() -> Probe:
+    from tokenmill_rocm.probe import probe
+
+    return probe()
 
 
-def _host_memory_info() -> MemoryInfo:
-    import psutil
+def _gpu_platform() -> tuple[torch.dtype, str]:
+    return torch.bfloat16, f"HIP {torch.version.hip}, {_gcn_arch().split(':')[0]}"
 
-    memory = psutil.virtual_memory()
-    return MemoryInfo(total_bytes=memory.total, free_bytes=memory.available)
+
+def _device_spec() -> HardwareSpec:
+    from tokenmill_rocm.hardware import device_spec
+
+    return device_spec(torch.cuda.current_device())
+
+
+KIT = GpuPlugin(NAME, _interpreter_configs, _gpu_configs, GPU_BACKENDS, KVCACHE_ENV, _probe,
+                _gpu_platform, _device_spec)
 
 
 @hookimpl
@@ -102,91 +91,42 @@ def tokenmill_api_version() -> str:
 
 @hookimpl
 def tokenmill_detect() -> DetectionResult:
-    from tokenmill_rocm.probe import probe
-
-    found = probe()
-    return DetectionResult(found.available, found.reason)
+    return KIT.detect()
 
 
 @hookimpl
 def tokenmill_platform() -> Platform:
-    from tokenmill_rocm.probe import probe
-
-    triton_version = metadata.version("triton")
-    if probe().interpreter:
-        return Platform(
-            name=NAME,
-            device_type="cpu",
-            capabilities=INTERPRETER_CAPABILITIES,
-            default_dtype=torch.float32,
-            memory_info=_host_memory_info,
-            version=f"triton {triton_version} interpreter on CPU, float32 and bfloat16 checked "
-            "(bf16 tiles upcast to float32 before tl.dot); torch " + torch.__version__,
-            long_prefill_token_threshold=256,
-        )
-    arch = _gcn_arch().split(":")[0]
-    return Platform(
-        name=NAME,
-        device_type="cuda",  # torch's device type for HIP too
-        capabilities=GPU_CAPABILITIES,
-        default_dtype=torch.bfloat16,
-        memory_info=_gpu_memory_info,
-        version=f"triton {triton_version}, HIP {torch.version.hip}, {arch}",
-    )
+    return KIT.platform()
 
 
 @hookimpl
 def tokenmill_attention_backends(platform: Platform) -> list[AttentionBackend]:
-    from tokenmill_triton.attention import TritonPagedAttention
-
-    configs = _configs(platform)
-    return [TritonPagedAttention(kind, configs, NAME) for kind in sorted(_KINDS, key=str)]
+    return KIT.attention_backends(platform)
 
 
 @hookimpl
 def tokenmill_communicator(platform: Platform, group: object | None) -> Communicator:
-    from tokenmill_rocm.communicator import make_communicator
-
-    return make_communicator(group, _interpreter(platform))
+    return KIT.communicator(platform, group)
 
 
 @hookimpl
 def tokenmill_allocator(platform: Platform, purpose: AllocatorPurpose) -> Allocator:
-    from tokenmill_rocm.allocator import make_allocator
-
-    return make_allocator(purpose, _interpreter(platform))
+    return KIT.allocator(platform, purpose)
 
 
 @hookimpl
 def tokenmill_ops(platform: Platform) -> dict[str, Callable]:
-    from tokenmill_triton.ops import make_ops
-
-    return make_ops(_configs(platform))
+    return KIT.ops(platform)
 
 
 @hookimpl
 def tokenmill_hardware_spec(platform: Platform) -> HardwareSpec:
-    if _interpreter(platform):
-        memory = _host_memory_info()
-        # nominal: the interpreter's speed says nothing about a GPU (T5 is not its job)
-        return HardwareSpec(
-            name="Triton interpreter on CPU (nominal)",
-            peak_flops={"float32": 1e9, "float16": 1e9, "bfloat16": 1e9},
-            memory_bandwidth=1e9,
-            memory_bytes=memory.total_bytes,
-        )
-    from tokenmill_rocm.hardware import device_spec
-
-    return device_spec(torch.cuda.current_device())
+    return KIT.hardware_spec(platform)
 
 
 @hookimpl
 def tokenmill_graph_capture(platform: Platform) -> GraphCapture | None:
-    if _interpreter(platform):  # graphs need a GPU stream; the interpreter has none
-        return None
-    from tokenmill_triton.graphs import CudaGraphCapture
-
-    return CudaGraphCapture()  # torch.cuda.CUDAGraph records a HIP graph on ROCm
+    return KIT.graph_capture(platform)
 
 
 @hookimpl

@@ -8,38 +8,23 @@ kernels in Triton's interpreter on CPU tensors instead (correctness only).
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from tokenmill_triton.configs import interpreter_mode
+from tokenmill_triton.platform_kit import Probe, common_probe
 
-INTERPRETER_REASON = (
-    "Triton interpreter on CPU (TRITON_INTERPRET=1): the plugin's Triton kernels run in "
-    "Python on CPU tensors, for correctness checks only"
-)
 _KFD = Path("/dev/kfd")
 _TOPOLOGY = Path("/sys/class/kfd/kfd/topology/nodes")
-
-
-@dataclass(frozen=True, slots=True)
-class Probe:
-    available: bool
-    interpreter: bool
-    reason: str
 
 
 def probe(kfd: Path = _KFD, topology: Path = _TOPOLOGY) -> Probe:
     """What this machine offers the rocm platform, and why (paths are arguments so that
     tests can point them elsewhere)."""
-    if interpreter_mode():
-        return Probe(True, True, INTERPRETER_REASON)
-    if importlib.util.find_spec("triton") is None:
-        return Probe(False, False, "triton is not installed (pip install triton)")
+    if (common := common_probe()) is not None:  # interpreter mode, or no triton
+        return common
     smi = shutil.which("rocm-smi")
     if not kfd.exists():
         why = f"{kfd} is missing (the amdgpu kernel driver is not loaded)"

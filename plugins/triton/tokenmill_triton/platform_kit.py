@@ -1,0 +1,200 @@
+"""The hook bodies the nvidia and rocm plugins share, parametrised by each plugin's own parts.
+
+A plugin builds one `GpuPlugin` with what it owns (its name, launch settings, collectives
+backends, KV-arena limit variable, probe, hardware table, and how its GPU platform is
+described) and its pluggy hooks (which must stay in its own plugin.py) call the methods
+here. Both plugins run in two modes decided by their probe: a GPU (torch's "cuda" device,
+HIP included) or `TRITON_INTERPRET=1`, the same kernels in Triton's interpreter on CPU
+tensors (device "cpu", gloo). Importing this module imports neither triton nor initialises
+the device; the methods import what they need.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import metadata
+
+import torch
+
+from tokenmill.platforms.interfaces import (
+    Allocator,
+    AllocatorPurpose,
+    AttentionBackend,
+    AttentionKind,
+    Capabilities,
+    Communicator,
+    DetectionResult,
+    GraphCapture,
+    HardwareSpec,
+    MemoryInfo,
+    Platform,
+)
+from tokenmill_triton.configs import KernelConfigs, interpreter_mode
+
+KINDS = frozenset({AttentionKind.FULL, AttentionKind.SLIDING_WINDOW})
+GPU_CAPABILITIES = Capabilities(
+    attention_kinds=KINDS,
+    dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
+    block_sizes=frozenset({16, 32, 64, 128}),
+    head_sizes=frozenset({64, 128, 256}),
+    collectives=True,
+    graphs=True,  # CUDA/HIP graphs of the decode step (tokenmill_triton.graphs); never interpreted
+    sleep_mode=True,
+)
+# The interpreter runs every program in Python (~1 ms per tensor op), so the certified set
+# is smaller there: float32 (exact) and bfloat16 (the GPU default, through float32-upcast
+# tiles), one page size smaller than the key tile; float16 and other page sizes are
+# checked by tests/triton/kernel_cases.py on the same kernels.
+INTERPRETER_CAPABILITIES = Capabilities(
+    attention_kinds=KINDS,
+    dtypes=frozenset({torch.float32, torch.bfloat16}),
+    block_sizes=frozenset({16}),
+    head_sizes=frozenset({64, 128, 256}),
+    collectives=True,
+    graphs=False,
+    sleep_mode=True,
+)
+INTERPRETER_BACKENDS = frozenset({"gloo"})
+# Allocator limits as fractions of free (KV arena) or total (weights) memory on a GPU, and of
+# available host memory in interpreter mode (where everything is host memory).
+GPU_FRACTIONS = {AllocatorPurpose.KV_ARENA: 0.9, AllocatorPurpose.WEIGHTS: 1.0}
+HOST_FRACTIONS = {
+    AllocatorPurpose.KV_ARENA: 0.4,
+    AllocatorPurpose.WEIGHTS: 0.9,
+    AllocatorPurpose.HOST_STAGING: 0.1,
+}
+INTERPRETER_REASON = (
+    "Triton interpreter on CPU (TRITON_INTERPRET=1): the plugin's Triton kernels run in "
+    "Python on CPU tensors, for correctness checks only"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """What a probe found: whether the platform can run, in which mode, and why."""
+
+    available: bool
+    interpreter: bool
+    reason: str
+
+
+def common_probe() -> Probe | None:
+    """The checks every GPU probe starts with: interpreter mode (always available) and an
+    installed triton; None when the plugin's own device checks decide."""
+    import importlib.util
+
+    if interpreter_mode():
+        return Probe(True, True, INTERPRETER_REASON)
+    if importlib.util.find_spec("triton") is None:
+        return Probe(False, False, "triton is not installed (pip install triton)")
+    return None
+
+
+def is_interpreter(platform: Platform) -> bool:
+    return platform.device_type == "cpu"
+
+
+def gpu_memory_info() -> MemoryInfo:
+    free, total = torch.cuda.mem_get_info()
+    return MemoryInfo(total_bytes=total, free_bytes=free)
+
+
+def host_memory_info() -> MemoryInfo:
+    import psutil
+
+    memory = psutil.virtual_memory()
+    return MemoryInfo(total_bytes=memory.total, free_bytes=memory.available)
+
+
+@dataclass(frozen=True, slots=True)
+class GpuPlugin:
+    """One GPU plugin's own parts; the methods are its hooks' bodies.
+
+    `interpreter_configs` and `gpu_configs()` are its launch settings; `gpu_backends` the
+    torch.distributed backends its collectives accept on a GPU; `kvcache_env` the variable
+    that fixes its KV arena in GiB; `probe()` its device probe; `gpu_platform()` its GPU's
+    (default dtype, version text); `device_spec()` its hardware table's entry for the
+    current device. The callables run only inside hooks, so they may touch the device.
+    """
+
+    name: str
+    interpreter_configs: Callable[[], KernelConfigs]
+    gpu_configs: Callable[[], KernelConfigs]
+    gpu_backends: frozenset[str]
+    kvcache_env: str
+    probe: Callable[[], Probe]
+    gpu_platform: Callable[[], tuple[torch.dtype, str]]
+    device_spec: Callable[[], HardwareSpec]
+
+    def configs(self, platform: Platform) -> KernelConfigs:
+        return self.interpreter_configs() if is_interpreter(platform) else self.gpu_configs()
+
+    def detect(self) -> DetectionResult:
+        found = self.probe()
+        return DetectionResult(found.available, found.reason)
+
+    def platform(self) -> Platform:
+        triton_version = metadata.version("triton")
+        if self.probe().interpreter:
+            return Platform(
+                name=self.name,
+                device_type="cpu",
+                capabilities=INTERPRETER_CAPABILITIES,
+                default_dtype=torch.float32,
+                memory_info=host_memory_info,
+                version=f"triton {triton_version} interpreter on CPU, float32 and bfloat16 "
+                "checked (bf16 tiles upcast to float32 before tl.dot); torch "
+                + torch.__version__,
+                long_prefill_token_threshold=256,
+            )
+        default_dtype, details = self.gpu_platform()
+        return Platform(
+            name=self.name,
+            device_type="cuda",  # torch's device type for HIP too
+            capabilities=GPU_CAPABILITIES,
+            default_dtype=default_dtype,
+            memory_info=gpu_memory_info,
+            version=f"triton {triton_version}, {details}",
+        )
+
+    def attention_backends(self, platform: Platform) -> list[AttentionBackend]:
+        from tokenmill_triton.attention import TritonPagedAttention
+
+        configs = self.configs(platform)
+        return [TritonPagedAttention(kind, configs, self.name) for kind in sorted(KINDS, key=str)]
+
+    def communicator(self, platform: Platform, group: object | None) -> Communicator:
+        from tokenmill_triton.distributed import make_communicator
+
+        backends = INTERPRETER_BACKENDS if is_interpreter(platform) else self.gpu_backends
+        return make_communicator(group, backends, self.name)
+
+    def allocator(self, platform: Platform, purpose: AllocatorPurpose) -> Allocator:
+        from tokenmill_triton.memory import make_device_allocator
+
+        return make_device_allocator(purpose, is_interpreter(platform), self.name,
+                                     self.kvcache_env, GPU_FRACTIONS, HOST_FRACTIONS)
+
+    def ops(self, platform: Platform) -> dict[str, Callable]:
+        from tokenmill_triton.ops import make_ops
+
+        return make_ops(self.configs(platform))
+
+    def hardware_spec(self, platform: Platform) -> HardwareSpec:
+        if not is_interpreter(platform):
+            return self.device_spec()
+        # nominal: the interpreter's speed says nothing about a GPU (T5 is not its job)
+        return HardwareSpec(
+            name="Triton interpreter on CPU (nominal)",
+            peak_flops={"float32": 1e9, "float16": 1e9, "bfloat16": 1e9},
+            memory_bandwidth=1e9,
+            memory_bytes=host_memory_info().total_bytes,
+        )
+
+    def graph_capture(self, platform: Platform) -> GraphCapture | None:
+        if is_interpreter(platform):  # graphs need a GPU stream; the interpreter has none
+            return None
+        from tokenmill_triton.graphs import CudaGraphCapture
+
+        return CudaGraphCapture()  # torch.cuda.CUDAGraph records a HIP graph on ROCm
