@@ -29,6 +29,7 @@ import torch.distributed as dist
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from tokenmill.platforms.communicators import SingleProcessCommunicator, no_process_group
 from tokenmill.platforms.interfaces import Communicator
 from tokenmill_tpu.convert import to_numpy, to_torch
 
@@ -189,47 +190,8 @@ def _broadcast(x: jax.Array, src: int) -> jax.Array:
     return jax.lax.all_gather(x, AXIS)[src]
 
 
-class SingleProcessCommunicator(Communicator):
-    """The world of one process (torch.distributed not initialised): collectives return
-    their single rank's result; point-to-point calls are errors, there being no peer."""
-
-    @property
-    def rank(self) -> int:
-        return 0
-
-    @property
-    def world_size(self) -> int:
-        return 1
-
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
-
-    def all_gather(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
-        return tensor.clone()
-
-    def reduce_scatter(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
-        return tensor.clone()
-
-    def all_to_all(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.clone()
-
-    def send(self, tensor: torch.Tensor, dst: int) -> None:
-        raise ValueError(f"send to rank {dst}: a single-process world has no peer")
-
-    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-        raise ValueError(f"recv from rank {src}: a single-process world has no peer")
-
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        if src != 0:
-            raise ValueError(f"broadcast from rank {src} in a world of size 1")
-        return tensor
-
-    def barrier(self) -> None:
-        return None
-
-
 def make_communicator(group: object | None, backend: str) -> Communicator:
-    if group is None and not (dist.is_available() and dist.is_initialized()):
+    if no_process_group(group):
         return SingleProcessCommunicator()
     return XlaCommunicator(group, backend)  # type: ignore[arg-type]
 
