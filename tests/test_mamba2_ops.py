@@ -11,9 +11,12 @@ from transformers.models.bamba import modeling_bamba as hf
 
 from tokenmill.ops.gated_delta import causal_conv1d
 from tokenmill.ops.mamba2 import (
+    Mamba2Dims,
+    Mamba2Weights,
     discretize_dt,
     gated_rms_norm,
     mamba2_chunked,
+    mamba2_mixer,
     mamba2_recurrent,
     mamba2_state_update,
 )
@@ -137,3 +140,56 @@ def test_causal_conv1d_with_bias_matches_transformers_prefill_and_decode():
         torch.testing.assert_close(state, hf_state[0])
         parts.append(y)
     torch.testing.assert_close(torch.cat(parts), want, **TOL)
+
+
+def _hf_mixer(seed: int = 6):
+    config = hf.BambaConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=4, mamba_n_heads=4,
+        mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+        mamba_chunk_size=4, vocab_size=16,
+    )
+    torch.manual_seed(seed)
+    mixer = hf.BambaMixer(config, layer_idx=0).eval()
+    with torch.no_grad():
+        for p in mixer.parameters():
+            p.normal_(0, 0.3)
+    return mixer
+
+
+def _ours(mixer, hidden, query_lens, conv0, ssm0, boundaries=None):
+    """Our mixer pipeline around `mamba2_mixer` with transformers' mixer's weights."""
+    dims = Mamba2Dims(mixer.num_heads, mixer.head_dim, mixer.n_groups, mixer.ssm_state_size,
+                      mixer.conv_kernel_size, mixer.chunk_size, mixer.time_step_limit)
+    weights = Mamba2Weights(mixer.conv1d.weight[:, 0], mixer.conv1d.bias, mixer.dt_bias,
+                            -torch.exp(mixer.A_log.float()), mixer.D)
+    gate, xbc, dt = mixer.in_proj(hidden).split(
+        [dims.intermediate_size, dims.conv_dim, dims.num_heads], dim=-1)
+    y, results = mamba2_mixer(xbc, dt, query_lens, conv0, ssm0, weights, dims, boundaries)
+    y = gated_rms_norm(y, gate, mixer.norm.weight, mixer.norm.variance_epsilon,
+                       dims.intermediate_size // dims.num_groups)
+    return mixer.out_proj(y), results
+
+
+@torch.no_grad()
+def test_ragged_mixer_with_carried_states_matches_transformers_mixer():
+    """Two sequences in one ragged step (one a prefill chunk, one fresh), then both
+    continued, one decoding: equal to transformers' mixer over each whole sequence."""
+    mixer = _hf_mixer()
+    gen = torch.Generator().manual_seed(7)
+    a, b = torch.randn(1, 13, 32, generator=gen), torch.randn(1, 6, 32, generator=gen)
+    want_a, want_b = mixer(a)[0], mixer(b)[0]
+    out, res = _ours(mixer, torch.cat((a[0, :9], b[0, :5])), [9, 5], [None, None], [None, None],
+                     boundaries=[[4, 8], [5]])
+    torch.testing.assert_close(out[:9], want_a[:9], **TOL)
+    torch.testing.assert_close(out[9:], want_b[:5], **TOL)
+    out2, res2 = _ours(mixer, torch.cat((a[0, 9:], b[0, 5:])), [4, 1],
+                       [r.conv_state for r in res], [r.ssm_state for r in res])
+    torch.testing.assert_close(out2[:4], want_a[9:], **TOL)
+    torch.testing.assert_close(out2[4:], want_b[5:], **TOL)
+    # a checkpoint restarts the sequence there: tokens 8.. from the state after 8
+    out3, _ = _ours(mixer, a[0, 8:], [5], [res[0].boundary_conv_states[1]],
+                    [res[0].boundary_ssm_states[1]])
+    torch.testing.assert_close(out3, want_a[8:], **TOL)
+    # the boundary at the query's end is the final state
+    torch.testing.assert_close(res[1].boundary_ssm_states[0], res[1].ssm_state)
+    torch.testing.assert_close(res[1].boundary_conv_states[0], res[1].conv_state)

@@ -22,9 +22,12 @@ the states there come out exact, at no extra cost.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from tokenmill.ops.gated_delta import causal_conv1d
 
 
 def discretize_dt(
@@ -180,3 +183,112 @@ def gated_rms_norm(
     grouped = h.view(*lead, dim // group_size, group_size)
     grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + eps)
     return weight * grouped.view(*lead, dim).to(x.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class Mamba2Dims:
+    """The shapes of one Mamba2 mixer (per tensor-parallel rank)."""
+
+    num_heads: int  # H
+    head_dim: int  # P
+    num_groups: int  # G: B and C groups, each serving H / G heads
+    state_size: int  # N
+    conv_kernel: int  # K: the causal convolution's width
+    chunk_size: int  # the SSD scan's chunk length
+    dt_limit: tuple[float, float] = (0.0, float("inf"))
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the convolution: x, then B, then C."""
+        return self.intermediate_size + 2 * self.num_groups * self.state_size
+
+    def conv_state_shape(self) -> tuple[int, int]:
+        return (self.conv_dim, self.conv_kernel - 1)
+
+    def ssm_state_shape(self) -> tuple[int, int, int]:
+        return (self.num_heads, self.head_dim, self.state_size)
+
+
+@dataclass(frozen=True, slots=True)
+class Mamba2Weights:
+    """A mixer's weights that the scan reads (its projections stay in the layer)."""
+
+    conv_weight: torch.Tensor  # [conv_dim, K]
+    conv_bias: torch.Tensor | None  # [conv_dim]
+    dt_bias: torch.Tensor  # [H]
+    A: torch.Tensor  # [H] float32, negative (-exp(A_log))
+    D: torch.Tensor  # [H]
+
+
+@dataclass(slots=True)
+class Mamba2SeqResult:
+    """One sequence's states after a step (and at its requested boundaries)."""
+
+    conv_state: torch.Tensor  # [conv_dim, K - 1], the inputs' dtype
+    ssm_state: torch.Tensor  # [H, P, N] float32
+    boundary_conv_states: list[torch.Tensor]  # one per requested boundary, as conv_state
+    boundary_ssm_states: list[torch.Tensor]  # one per requested boundary, as ssm_state
+
+
+def mamba2_mixer(
+    xbc: torch.Tensor,
+    dt: torch.Tensor,
+    query_lens: Sequence[int],
+    conv_states: Sequence[torch.Tensor | None],
+    ssm_states: Sequence[torch.Tensor | None],
+    weights: Mamba2Weights,
+    dims: Mamba2Dims,
+    boundaries: Sequence[Sequence[int]] | None = None,
+) -> tuple[torch.Tensor, list[Mamba2SeqResult]]:
+    """Convolution, discretization and scan of a ragged batch (the reference the linear
+    attention backends' mamba2 variant is checked against).
+
+    xbc [T, conv_dim] and dt [T, H] (raw, before dt_bias and softplus) hold the step's
+    tokens sequence by sequence, `query_lens[i]` of sequence i. `conv_states[i]` and
+    `ssm_states[i]` are sequence i's states before the step (None: a fresh sequence).
+    `boundaries[i]`: offsets into sequence i's new tokens at which its states are also
+    returned (prefix-cache checkpoints). A sequence of one token runs the recurrence,
+    longer ones the chunked scan. Returns (y [T, H * P] in xbc's dtype, one
+    `Mamba2SeqResult` per sequence). Does not modify its inputs.
+    """
+    if len(conv_states) != len(query_lens) or len(ssm_states) != len(query_lens):
+        raise ValueError(
+            f"{len(query_lens)} sequences but {len(conv_states)} conv and {len(ssm_states)} "
+            "ssm states"
+        )
+    boundaries = boundaries or [()] * len(query_lens)
+    width = dims.conv_kernel
+    num_x = dims.intermediate_size
+    num_bc = dims.num_groups * dims.state_size
+    outs, results, start = [], [], 0
+    for n, conv0, ssm0, marks in zip(query_lens, conv_states, ssm_states, boundaries, strict=True):
+        seq = xbc[start : start + n]
+        conved, conv_state = causal_conv1d(seq, weights.conv_weight, conv0, weights.conv_bias)
+        x, B, C = conved.split([num_x, num_bc, num_bc], dim=-1)
+        x = x.reshape(n, dims.num_heads, dims.head_dim)
+        B = B.reshape(n, dims.num_groups, dims.state_size)
+        C = C.reshape(n, dims.num_groups, dims.state_size)
+        step = discretize_dt(dt[start : start + n], weights.dt_bias, dims.dt_limit)
+        if n == 1 and not marks:
+            init = ssm0 if ssm0 is not None else x.new_zeros(dims.ssm_state_shape()).float()
+            y, ssm = mamba2_state_update(init[None], x, step, weights.A, B, C, weights.D)
+            ssm, marked = ssm[0], []
+        else:
+            y, ssm, marked = mamba2_chunked(
+                x, step, weights.A, B, C, weights.D, ssm0, dims.chunk_size, marks
+            )
+            marked = list(marked)
+        # the conv state at offset b is the last K - 1 inputs before it
+        history = torch.cat(
+            (seq.new_zeros(width - 1, seq.shape[1]) if conv0 is None else conv0.T.to(seq.dtype),
+             seq)
+        )
+        conv_marks = [history[b : b + width - 1].T.clone() for b in marks]
+        outs.append(y.reshape(n, num_x))
+        results.append(Mamba2SeqResult(conv_state, ssm, conv_marks, marked))
+        start += n
+    return torch.cat(outs), results
