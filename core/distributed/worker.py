@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import msgspec
 import torch
 
 from tokenmill.distributed.config import WorkerConfig
@@ -173,6 +174,23 @@ class Worker:
                 self.config.kv_offload, self.config.model_path, self.hf_config, caches,
                 self._platform, self.config.block_size,
             )
+            if self.config.distributed_executor_backend != "uni":
+                # the engine's scheduler side mirrors the stack from our reports
+                self.kv_offload.stack.record_changes()
+                self.kv_offload.worker_side.mirrored = True
+
+    def kv_offload_index(self) -> bytes:
+        """Everything this rank's KV tiers hold, as a msgpack `TierIndex` (the seed of
+        the engine's mirror, kv_connector/directory.py). Changes logged before it are
+        dropped: the index already has them."""
+        offload = self._offload
+        offload.stack.take_changes()
+        index = offload.stack.index(offload.layout.fingerprint(), self.config.block_size)
+        return msgspec.msgpack.encode(index)
+
+    def kv_offload_drain(self) -> bytes:
+        """Wait for every KV load and save in flight; their msgpack `WorkerReport`."""
+        return msgspec.msgpack.encode(self._offload.worker_side.drain())
 
     # ---- steps -------------------------------------------------------------------------
     def execute(self, step: StepDescription) -> StepResult | None:
@@ -223,6 +241,12 @@ class Worker:
         if self.platform is None:
             raise RuntimeError("Worker.init_device must run first")
         return self.platform
+
+    @property
+    def _offload(self) -> WorkerOffload:
+        if self.kv_offload is None:
+            raise RuntimeError("this worker has no KV offload (no kv_offload tiers configured)")
+        return self.kv_offload
 
     @property
     def _runner(self) -> ModelRunnerBase:

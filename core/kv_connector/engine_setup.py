@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokenmill.kv_connector.directory import TierDirectory
+from tokenmill.kv_connector.messages import TierIndex
 from tokenmill.kv_connector.objects import KVLayout
 from tokenmill.kv_connector.registry import OffloadConfig, TierContext, build_stack
 from tokenmill.kv_connector.scheduler_side import KVConnectorScheduler
@@ -36,15 +38,20 @@ class WorkerOffload:
 
 @dataclass(slots=True)
 class Offload:
-    """The engine's view: the scheduler side over the worker's stack (in-process)."""
+    """The engine's view: the scheduler side over the worker's stack. With the worker in
+    this process ("uni") `stack`, `layout` and `worker_side` are the worker's own; with
+    worker processes ("mp") they are None and `directory` mirrors the worker's stack."""
 
-    stack: TierStack
-    layout: KVLayout
+    stack: TierStack | None
+    layout: KVLayout | None
     scheduler_side: KVConnectorScheduler
-    worker_side: KVConnectorWorker
+    worker_side: KVConnectorWorker | None
+    directory: TierDirectory | None = None
 
     def snapshot(self) -> dict[str, TierStats]:
         """A copy of every tier's counters, in stack order (for the metrics)."""
+        if self.directory is not None:
+            return self.directory.snapshot()
         return {name: copy.copy(stats) for name, stats in self.stack.stats.items()}
 
 
@@ -108,3 +115,13 @@ def engine_offload(worker_offload: WorkerOffload, block_size: int) -> Offload:
     w = worker_offload
     side = KVConnectorScheduler(w.stack, w.layout.fingerprint(), block_size)
     return Offload(w.stack, w.layout, side, w.worker_side)
+
+
+def remote_engine_offload(index: TierIndex) -> Offload:
+    """The engine's view of the offload of a worker in another process, from the index
+    its stack sent (`Worker.kv_offload_index`); later reports keep it up to date."""
+    directory = TierDirectory(index)
+    side = KVConnectorScheduler(directory, index.fingerprint, index.block_size)
+    logger.info("KV offload over worker processes: tiers %s, %s objects held at start",
+                index.tiers, [len(k) for k in index.keys])
+    return Offload(None, None, side, None, directory)

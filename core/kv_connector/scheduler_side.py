@@ -31,6 +31,7 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from tokenmill.kv_connector.directory import TierDirectory
 from tokenmill.kv_connector.messages import (
     BlockTransfer,
     ConnectorStepMeta,
@@ -60,7 +61,12 @@ class LoadOutcome:
 
 
 class KVConnectorScheduler:
-    def __init__(self, stack: TierStack, fingerprint: bytes, block_size: int) -> None:
+    """`stack`: the worker's own TierStack when it runs in this process ("uni"), else the
+    TierDirectory mirroring it from the worker's reports ("mp")."""
+
+    def __init__(
+        self, stack: TierStack | TierDirectory, fingerprint: bytes, block_size: int
+    ) -> None:
         self.stack = stack
         self.fingerprint = fingerprint
         self.block_size = block_size
@@ -139,12 +145,11 @@ class KVConnectorScheduler:
                 load.started = True
                 meta.loads.append(load.job)
         bs = self.block_size
-        fastest = self.stack.tiers[0] if self.stack.tiers else None
         for request, block_ids, start, num_new in scheduled:
             end = min((start + num_new) // bs, len(request.block_hashes), len(block_ids))
             for i in range(start // bs, end):
                 key = self.key(request.block_hashes[i])
-                if key in self._saving or (fastest is not None and fastest.contains(key)):
+                if key in self._saving or self.stack.fastest_holds(key):
                     continue
                 self._saving.add(key)
                 meta.saves.append(BlockTransfer(block_ids[i], key))
@@ -152,6 +157,8 @@ class KVConnectorScheduler:
         return meta
 
     def process_report(self, report: WorkerReport) -> list[LoadOutcome]:
+        if isinstance(self.stack, TierDirectory):
+            self.stack.apply(report)  # first: the counts below land on its fresh counters
         self.num_prefetched += report.num_prefetched
         for key in report.saved_keys:
             self._saving.discard(key)
