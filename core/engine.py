@@ -187,19 +187,12 @@ class LLMEngine:
         its index and kept up to date by its step reports, with worker processes."""
         if offload_config(self.args) is None:
             return None
-        if self.kv.num_groups > 1:
-            # the connector saves and loads one block table (group 0's) per request
-            self.executor.shutdown()
-            kinds = ", ".join(g.kind.name.lower() for g in self.kv.groups)
-            raise ValueError(
-                f"KV offload supports models with one KV group; this model has "
-                f"{self.kv.num_groups} ({kinds}): unset the kv_offload_* settings "
-                "(docs/kv-offload.md)"
-            )
         if isinstance(self.executor, UniExecutor):
-            return engine_offload(self.executor.worker.kv_offload, self.args.block_size)
+            return engine_offload(
+                self.executor.worker.kv_offload, self.args.block_size, self.kv.groups
+            )
         (data,) = self.executor.collective_rpc("kv_offload_index", unique_reply_rank=0)
-        return remote_engine_offload(msgspec.msgpack.decode(data, type=TierIndex))
+        return remote_engine_offload(msgspec.msgpack.decode(data, type=TierIndex), self.kv.groups)
 
     def drain_kv_offload(self) -> None:
         """Wait for every KV load and save in flight and apply their report (tests and

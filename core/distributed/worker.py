@@ -22,7 +22,7 @@ from tokenmill.distributed.parallel_state import (
     init_parallel_state,
 )
 from tokenmill.kv.sizing import kv_cache_budget
-from tokenmill.kv_connector.engine_setup import WorkerOffload, make_worker_offload
+from tokenmill.kv_connector.engine_setup import WorkerOffload, make_worker_offload, slot_caches
 from tokenmill.model.loader import build_model, checkpoint_weights, load_model_info
 from tokenmill.model.registry import attention_specs_for
 from tokenmill.platforms.interfaces import (
@@ -170,8 +170,10 @@ class Worker:
                     f"KV offload needs the core's model runner (its KV caches); platform "
                     f"{self._platform.name!r} brings {type(self._runner).__name__}"
                 )
+            layout = getattr(getattr(self._runner, "model", None), "kv_layout", None)
             self.kv_offload = make_worker_offload(
-                self.config.kv_offload, self.config.model_path, self.hf_config, caches,
+                self.config.kv_offload, self.config.model_path, self.hf_config,
+                slot_caches(caches, layout.layer_slot if layout is not None else None),
                 self._platform, self.config.block_size,
             )
             if self.config.distributed_executor_backend != "uni":
