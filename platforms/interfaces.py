@@ -422,6 +422,10 @@ class ParallelConfig:
     # > 1: the ranks form one tensor parallel group (tokenmill.distributed.parallel_state
     # holds its communicator); a runner of the plugin's own must shard its model itself
     tensor_parallel_size: int = 1
+    # > 1: the ranks also form pipeline stages (layout pp x tp, tokenmill.distributed.
+    # parallel_state); the core's runner runs a stage's layers only, results come from
+    # TP rank 0 of the last stage
+    pipeline_parallel_size: int = 1
 
 
 @dataclass(frozen=True, slots=True)
