@@ -259,6 +259,11 @@ class LLMEngine:
     def is_sleeping(self) -> bool:
         return self._sleep_level is not None
 
+    @property
+    def sleep_level(self) -> int:
+        """The sleep level now; 0 when awake."""
+        return self._sleep_level or 0
+
     def _check_awake(self) -> None:
         if self._sleep_level is not None:
             raise EngineSleepingError(
