@@ -17,6 +17,7 @@ from tokenmill.config import EngineArgs
 from tokenmill.distributed.config import WorkerConfig
 from tokenmill.distributed.errors import ExecutorError
 from tokenmill.distributed.executor import Executor, UniExecutor, make_executor
+from tokenmill.distributed.in_flight import InFlightSteps
 from tokenmill.kv.groups import plan_groups
 from tokenmill.kv.manager import KVCacheManager
 from tokenmill.kv_connector.engine_setup import (
@@ -29,6 +30,7 @@ from tokenmill.kv_connector.messages import TierIndex, WorkerReport
 from tokenmill.model.generation_config import describe, load_generation_defaults
 from tokenmill.model.loader import ModelInfo, default_model_path, load_model_info
 from tokenmill.model.parallel import local_config
+from tokenmill.model.pipeline import check_pipeline
 from tokenmill.model.registry import attention_specs_for
 from tokenmill.output_processor import CoreOutputProcessor, OutputProcessor, check_prompt
 from tokenmill.outputs import EngineCoreOutput, EngineCoreRequest, RequestOutput, SchedulerStats
@@ -137,6 +139,8 @@ class LLMEngine:
         # by `add_request` / `step`; an engine process runs only the core's)
         self.core_outputs = CoreOutputProcessor(self.scheduler, self.max_model_len, self.structured)
         self.outputs = OutputProcessor(self.tokenizer)
+        # pipeline parallel: steps submitted to the executor, not yet collected
+        self.in_flight = InFlightSteps(self.executor.max_concurrent_batches)
         self._ids = itertools.count()
         logger.info(
             "engine ready: platform=%s dtype=%s executor=%s kv_blocks=%d (%d tokens) "
@@ -164,18 +168,23 @@ class LLMEngine:
             kv_cache_memory_bytes=args.kv_cache_memory_bytes,
             memory_utilization=args.memory_utilization,
             distributed_executor_backend=args.distributed_executor_backend,
-            world_size=args.tensor_parallel_size,
+            world_size=args.world_size,
             tensor_parallel_size=args.tensor_parallel_size,
-            dist_init_method=_rendezvous() if args.tensor_parallel_size > 1 else None,
+            pipeline_parallel_size=args.pipeline_parallel_size,
+            dist_init_method=_rendezvous() if args.world_size > 1 else None,
             kv_offload=offload_config(args),
         )
-        if args.tensor_parallel_size > 1:  # a bad size fails here, before any process starts
+        if args.world_size > 1:  # a bad size fails here, before any process starts
             if not self.platform.platform.capabilities.collectives:
                 raise ValueError(
-                    f"tensor_parallel_size={args.tensor_parallel_size} needs collectives; "
-                    f"platform {self.platform.name!r} declares none (capabilities.collectives)"
+                    f"tensor_parallel_size={args.tensor_parallel_size} x pipeline_parallel_size="
+                    f"{args.pipeline_parallel_size} needs collectives; platform "
+                    f"{self.platform.name!r} declares none (capabilities.collectives)"
                 )
+        if args.tensor_parallel_size > 1:
             local_config(self.loaded.hf_config, args.tensor_parallel_size)
+        if args.pipeline_parallel_size > 1:
+            check_pipeline(self.loaded.hf_config, args.pipeline_parallel_size)
         return make_executor(
             args.distributed_executor_backend, config, self.platform, self.loaded.hf_config,
             in_process_registry,
@@ -317,6 +326,8 @@ class LLMEngine:
 
     def core_step(self) -> list[EngineCoreOutput]:
         """One step of the engine core: schedule, execute, and the per-sequence deltas."""
+        if self.in_flight.depth > 1:
+            return self._pipelined_step()
         plan = self.scheduler.schedule()
         if plan.step is None:
             return []
@@ -328,6 +339,35 @@ class LLMEngine:
         self.scheduler.update_computed(plan)
         self.scheduler.update_from_connector(result.kv_connector)
         return self.core_outputs.process(result)
+
+    def _pipelined_step(self) -> list[EngineCoreOutput]:
+        """Pipeline parallel: fill the pipeline with up to `depth` micro-batches (each
+        about 1 / depth of the unfinished requests), then collect the oldest. A request's
+        tokens count as computed once its step is submitted, so the next micro-batch
+        holds other requests, or the next chunk of a prompt in flight."""
+        queue = self.in_flight
+        while not queue.full:
+            share = -(-len(self.scheduler.requests) // queue.depth)
+            plan = self.scheduler.schedule(max_num_scheduled=max(1, share))
+            if plan.step is None:
+                break
+            plan.step.structured = self._structured_masks(plan)
+            self.scheduler.update_computed(plan)
+            try:
+                handle = self.executor.submit(plan.step)
+            except ExecutorError as e:
+                queue.clear()
+                return self._fail(e)
+            queue.push(plan, handle, self.scheduler.requests)
+        if not queue:
+            return []
+        entry = queue.pop()
+        try:
+            result = self.executor.collect(entry.handle)
+        except ExecutorError as e:
+            queue.clear()
+            return self._fail(e)
+        return self.core_outputs.process(entry.current(result, self.scheduler.requests))
 
     # ---- health ----------------------------------------------------------------------
     def check_health(self) -> None:

@@ -100,6 +100,7 @@ class Scheduler:
         self.connector: KVConnectorScheduler | None = None
         self.loading: dict[str, Request] = {}  # WAITING_FOR_KV: their loads in flight
         self.parked: dict[str, Request] = {}  # finished while loading: blocks freed on report
+        self._max_scheduled = config.max_num_seqs  # this schedule() call's request cap
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests or request.request_id in self.parked:
@@ -113,12 +114,20 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.loading or self.parked)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, max_num_scheduled: int | None = None) -> SchedulerOutput:
+        """The next step. `max_num_scheduled`: the most requests it holds (pipeline
+        parallel splits the running requests into micro-batches this way).
+
+        With steps in flight (pipeline parallel: the engine advances `num_computed_tokens`
+        when it submits a step, `update_computed`), a request whose every known token is
+        computed or in flight waits for its sampled token and is not scheduled; the next
+        chunk of a prompt is, so one prompt's chunks flow through the stages together."""
         out = SchedulerOutput()
+        self._max_scheduled = max_num_scheduled or self.config.max_num_seqs
         while True:
             scheduled = self._schedule_decodes(out)
             scheduled += self._schedule_prompts(out, scheduled)
-            if scheduled or not self.running:
+            if scheduled or not any(r.num_tokens > r.num_computed_tokens for r in self.running):
                 break
             # Every running request is mid-prompt and none can grow (chunks of several
             # prompts fill the pool): nothing would ever finish. The newest gives its
@@ -142,11 +151,15 @@ class Scheduler:
         """Decoding requests, one token each, in admission order; KV shortage preempts the
         most recently admitted running request."""
         scheduled: list[tuple[Request, int]] = []
+        most = min(self.config.max_num_batched_tokens, self._max_scheduled)
         i = 0
-        while i < len(self.running) and len(scheduled) < self.config.max_num_batched_tokens:
+        while i < len(self.running) and len(scheduled) < most:
             request = self.running[i]
-            if request.num_tokens - request.num_computed_tokens > 1:
-                i += 1  # a prompt chunk: _schedule_prompts' business
+            remaining = request.num_tokens - request.num_computed_tokens
+            if remaining != 1:
+                # > 1: a prompt chunk, _schedule_prompts' business; 0: its step is in
+                # flight, its next token not known yet (pipeline parallel)
+                i += 1
                 continue
             while not self.kv.allocate_slots(request, 1):
                 victim = self.running.pop()
@@ -185,7 +198,7 @@ class Scheduler:
         chunk_cap = self.config.long_prefill_token_threshold or budget
         scheduled: list[tuple[Request, int]] = []
         for _, remaining, request in candidates:
-            if budget <= 0:
+            if budget <= 0 or len(decodes) + len(scheduled) >= self._max_scheduled:
                 break
             if request.status == RequestStatus.RUNNING:
                 num_new = min(remaining, budget, chunk_cap)

@@ -24,6 +24,7 @@ from tokenmill.distributed.parallel_state import (
 from tokenmill.kv.sizing import kv_cache_budget
 from tokenmill.kv_connector.engine_setup import WorkerOffload, make_worker_offload, slot_caches
 from tokenmill.model.loader import build_model, checkpoint_weights, load_model_info
+from tokenmill.model.pipeline import stage_weight_filter
 from tokenmill.model.registry import attention_specs_for
 from tokenmill.platforms.interfaces import (
     AllocatorPurpose,
@@ -67,7 +68,7 @@ class Worker:
         if self.hf_config is None:
             self.hf_config = load_model_info(self.config.model_path, load_tokenizer=False).hf_config
         torch.manual_seed(self.config.seed)
-        if self.config.tensor_parallel_size > 1:
+        if self.config.tensor_parallel_size * self.config.pipeline_parallel_size > 1:
             self._init_parallel_state()
         # before any weights: the KV cache is sized from what the engine adds to this
         self._memory_at_start = self.platform.platform.memory_info()
@@ -101,8 +102,16 @@ class Worker:
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             max_num_seqs=self.config.max_num_seqs,
             max_model_len=self.config.max_model_len,
-            graphs=platform.graph_capture(self.config.max_num_seqs),
+            graphs=self._graphs(),
         )
+
+    def _graphs(self):
+        """The platform's decode graphs; none with pipeline parallel (a captured step
+        cannot hold the stage's send and receive)."""
+        if self.config.pipeline_parallel_size > 1:
+            logger.info("rank %d: decode graphs are off with pipeline parallel", self.rank)
+            return None
+        return self._platform.graph_capture(self.config.max_num_seqs)
 
     def determine_num_blocks(self) -> int:
         """How many KV blocks this rank holds: `num_kv_blocks` if set; else as many as fit
@@ -196,7 +205,8 @@ class Worker:
 
     # ---- steps -------------------------------------------------------------------------
     def execute(self, step: StepDescription) -> StepResult | None:
-        """Run one step; rank 0 returns its result, the other ranks None."""
+        """Run one step; the output rank (`WorkerConfig.output_rank`: rank 0, or TP rank 0
+        of the last pipeline stage) returns its result, the other ranks None."""
         connector = self.kv_offload.worker_side if self.kv_offload is not None else None
         meta = step.kv_connector
         if connector is not None and meta is not None:
@@ -210,7 +220,7 @@ class Worker:
             result.kv_connector = connector.report(
                 wait_s=0.0 if step.scheduled_request_ids else 0.005
             )
-        return result if self.rank == 0 else None
+        return result if self.rank == self.config.output_rank else None
 
     def shutdown(self) -> None:
         if self.kv_offload is not None:
@@ -224,20 +234,30 @@ class Worker:
             self._owns_parallel_state = False
 
     def _init_parallel_state(self) -> None:
-        """Join the TP group of all `world_size` ranks (tokenmill.distributed.parallel_state)."""
+        """Join the pp x tp grid of all `world_size` ranks
+        (tokenmill.distributed.parallel_state)."""
         config = self.config
-        if config.world_size != config.tensor_parallel_size or config.dist_init_method is None:
+        tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+        if config.world_size != tp * pp or config.dist_init_method is None:
             raise ValueError(
-                f"tensor_parallel_size={config.tensor_parallel_size} needs world_size equal to "
-                f"it (got {config.world_size}) and a dist_init_method (got "
-                f"{config.dist_init_method!r})"
+                f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} needs world_size "
+                f"equal to their product (got {config.world_size}) and a dist_init_method "
+                f"(got {config.dist_init_method!r})"
             )
-        layout = ParallelLayout.of(tp=config.tensor_parallel_size)
+        layout = ParallelLayout.of(pp=pp, tp=tp)
         init_parallel_state(layout, self.rank, self._platform, config.dist_init_method)
         self._owns_parallel_state = True
-        logger.info("rank %d: joined the tensor parallel group of %d", self.rank, layout.world_size)
+        logger.info("rank %d: joined the grid %s", self.rank, layout.coords(self.rank))
 
     # ---- helpers -----------------------------------------------------------------------
+    def _keep_weight(self):
+        """With pipeline parallel, which checkpoint tensors this rank's stage reads."""
+        config = self.config
+        if config.pipeline_parallel_size == 1:
+            return None
+        stage = get_parallel_state().group("pp").rank_in_group
+        return stage_weight_filter(self.hf_config, config.pipeline_parallel_size, stage)
+
     @property
     def _platform(self) -> ActivePlatform:
         if self.platform is None:
@@ -262,7 +282,7 @@ class Worker:
         return ModelRunnerContext(
             hf_config=hf_config,
             model_path=config.model_path,
-            weights=lambda: checkpoint_weights(config.model_path, hf_config),
+            weights=lambda: checkpoint_weights(config.model_path, hf_config, self._keep_weight()),
             dtype=dtype,
             device=self._platform.platform.device,
             kv_cache=KVCacheSpec(
@@ -276,6 +296,7 @@ class Worker:
                 rank=self.rank,
                 distributed_executor_backend=config.distributed_executor_backend,
                 tensor_parallel_size=config.tensor_parallel_size,
+                pipeline_parallel_size=config.pipeline_parallel_size,
             ),
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,
