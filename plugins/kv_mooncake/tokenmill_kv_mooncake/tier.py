@@ -142,6 +142,8 @@ class MooncakeTier(KVTier):
 
 def make_mooncake_tier(options: Mapping[str, Any], context: TierContext) -> KVTier:
     """The `mooncake` entry point: options {"url": "mooncake://HOST:PORT?..."}."""
+    if "url" not in options:
+        raise ValueError("the mooncake tier needs a URL: kv_offload_remote='mooncake://HOST:PORT'")
     url = str(options["url"])
     parts = urlsplit(url)
     query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
