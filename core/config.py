@@ -126,11 +126,10 @@ class EngineArgs(BaseModel):
         from tokenmill.kv_connector.engine_setup import offload_config
 
         # raises ValueError naming a bad combination
-        if offload_config(self) is not None and self.distributed_executor_backend != "uni":
+        if offload_config(self) is not None and self.tensor_parallel_size > 1:
             raise ValueError(
-                "KV offload runs with distributed_executor_backend='uni' for now (its "
-                "scheduler side looks the worker's tiers up in-process); got "
-                f"{self.distributed_executor_backend!r}"
+                "KV offload runs with tensor_parallel_size=1 for now (each rank would save "
+                f"and load its own shard of every block); got {self.tensor_parallel_size}"
             )
         return self
 

@@ -10,6 +10,7 @@ import itertools
 import logging
 import socket
 
+import msgspec
 import torch
 
 from tokenmill.config import EngineArgs
@@ -19,7 +20,13 @@ from tokenmill.distributed.executor import Executor, UniExecutor, make_executor
 from tokenmill.distributed.in_flight import InFlightSteps
 from tokenmill.kv.groups import plan_groups
 from tokenmill.kv.manager import KVCacheManager
-from tokenmill.kv_connector.engine_setup import Offload, engine_offload, offload_config
+from tokenmill.kv_connector.engine_setup import (
+    Offload,
+    engine_offload,
+    offload_config,
+    remote_engine_offload,
+)
+from tokenmill.kv_connector.messages import TierIndex, WorkerReport
 from tokenmill.model.generation_config import describe, load_generation_defaults
 from tokenmill.model.loader import ModelInfo, default_model_path, load_model_info
 from tokenmill.model.parallel import local_config
@@ -189,24 +196,29 @@ class LLMEngine:
         )
 
     def _connect_offload(self) -> Offload | None:
-        """KV offload's engine side over the worker's tier stack, or None without tiers.
-        The scheduler side looks the tiers up in-process, so offload runs with the "uni"
-        executor for now (docs/kv-offload.md)."""
+        """KV offload's engine side, or None without tiers: over the worker's own tier
+        stack with the in-process executor; over a mirror of rank 0's stack, seeded from
+        its index and kept up to date by its step reports, with worker processes."""
         if offload_config(self.args) is None:
             return None
-        if not isinstance(self.executor, UniExecutor):  # EngineArgs refuse it already
-            self.executor.shutdown()
-            raise ValueError("KV offload needs the in-process ('uni') executor")
-        if self.kv.num_groups > 1:
-            # the connector saves and loads one block table (group 0's) per request
-            self.executor.shutdown()
-            kinds = ", ".join(g.kind.name.lower() for g in self.kv.groups)
-            raise ValueError(
-                f"KV offload supports models with one KV group; this model has "
-                f"{self.kv.num_groups} ({kinds}): unset the kv_offload_* settings "
-                "(docs/kv-offload.md)"
+        if isinstance(self.executor, UniExecutor):
+            return engine_offload(
+                self.executor.worker.kv_offload, self.args.block_size, self.kv.groups
             )
-        return engine_offload(self.executor.worker.kv_offload, self.args.block_size)
+        (data,) = self.executor.collective_rpc("kv_offload_index", unique_reply_rank=0)
+        return remote_engine_offload(msgspec.msgpack.decode(data, type=TierIndex), self.kv.groups)
+
+    def drain_kv_offload(self) -> None:
+        """Wait for every KV load and save in flight and apply their report (tests and
+        benchmarks read settled counters after it). No-op without offload."""
+        if self.offload is None:
+            return
+        if self.offload.worker_side is not None:
+            report = self.offload.worker_side.drain()
+        else:
+            (data,) = self.executor.collective_rpc("kv_offload_drain", unique_reply_rank=0)
+            report = msgspec.msgpack.decode(data, type=WorkerReport)
+        self.scheduler.update_from_connector(report)
 
     def shutdown(self) -> None:
         """Stop the workers (their processes, for "mp"); idempotent."""

@@ -65,7 +65,9 @@ class ModelRunner(ModelRunnerBase):
 
     # ---- ModelRunnerBase -------------------------------------------------------------
     def kv_block_bytes(self) -> int:
-        return KVArena.block_bytes_for(self.model.attention_specs, self.model.kv_layout.layer_slot)
+        return KVArena.block_bytes_for(
+            self.model.attention_specs, self.model.kv_layout.layer_slot, self.model.layer_backends
+        )
 
     @property
     def num_reserved_blocks(self) -> int:
@@ -78,7 +80,7 @@ class ModelRunner(ModelRunnerBase):
         self.arena = KVArena.create(
             self.kv_allocator, self.model.attention_specs,
             num_blocks=num_blocks + self.num_reserved_blocks, device=self.device,
-            layer_slots=self.model.kv_layout.layer_slot,
+            layer_slots=self.model.kv_layout.layer_slot, backends=self.model.layer_backends,
         )
         self.kv_caches = self.arena.layer_caches
         if self.graphs is not None and len(self.model.kv_layout.groups) > 1:
@@ -108,6 +110,7 @@ class ModelRunner(ModelRunnerBase):
         scratch = KVArena.create(
             self.kv_allocator, self.model.attention_specs, num_blocks=sum(per_seq),
             device=self.device, layer_slots=self.model.kv_layout.layer_slot,
+            backends=self.model.layer_backends,
         )
         try:
             first = [sum(per_seq[:i]) for i in range(num_seqs)]

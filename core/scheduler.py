@@ -19,6 +19,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
+from tokenmill.kv.block_pool import NULL_BLOCK
 from tokenmill.kv.manager import KVCacheManager, PrefixHit
 from tokenmill.kv_connector.messages import WorkerReport
 from tokenmill.kv_connector.scheduler_side import KVConnectorScheduler
@@ -141,7 +142,8 @@ class Scheduler:
             out.step = self.workers.describe_step(scheduled, out.scheduled)
             if self.connector is not None:
                 out.step.kv_connector = self.connector.build_step_meta(
-                    [(r, self.kv.block_ids(r), r.num_computed_tokens, n) for r, n in scheduled]
+                    [(r, self.kv.group_block_ids(r), r.num_computed_tokens, n)
+                     for r, n in scheduled]
                 )
         return out
 
@@ -233,17 +235,27 @@ class Scheduler:
         them (unpublished until loaded) and start the load. False: nothing to load, or no
         KV for it now (the caller then tries the ordinary admission)."""
         num_external = self.connector.num_external_tokens(request, num_hit)
-        if not num_external or not self.kv.allocate_slots(
-            request, num_external, hits, publish=False
-        ):
+        if not num_external:
             return False
+        # a sliding window needs no block before the one its window reads after the load:
+        # the null block stands in for them, so the load allocates only what it fills
+        end = num_hit + num_external
+        padded = PrefixHit(num_hit, [
+            table + [NULL_BLOCK] * (alloc.first_needed_block(end) - len(table))
+            for alloc, table in zip(self.kv.allocators, hits.tables, strict=True)
+        ])
+        if not self.kv.allocate_slots(request, num_external, padded, publish=False):
+            return False
+        # and the device hit's window blocks that no query after the load reads go back
+        for alloc in self.kv.allocators:
+            alloc.release_outside_window(request, end)
         self.waiting.remove(request)
         if request.num_cached_tokens < 0:
             self.kv.record_lookup(request.num_tokens, num_hit)
         request.num_computed_tokens = num_hit
         request.status = RequestStatus.WAITING_FOR_KV
         self.loading[request.request_id] = request
-        self.connector.start_load(request, self.kv.block_ids(request), num_hit, num_external)
+        self.connector.start_load(request, self.kv.group_block_ids(request), num_hit, num_external)
         return True
 
     def update_from_connector(self, report: WorkerReport | None) -> None:
@@ -258,6 +270,14 @@ class Scheduler:
                 self.kv.free(parked)
                 continue
             request = self.loading.pop(outcome.request_id)
+            if outcome.restart:
+                # several KV groups, a failed load: no prefix of it is whole in every
+                # group; admitted again, it computes what its device hit lacks
+                self.kv.free(request)
+                request.num_computed_tokens = 0
+                request.status = RequestStatus.WAITING
+                self.waiting.appendleft(request)
+                continue
             request.num_computed_tokens = outcome.num_computed_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = outcome.num_computed_tokens

@@ -70,6 +70,14 @@ class Reply(msgspec.Struct, tag="reply"):
     value: Scalar
 
 
+class BlobReply(msgspec.Struct, tag="blob"):
+    """A method's bytes (a msgspec-encoded Struct, e.g. the KV offload's TierIndex)."""
+
+    call_id: int
+    rank: int
+    value: bytes
+
+
 class StepReply(msgspec.Struct, tag="step"):
     call_id: int
     rank: int
@@ -84,7 +92,7 @@ class ErrorReply(msgspec.Struct, tag="error"):
 
 
 Request = Call | ExecuteCall | ShutdownCall
-Response = Reply | StepReply | ErrorReply
+Response = Reply | BlobReply | StepReply | ErrorReply
 
 
 # ---- the engine's side ---------------------------------------------------------------------
@@ -280,6 +288,9 @@ def _answer(worker: Any, rank: int, message: Call | ExecuteCall) -> Response:
     try:
         if isinstance(message, ExecuteCall):
             return StepReply(message.call_id, rank, worker.execute(message.step))
-        return Reply(message.call_id, rank, getattr(worker, message.method)(*message.args))
+        value = getattr(worker, message.method)(*message.args)
+        if isinstance(value, bytes):
+            return BlobReply(message.call_id, rank, value)
+        return Reply(message.call_id, rank, value)
     except Exception:  # noqa: BLE001 - reported to the engine, which stops: never swallowed
         return ErrorReply(message.call_id, rank, method, traceback.format_exc())

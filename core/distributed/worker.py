@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import msgspec
 import torch
 
 from tokenmill.distributed.config import WorkerConfig
@@ -21,7 +22,7 @@ from tokenmill.distributed.parallel_state import (
     init_parallel_state,
 )
 from tokenmill.kv.sizing import kv_cache_budget
-from tokenmill.kv_connector.engine_setup import WorkerOffload, make_worker_offload
+from tokenmill.kv_connector.engine_setup import WorkerOffload, make_worker_offload, slot_caches
 from tokenmill.model.loader import build_model, checkpoint_weights, load_model_info
 from tokenmill.model.pipeline import stage_weight_filter
 from tokenmill.model.registry import attention_specs_for
@@ -178,10 +179,29 @@ class Worker:
                     f"KV offload needs the core's model runner (its KV caches); platform "
                     f"{self._platform.name!r} brings {type(self._runner).__name__}"
                 )
+            layout = getattr(getattr(self._runner, "model", None), "kv_layout", None)
             self.kv_offload = make_worker_offload(
-                self.config.kv_offload, self.config.model_path, self.hf_config, caches,
+                self.config.kv_offload, self.config.model_path, self.hf_config,
+                slot_caches(caches, layout.layer_slot if layout is not None else None),
                 self._platform, self.config.block_size,
             )
+            if self.config.distributed_executor_backend != "uni":
+                # the engine's scheduler side mirrors the stack from our reports
+                self.kv_offload.stack.record_changes()
+                self.kv_offload.worker_side.mirrored = True
+
+    def kv_offload_index(self) -> bytes:
+        """Everything this rank's KV tiers hold, as a msgpack `TierIndex` (the seed of
+        the engine's mirror, kv_connector/directory.py). Changes logged before it are
+        dropped: the index already has them."""
+        offload = self._offload
+        offload.stack.take_changes()
+        index = offload.stack.index(offload.layout.fingerprint(), self.config.block_size)
+        return msgspec.msgpack.encode(index)
+
+    def kv_offload_drain(self) -> bytes:
+        """Wait for every KV load and save in flight; their msgpack `WorkerReport`."""
+        return msgspec.msgpack.encode(self._offload.worker_side.drain())
 
     # ---- steps -------------------------------------------------------------------------
     def execute(self, step: StepDescription) -> StepResult | None:
@@ -243,6 +263,12 @@ class Worker:
         if self.platform is None:
             raise RuntimeError("Worker.init_device must run first")
         return self.platform
+
+    @property
+    def _offload(self) -> WorkerOffload:
+        if self.kv_offload is None:
+            raise RuntimeError("this worker has no KV offload (no kv_offload tiers configured)")
+        return self.kv_offload
 
     @property
     def _runner(self) -> ModelRunnerBase:

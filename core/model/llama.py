@@ -224,6 +224,8 @@ class CausalLM(nn.Module):
             self.attention_specs = self.attention_specs[layers.start : layers.stop]
         # One backend for every layer, or a chooser per spec (a platform picks per kind).
         backends = resolve_backends(self.attention_specs, attention_backend)
+        # each layer's backend, whose declared cache layout the arena views its pages as
+        self.layer_backends: list[AttentionBackend] = backends
         # the distinct backends, for the runner's once-per-step `prepare`
         self.attention_backends = list({id(b): b for b in backends}.values())
         # which layers share a block table (and metadata) and which arena slot each uses
