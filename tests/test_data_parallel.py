@@ -53,14 +53,17 @@ def test_router_affinity_then_least_loaded():
     assert router.route("a2", turn1 + [7, 8]) == 0  # the session's next turn: its home
     assert router.route("salted", turn1, cache_salt="t") == 1  # another tenant's blocks
     assert router.route("short", [1, 2, 3]) == 0  # no full block: the least loaded
-    # replica 0 now runs 3 requests, replica 1 runs 2; a third turn still goes home...
+    # only the first of 4 blocks in common (a chat template's): not this one's history
+    assert router.route("other", list(range(4)) + [50] * 12) == 1
+    # replica 0 now runs 3 requests, replica 1 runs 3; a third turn still goes home...
     assert router.route("a3", turn1 + [5]) == 0
-    # ...but with replica 0 at 4 and 1 at 2 (imbalance 2), load wins over affinity
-    assert router.route("a4", turn1 + [6]) == 1
+    # ...and a fourth, but with replica 0 at 5 and 1 at 3 (imbalance 2), load wins
+    assert router.route("a4", turn1 + [6]) == 0
+    assert router.route("a5", turn1 + [6]) == 1
     assert router.stats.num_overridden == 1
     with pytest.raises(ValueError, match="already running on replica"):
         router.route("a", turn1)
-    for rid in ("a", "b", "a2", "salted", "short", "a3", "a4"):
+    for rid in ("a", "b", "a2", "salted", "short", "other", "a3", "a4", "a5"):
         router.finished(rid)
     assert router.loads == [0, 0]
 
@@ -88,7 +91,8 @@ class RouterMachine(RuleBasedStateMachine):
         loads = self._loads()
         least = min(range(self.num), key=lambda i: (loads[i], i))
         prefixes = [tuple(tokens[: 2 * (k + 1)]) for k in range(min(len(tokens) // 2, 2))]
-        home = next((self.homes[p] for p in reversed(prefixes) if p in self.homes), None)
+        depth = next((d for d in range(len(prefixes), 0, -1) if prefixes[d - 1] in self.homes), 0)
+        home = self.homes[prefixes[depth - 1]] if 2 * depth >= len(prefixes) and depth else None
         want = home if home is not None and loads[home] - loads[least] < self.imbalance else least
         assert self.router.route(rid, tokens) == want
         self.owners[rid] = want

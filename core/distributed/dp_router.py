@@ -8,8 +8,10 @@ where its prefix was computed before. The policy, per request:
    them: a different salt never shares a replica's blocks, so it never steers there).
 2. Affinity: the replica that last took a request with the deepest of those keys gets
    it (an agent's next turn repeats its history, so its first blocks match the last
-   turn's), unless that replica already runs `max_imbalance` more requests than the
-   least loaded one: then the load wins.
+   turn's), if that key is at least `min_match` of the way down the request's keys (a
+   chat template's or a shared system prompt's first block alone would pull every
+   session onto one replica) and that replica does not already run `max_imbalance`
+   more requests than the least loaded one (then the load wins).
 3. Otherwise the least loaded replica (fewest unfinished requests; the lowest index on
    a tie).
 
@@ -32,7 +34,7 @@ from tokenmill.kv.hashing import BlockHash, hash_blocks
 @dataclass(slots=True)
 class RouterStats:
     num_routed: int = 0
-    num_affinity: int = 0  # sent where their prefix was before
+    num_affinity: int = 0  # sent where their prefix (most of its first blocks) was before
     num_overridden: int = 0  # had a prefix home but went to a less loaded replica
 
 
@@ -43,6 +45,7 @@ class PrefixAffinityRouter:
         block_size: int,
         affinity_blocks: int = 4,
         max_imbalance: int = 8,
+        min_match: float = 0.5,
         capacity: int = 65536,
     ) -> None:
         if num_replicas < 1:
@@ -51,6 +54,7 @@ class PrefixAffinityRouter:
         self.block_size = block_size
         self.affinity_blocks = affinity_blocks
         self.max_imbalance = max_imbalance
+        self.min_match = min_match
         self.capacity = capacity
         self.loads = [0] * num_replicas  # unfinished requests per replica
         self.stats = RouterStats()
@@ -75,7 +79,10 @@ class PrefixAffinityRouter:
                                  f"{self._owners[request_id]}")
             least = min(range(self.num_replicas), key=lambda i: (self.loads[i], i))
             chosen = least
-            home = next((self._homes[k] for k in reversed(keys) if k in self._homes), None)
+            depth = next((d for d in range(len(keys), 0, -1) if keys[d - 1] in self._homes), 0)
+            home = self._homes[keys[depth - 1]] if depth else None
+            if home is not None and depth < self.min_match * len(keys):
+                home = None  # only the first blocks in common: not this request's history
             if home is not None:
                 if self.loads[home] - self.loads[least] < self.max_imbalance:
                     chosen = home
