@@ -53,6 +53,11 @@ class EngineArgs(BaseModel):
         1, ge=1, description="stages the model's layers are split over (each with "
         "tensor_parallel_size ranks)",
     )
+    data_parallel_size: int = Field(
+        1, ge=1, description="whole engine replicas (each of tensor_parallel_size x "
+        "pipeline_parallel_size ranks) behind one front; requests go to the replica that "
+        "served their prefix, else the least loaded (tokenmill.distributed.dp_router)",
+    )
     num_kv_blocks: int | None = Field(None, ge=1, description="override the KV pool size")
     seed: int = 0
     generation_config: str = Field(
