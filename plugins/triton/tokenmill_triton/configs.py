@@ -78,6 +78,16 @@ class LinearAttentionConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class MLAConfig:
+    """Latent attention (tokenmill_triton.mla): heads of one token per program (they share
+    every latent tile), keys per inner-loop tile."""
+
+    block_h: int = 16
+    tile_n: int = 32
+    num_warps: int = 4
+
+
+@dataclass(frozen=True, slots=True)
 class KernelConfigs:
     """Everything a plugin decides about launches.
 
@@ -92,5 +102,6 @@ class KernelConfigs:
     elementwise: ElementwiseConfig = field(default_factory=ElementwiseConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     linear: LinearAttentionConfig = field(default_factory=LinearAttentionConfig)
+    mla: MLAConfig = field(default_factory=MLAConfig)
     upcast_bf16_dot: bool = False
     fp32_dot_precision: str = "ieee"
