@@ -23,6 +23,7 @@ from tokenmill.step import (
     CachedRequest,
     Logprobs,
     NewRequest,
+    RecurrentStateOps,
     SamplingSpec,
     StepDescription,
     StepResult,
@@ -61,6 +62,7 @@ def full_step() -> StepDescription:
             saves=[BlockTransfer(1, b"s" * 32)],
             prefetch=[b"p" * 32],
         ),
+        recurrent_state={"a": [RecurrentStateOps(1, [20, 21], [(4, [22, 23])])]},
     )
 
 
@@ -95,6 +97,7 @@ def test_every_field_of_the_step_round_trips():
     _non_default_fields(step.new_requests[0])
     _non_default_fields(step.new_requests[0].sampling)
     _non_default_fields(step.cached_requests[0])
+    _non_default_fields(step.recurrent_state["a"][0])
     decoded = decode_step(encode(step))
     assert decoded == step
     assert decoded.prompt_logprob_ranges["a"] == (2, 4)  # tuples come back as tuples

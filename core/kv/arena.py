@@ -7,6 +7,11 @@ id names one page in each slot: allocating block b to a group gives the request 
 block in every layer of the group. Groups of other attention types (sliding windows) map
 their layers onto the same slots, so that all types draw block ids from one free list and
 the split between them moves with the workload.
+
+Recurrent (LINEAR) layers see their slot's region as bytes, [2, num_blocks, page_bytes
+// 2] uint8: the same two halves per block id as attention pages, so a block id names the
+same bytes whichever group holds it. A state spanning several pages is packed over them
+in table order (tokenmill.kv.state).
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.platforms.interfaces import Allocator, AttentionSpec
+from tokenmill.kv.groups import attention_page_bytes, page_bytes_of
+from tokenmill.platforms.interfaces import Allocator, AttentionKind, AttentionSpec
 
 
 @dataclass(slots=True)
@@ -24,22 +30,21 @@ class KVArena:
     buffer: torch.Tensor  # uint8, from the platform's KV allocator
     num_blocks: int
     page_bytes: int  # bytes of one block in one layer slot
-    layer_caches: list[torch.Tensor]  # per layer: [2, num_blocks, block_size, kv_heads, head]
+    # per layer: [2, num_blocks, block_size, kv_heads, head] (attention) or uint8
+    # [2, num_blocks, page_bytes // 2] (a recurrent layer's state pages)
+    layer_caches: list[torch.Tensor]
 
     @staticmethod
     def page_bytes_for(spec: AttentionSpec) -> int:
-        itemsize = torch.empty((), dtype=spec.dtype).element_size()
-        return 2 * spec.block_size * spec.num_kv_heads * spec.head_size * itemsize
+        return attention_page_bytes(spec)
 
     @classmethod
     def page_bytes_of(cls, specs: list[AttentionSpec]) -> int:
-        """The one page size of `specs` (every layer must agree)."""
+        """The one page size of `specs` (every attention layer must agree; see
+        `tokenmill.kv.groups.page_bytes_of`)."""
         if not specs:
             raise ValueError("the model declares no attention layers; nothing to cache")
-        page_bytes = {cls.page_bytes_for(s) for s in specs}
-        if len(page_bytes) != 1:
-            raise ValueError(f"layers need different KV page sizes {sorted(page_bytes)}")
-        return page_bytes.pop()
+        return page_bytes_of(specs)
 
     @classmethod
     def block_bytes_for(
@@ -76,6 +81,9 @@ class KVArena:
         caches = []
         for slot, spec in zip(layer_slots, specs, strict=True):
             region = buffer[slot * num_blocks * page : (slot + 1) * num_blocks * page]
+            if spec.kind == AttentionKind.LINEAR:
+                caches.append(region.view(2, num_blocks, page // 2))
+                continue
             caches.append(
                 region.view(spec.dtype).view(
                     2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size

@@ -22,8 +22,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.ops import Ops
+from tokenmill.ops.linear_attention import ReferenceLinearAttentionBackend
 from tokenmill.ops.reference import ReferenceAttentionBackend
-from tokenmill.platforms.interfaces import AttentionBackend, AttentionMetadata, AttentionSpec
+from tokenmill.platforms.interfaces import (
+    AttentionBackend,
+    AttentionKind,
+    AttentionMetadata,
+    AttentionSpec,
+)
 from tokenmill.platforms.registry import PlatformError
 
 logger = logging.getLogger(__name__)
@@ -354,11 +360,20 @@ def resolve_backends(specs: Sequence[AttentionSpec], choice: BackendChoice) -> l
 
     reference = ReferenceAttentionBackend()
     backends, fallbacks = [], []
+    linear_reference = None
     for i, spec in enumerate(specs):
         backend = supported(spec)
         if backend is None and spec.sinks and supported(dataclasses.replace(spec, sinks=False)):
             backend = reference
             fallbacks.append(i)
+        if backend is None and spec.kind == AttentionKind.LINEAR:
+            # the core's reference recurrence (slow) when the platform has none
+            linear_reference = linear_reference or ReferenceLinearAttentionBackend()
+            if linear_reference.supports(spec):
+                backend = linear_reference
+                logger.warning("the platform has no linear-attention backend for layer %d "
+                               "(variant %r): it runs the core's reference", i,
+                               spec.state.variant)
         if backend is None:
             raise ValueError(f"no attention backend supports layer {i}'s spec {spec}")
         backends.append(backend)
