@@ -81,6 +81,11 @@ class LLMEngine:
     def __init__(self, args: EngineArgs, registry: PlatformRegistry | None = None) -> None:
         """`registry`: where to find `args.platform`; None discovers installed plugins
         (entry points). Pass one to run in-process plugins (tests, the conformance suite)."""
+        if args.data_parallel_size > 1:
+            raise ValueError(
+                f"data_parallel_size={args.data_parallel_size}: an LLMEngine is one replica; "
+                "LLM and AsyncLLM build the replicas (tokenmill.distributed.data_parallel)"
+            )
         self.args = args
         self.platform = load_platform(args.platform, registry)
         self.device = self.platform.platform.device

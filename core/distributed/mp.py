@@ -3,9 +3,11 @@
 Processes start with the spawn method (no forked device state). Calls go out over ZMQ:
 each rank has a PUSH socket of its own (every rank gets the same msgpack bytes: a
 broadcast), and replies come back on one PULL socket, tagged with the call's id and the
-rank; `unique_reply_rank` makes the other ranks stay silent (steps: only rank 0 returns
-a result). Everything on the wire is a msgspec Struct; nothing is pickled but the spawn
-arguments (bytes, ints and strings).
+rank; `unique_reply_rank` makes the other ranks stay silent (steps: only the output
+rank returns a result). Steps may be in flight several at once (`submit` / `collect`,
+pipeline parallel); a reply for one that is not being collected yet is kept for it.
+Everything on the wire is a msgspec Struct; nothing is pickled but the spawn arguments
+(bytes, ints and strings).
 
 A monitor thread waits on the processes' sentinels: when a worker exits outside
 `shutdown`, the executor records a `WorkerDiedError` naming its rank, pid and exit code;
