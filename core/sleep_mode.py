@@ -36,11 +36,13 @@ def check_level(level: object) -> int:
 
 
 @torch.no_grad()
-def adopt_weights(model: nn.Module, allocator: Allocator) -> int:
+def adopt_weights(model: nn.Module, allocator: Allocator) -> list[torch.Tensor]:
     """Move every parameter's data into its own buffer from `allocator` (same dtype, shape
     and values; the Parameter objects stay, so modules and optimisers keep theirs).
     Call after loading and before anything keeps a reference to a parameter's old tensor
-    (the platform's `prepack_linear`). Returns the bytes adopted."""
+    (the platform's `prepack_linear`). Returns the buffers: `release_weights` gives them
+    back when the model goes (the allocator keeps its live buffers alive until then)."""
+    buffers = []
     total = 0
     for param in {id(p): p for p in model.parameters()}.values():  # tied ones once
         num_bytes = param.numel() * param.element_size()
@@ -50,7 +52,15 @@ def adopt_weights(model: nn.Module, allocator: Allocator) -> int:
         view = buffer.view(param.dtype).view(param.shape)
         view.copy_(param.data)
         param.data = view
+        buffers.append(buffer)
         total += num_bytes
     logger.info("sleep mode: %.1f MiB of weights in the platform's weights allocator",
                 total / (1 << 20))
-    return total
+    return buffers
+
+
+def release_weights(buffers: list[torch.Tensor], allocator: Allocator) -> None:
+    """Free the buffers `adopt_weights` returned (the model must not be used after)."""
+    for buffer in buffers:
+        allocator.free(buffer)
+    buffers.clear()

@@ -75,3 +75,20 @@ def test_misuse_is_refused(tiny_dirs):
         engine.add_request("late", [5, 6, 7], greedy())
     llm.wake_up()
     assert len(_generate(llm)) == 3
+
+
+def test_shutdown_gives_the_weights_back_to_the_allocator(tiny_dirs):
+    """The weights allocator keeps its live buffers alive: an engine that goes must free
+    the ones sleep mode gave its parameters, or every engine of a process would leak."""
+    llm = LLM(str(tiny_dirs["llama"]), dtype="float32", platform="cpu", block_size=4,
+              num_kv_blocks=16)
+    from tokenmill.platforms.interfaces import AllocatorPurpose
+
+    worker = _worker(llm)
+    weights = worker.platform.allocator(AllocatorPurpose.WEIGHTS)
+    model_bytes = sum(p.numel() * p.element_size()
+                      for p in {id(p): p for p in worker.runner.model.parameters()}.values())
+    in_use = weights.bytes_in_use()
+    assert in_use >= model_bytes
+    llm.engine.shutdown()
+    assert weights.bytes_in_use() == in_use - model_bytes

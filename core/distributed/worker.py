@@ -36,7 +36,7 @@ from tokenmill.platforms.interfaces import (
 )
 from tokenmill.platforms.registry import ActivePlatform, PlatformRegistry, load_platform
 from tokenmill.runner import ModelRunner
-from tokenmill.sleep_mode import check_level
+from tokenmill.sleep_mode import check_level, release_weights
 from tokenmill.step import StepDescription, StepResult
 
 logger = logging.getLogger(__name__)
@@ -275,6 +275,9 @@ class Worker:
             self.kv_offload = None
         if self.runner is not None:
             self.runner.shutdown()
+            buffers = getattr(getattr(self.runner, "model", None), "weight_buffers", None)
+            if buffers:  # sleep mode put the weights in the platform's allocator
+                release_weights(buffers, self._platform.allocator(AllocatorPurpose.WEIGHTS))
             self.runner = None
         if self._owns_parallel_state:
             destroy_parallel_state()

@@ -135,7 +135,8 @@ def build_model(
 ) -> nn.Module:
     """The model class for `hf_config` on `device` in `dtype`, `weights` loaded, prepacked
     for the platform's ops and in eval mode. With `weights_allocator` (a platform with sleep
-    mode) the parameters live in its buffers (`tokenmill.sleep_mode.adopt_weights`)."""
+    mode) the parameters live in its buffers (`tokenmill.sleep_mode.adopt_weights`), listed
+    in the model's `weight_buffers` for the caller to release."""
     model_cls = model_class_for(hf_config)
     with torch.device(device):
         lm = model_cls(
@@ -144,7 +145,7 @@ def build_model(
         )
     lm.load_weights(weights)
     if weights_allocator is not None:
-        adopt_weights(lm, weights_allocator)
+        lm.weight_buffers = adopt_weights(lm, weights_allocator)
     lm.prepack()
     lm.eval()
     return lm
