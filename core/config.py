@@ -48,6 +48,12 @@ class EngineArgs(BaseModel):
     tensor_parallel_size: int = Field(
         1, ge=1, description="ranks the model's heads, MLP and vocab are split over"
     )
+    enable_expert_parallel: bool = Field(
+        False,
+        description="MoE models: split the experts over the tensor parallel ranks (each "
+        "expert whole on one rank, tokens dispatched to them all-to-all) instead of "
+        "splitting every expert's intermediate dim",
+    )
     num_kv_blocks: int | None = Field(None, ge=1, description="override the KV pool size")
     seed: int = 0
     generation_config: str = Field(

@@ -159,6 +159,7 @@ class LLMEngine:
             distributed_executor_backend=args.distributed_executor_backend,
             world_size=args.tensor_parallel_size,
             tensor_parallel_size=args.tensor_parallel_size,
+            enable_expert_parallel=args.enable_expert_parallel,
             dist_init_method=_rendezvous() if args.tensor_parallel_size > 1 else None,
             kv_offload=offload_config(args),
         )
@@ -168,7 +169,9 @@ class LLMEngine:
                     f"tensor_parallel_size={args.tensor_parallel_size} needs collectives; "
                     f"platform {self.platform.name!r} declares none (capabilities.collectives)"
                 )
-            local_config(self.loaded.hf_config, args.tensor_parallel_size)
+            local_config(
+                self.loaded.hf_config, args.tensor_parallel_size, args.enable_expert_parallel
+            )
         return make_executor(
             args.distributed_executor_backend, config, self.platform, self.loaded.hf_config,
             in_process_registry,

@@ -94,6 +94,7 @@ def _serve(args: argparse.Namespace) -> int:
         "kv_offload_remote": args.kv_offload_remote,
         "distributed_executor_backend": args.distributed_executor_backend,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "enable_expert_parallel": args.enable_expert_parallel or None,
         "memory_utilization": args.memory_utilization,
         "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
         "generation_config": args.generation_config,
@@ -158,6 +159,9 @@ def _add_serve_parser(sub) -> None:
                         "process per rank")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
                    help="ranks the model is split over (default 1); > 1 runs the mp backend")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE models: split the experts over the tensor parallel ranks "
+                        "(all-to-all dispatch) instead of each expert's intermediate dim")
     p.add_argument("--memory-utilization", type=float, default=None,
                    help="share of the device memory the engine may use, KV cache included "
                         "(default 0.9; like vLLM's --gpu-memory-utilization)")

@@ -15,9 +15,11 @@ from transformers import (
     Gemma3TextConfig,
     GptOssConfig,
     LlamaConfig,
+    MixtralConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 CORPUS = [
@@ -100,6 +102,16 @@ def make_config(arch: str, vocab_size: int):
                 "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150000.0,
             },
         )
+    if arch == "qwen3_moe":
+        # 4 experts of 32, top 2 renormalised; layer 1 keeps a dense MLP
+        return Qwen3MoeConfig(
+            **common, head_dim=16, moe_intermediate_size=32, num_experts=4,
+            num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
+        )
+    if arch == "mixtral":
+        return MixtralConfig(
+            **{**common, "intermediate_size": 32}, num_local_experts=4, num_experts_per_tok=2,
+        )
     raise ValueError(arch)
 
 
@@ -127,4 +139,6 @@ VARIANTS = {
     "qwen3": ("qwen3",),
     "gemma3_text": ("gemma3",),
     "gpt_oss": ("gpt_oss",),
+    "qwen3_moe": ("qwen3_moe",),
+    "mixtral": ("mixtral",),
 }

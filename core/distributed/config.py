@@ -24,5 +24,6 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     world_size: int = 1
     distributed_executor_backend: str = "uni"
     tensor_parallel_size: int = 1  # the TP group spans all world_size ranks when > 1
+    enable_expert_parallel: bool = False  # MoE experts split over the TP group's ranks
     dist_init_method: str | None = None  # torch.distributed rendezvous, e.g. tcp://host:port
     kv_offload: OffloadConfig | None = None  # KV offload tiers (core/kv_connector); None: off

@@ -155,6 +155,12 @@ class Worker:
         """Payload bytes this rank has passed through dimension `dim`'s communicator."""
         return get_parallel_state().communicated_bytes().get(dim, 0)
 
+    def communicated_op_bytes(self, dim: str, op: str) -> int:
+        """Payload bytes this rank has passed through collective `op` (a Communicator
+        method name) of dimension `dim`'s communicator; 0 when it has none."""
+        group = get_parallel_state().groups.get(dim)
+        return 0 if group is None or group.communicator is None else group.communicator.bytes.get(op, 0)
+
     def uses_kv_groups(self) -> bool:
         """Whether this rank's runner keeps one block table per KV group (the core's runner
         does, core/kv/groups.py); a plugin's own runner gets one table for every layer."""
@@ -213,7 +219,10 @@ class Worker:
                 f"{config.dist_init_method!r})"
             )
         layout = ParallelLayout.of(tp=config.tensor_parallel_size)
-        init_parallel_state(layout, self.rank, self._platform, config.dist_init_method)
+        init_parallel_state(
+            layout, self.rank, self._platform, config.dist_init_method,
+            expert_parallel=config.enable_expert_parallel,
+        )
         self._owns_parallel_state = True
         logger.info("rank %d: joined the tensor parallel group of %d", self.rank, layout.world_size)
 
@@ -250,6 +259,7 @@ class Worker:
                 rank=self.rank,
                 distributed_executor_backend=config.distributed_executor_backend,
                 tensor_parallel_size=config.tensor_parallel_size,
+                enable_expert_parallel=config.enable_expert_parallel,
             ),
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,

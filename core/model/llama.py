@@ -44,6 +44,9 @@ from tokenmill.platforms.interfaces import (
     AttentionSpec,
 )
 
+# model types whose attention normalises each head's q and k (Qwen3 and its MoE)
+QK_NORM_TYPES = ("qwen3", "qwen3_moe")
+
 # HF projection name -> (fused module name, shard index within it)
 _FUSED_SHARDS = {
     "q_proj": ("qkv_proj", 0),
@@ -98,8 +101,10 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
         ops: Ops,
         dtype: torch.dtype,
+        layer_index: int = 0,
     ) -> None:
         super().__init__()
+        self.layer_index = layer_index  # before _make_mlp: a family may choose by layer
         model_type = hf_config.model_type
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
         hidden, eps = hf_config.hidden_size, hf_config.rms_norm_eps
@@ -112,7 +117,7 @@ class DecoderLayer(nn.Module):
             dtype=dtype,
             qkv_bias=True if model_type == "qwen2" else attention_bias,
             o_bias=False if model_type == "qwen2" else attention_bias,
-            qk_norm_eps=eps if model_type == "qwen3" else None,
+            qk_norm_eps=eps if model_type in QK_NORM_TYPES else None,
         )
         self.mlp = self._make_mlp(hf_config, ops, dtype)
         self.input_layernorm = RMSNorm(hidden, eps, ops, dtype)
@@ -161,8 +166,8 @@ class Model(nn.Module):
         )
         self.embed_tokens = Embedding(hf_config.vocab_size, hf_config.hidden_size, dtype)
         self.layers = nn.ModuleList(
-            layer_cls(hf_config, spec, self.rotary_emb, backend, ops, dtype)
-            for spec, backend in zip(specs, backends, strict=True)
+            layer_cls(hf_config, spec, self.rotary_emb, backend, ops, dtype, layer_index=i)
+            for i, (spec, backend) in enumerate(zip(specs, backends, strict=True))
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, ops, dtype)
 
@@ -207,10 +212,11 @@ class CausalLM(nn.Module):
         self.hf_config = hf_config
         self.dtype = dtype
         # tensor parallel: the layers are built at one rank's shapes (tokenmill.model.parallel)
-        self.tp = get_parallel_state().tp
+        state = get_parallel_state()
+        self.tp = state.tp
         full_config = hf_config
         if self.tp.world_size > 1:
-            hf_config = parallel.local_config(hf_config, self.tp.world_size)
+            hf_config = parallel.local_config(hf_config, self.tp.world_size, state.expert_parallel)
         self.attention_specs: list[AttentionSpec] = self.attention_specs_for(
             hf_config, dtype, block_size
         )
@@ -327,6 +333,8 @@ class CausalLM(nn.Module):
             module = modules[module_name]
             if isinstance(module, MergedLinear):
                 expected.update((name, s) for s in range(len(module.output_sizes)))
+            elif hasattr(module, "checkpoint_shards"):  # a module that loads its own share
+                expected.update((name, s) for s in module.checkpoint_shards(name.rpartition(".")[2]))
             else:
                 expected.add((name, None))
         loaded: set[tuple[str, int | None]] = set()
@@ -347,6 +355,11 @@ class CausalLM(nn.Module):
                     converted = parallel.narrow_for_rank(
                         modules[module_name], param_name, shard, converted
                     )
+                module_name, _, param_name = name.rpartition(".")
+                loader = getattr(modules[module_name], "load_checkpoint_tensor", None)
+                if loader is not None:  # e.g. FusedMoE: narrows to this rank's experts itself
+                    loaded.update((name, s) for s in loader(param_name, shard, converted))
+                    continue
                 if shard is None:
                     param = params[name]
                     if tuple(converted.shape) != tuple(param.shape):
@@ -356,7 +369,6 @@ class CausalLM(nn.Module):
                         )
                     param.copy_(converted)
                 else:
-                    module_name, _, param_name = name.rpartition(".")
                     modules[module_name].load_shard(param_name, shard, converted)
                 loaded.add((name, shard))
         missing = sorted(self._hf_name(n, s) for n, s in expected - loaded)
@@ -381,5 +393,7 @@ class CausalLM(nn.Module):
         if shard is None:
             return name
         parts = name.split(".")
-        hf = next(k for k, v in _FUSED_SHARDS.items() if v == (parts[-2], shard))
+        hf = next((k for k, v in _FUSED_SHARDS.items() if v == (parts[-2], shard)), None)
+        if hf is None:  # a module's own shard numbering (FusedMoE: per expert)
+            return f"{name} (shard {shard})"
         return ".".join([*parts[:-2], hf, parts[-1]])

@@ -33,9 +33,17 @@ from torch import nn
 
 from tokenmill.distributed.parallel_state import GroupCoordinator
 from tokenmill.model.layers import Linear
+from tokenmill.model.moe import FusedMoE, check_moe_parallel
 from tokenmill.ops import Ops
 
-TP_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+TP_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma3_text", "gpt_oss", "qwen3_moe", "mixtral")
+# MoE families: (the config attribute of the experts' intermediate size, of their count).
+# FusedMoE shards its own experts (core/model/moe.py), so local_config leaves these alone.
+MOE_SIZES = {
+    "gpt_oss": ("intermediate_size", "num_local_experts"),
+    "mixtral": ("intermediate_size", "num_local_experts"),
+    "qwen3_moe": ("moe_intermediate_size", "num_experts"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,26 +89,37 @@ def padded_vocab_shard(vocab_size: int, tp: int) -> int:
     return -(-vocab_size // tp)
 
 
-def local_config(hf_config: Any, tp: int) -> Any:
-    """A copy of `hf_config` with one rank's heads, intermediate size and vocab rows."""
-    if hf_config.model_type not in TP_MODEL_TYPES:
+def local_config(hf_config: Any, tp: int, expert_parallel: bool = False) -> Any:
+    """A copy of `hf_config` with one rank's heads, dense intermediate size and vocab rows.
+
+    A MoE family's expert sizes stay whole (FusedMoE splits them itself); they are only
+    checked here, so a bad size fails before any worker starts: with `expert_parallel`
+    the experts must split over the tp ranks, without it their intermediate dim.
+    """
+    model_type = hf_config.model_type
+    if model_type not in TP_MODEL_TYPES:
         raise ValueError(
             f"tensor parallel supports model types {TP_MODEL_TYPES}, not "
-            f"{hf_config.model_type!r}; use tensor_parallel_size=1"
+            f"{model_type!r}; use tensor_parallel_size=1"
         )
     num_heads = hf_config.num_attention_heads
     num_kv = getattr(hf_config, "num_key_value_heads", None) or num_heads
     shards = head_shards(num_heads, num_kv, tp, 0)
-    if hf_config.intermediate_size % tp:
-        raise ValueError(
-            f"tensor_parallel_size={tp} does not divide intermediate_size="
-            f"{hf_config.intermediate_size}"
-        )
+    moe_inter, moe_count = MOE_SIZES.get(model_type, (None, None))
+    if moe_inter is not None:
+        ep = tp if expert_parallel else 1
+        check_moe_parallel(getattr(hf_config, moe_count), getattr(hf_config, moe_inter), ep, tp // ep)
     local = copy.deepcopy(hf_config)
+    if moe_inter != "intermediate_size":  # a dense MLP's (Qwen3-MoE keeps some)
+        if hf_config.intermediate_size % tp:
+            raise ValueError(
+                f"tensor_parallel_size={tp} does not divide intermediate_size="
+                f"{hf_config.intermediate_size}"
+            )
+        local.intermediate_size = hf_config.intermediate_size // tp
     local.head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
     local.num_attention_heads = shards.num_heads
     local.num_key_value_heads = shards.num_kv_heads
-    local.intermediate_size = hf_config.intermediate_size // tp
     local.vocab_size = padded_vocab_shard(hf_config.vocab_size, tp)
     return local
 
@@ -174,6 +193,10 @@ def apply_tensor_parallel(lm: nn.Module, hf_config: Any, tp: GroupCoordinator) -
         attn.qkv_proj.tp_shards = {"weight": [q, kv, kv], "bias": [q, kv, kv]}
         attn.o_proj = RowParallelLinear(attn.o_proj.weight, attn.o_proj.bias, tp)
         attn.o_proj.tp_shards = {"weight": Slice(1, q.start, q.length)}
+        if attn.sinks is not None:  # gpt-oss: one sink logit per query head
+            attn.tp_shards = {"sinks": Slice(0, rank * shards.num_heads, shards.num_heads)}
+        if isinstance(mlp, FusedMoE):
+            continue  # built at this rank's share of experts (core/model/moe.py)
         inter = mlp.down_proj.weight.shape[1]
         cols = Slice(0, rank * inter, inter)
         mlp.gate_up_proj.tp_shards = {"weight": [cols, cols], "bias": [cols, cols]}
