@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# the parallel sizes whose product is the number of ranks (worker processes)
+WORLD_SIZES = ("tensor_parallel_size", "decode_context_parallel_size")
 
 DType = Literal["auto", "bfloat16", "bf16", "float32", "fp32", "float16", "fp16"]
 
@@ -48,6 +52,12 @@ class EngineArgs(BaseModel):
     tensor_parallel_size: int = Field(
         1, ge=1, description="ranks the model's heads, MLP and vocab are split over"
     )
+    decode_context_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="ranks (beside the tensor parallel ones) each sequence's KV cache is "
+        "spread over, token by token; attention merges their parts (full attention only)",
+    )
     enable_expert_parallel: bool = Field(
         False,
         description="MoE models: split the experts over the tensor parallel ranks (each "
@@ -74,15 +84,19 @@ class EngineArgs(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _tp_backend(cls, data: Any) -> Any:
-        """tensor_parallel_size > 1 needs a process per rank: 'mp' unless another is named."""
-        if not isinstance(data, dict) or (data.get("tensor_parallel_size") or 1) <= 1:
+        """More than one rank needs a process per rank: 'mp' unless another is named."""
+        if not isinstance(data, dict):
+            return data
+        sizes = {k: data.get(k) or 1 for k in WORLD_SIZES}
+        if math.prod(sizes.values()) <= 1:
             return data
         backend = data.get("distributed_executor_backend")
         if backend is None:
             return {**data, "distributed_executor_backend": "mp"}
         if backend == "uni":
+            named = ", ".join(f"{k}={v}" for k, v in sizes.items() if v > 1)
             raise ValueError(
-                f"tensor_parallel_size={data['tensor_parallel_size']} needs a process per rank: "
+                f"{named} needs a process per rank: "
                 "distributed_executor_backend='uni' runs one; use 'mp'"
             )
         return data

@@ -19,6 +19,7 @@ from tokenmill.distributed.executor import Executor, UniExecutor, make_executor
 from tokenmill.kv.groups import plan_groups
 from tokenmill.kv.manager import KVCacheManager
 from tokenmill.kv_connector.engine_setup import Offload, engine_offload, offload_config
+from tokenmill.model.context_parallel import check_decode_context_parallel
 from tokenmill.model.generation_config import describe, load_generation_defaults
 from tokenmill.model.loader import ModelInfo, default_model_path, load_model_info
 from tokenmill.model.parallel import local_config
@@ -144,6 +145,8 @@ class LLMEngine:
     def _start_workers(self, in_process_registry: bool) -> Executor:
         """The executor for args.distributed_executor_backend, its workers not yet set up."""
         args = self.args
+        tp, dcp = args.tensor_parallel_size, args.decode_context_parallel_size
+        world_size = tp * dcp
         config = WorkerConfig(
             model_path=self.loaded.model_path,
             platform=self.platform.name,
@@ -157,21 +160,25 @@ class LLMEngine:
             kv_cache_memory_bytes=args.kv_cache_memory_bytes,
             memory_utilization=args.memory_utilization,
             distributed_executor_backend=args.distributed_executor_backend,
-            world_size=args.tensor_parallel_size,
-            tensor_parallel_size=args.tensor_parallel_size,
+            world_size=world_size,
+            tensor_parallel_size=tp,
             enable_expert_parallel=args.enable_expert_parallel,
-            dist_init_method=_rendezvous() if args.tensor_parallel_size > 1 else None,
+            decode_context_parallel_size=dcp,
+            dist_init_method=_rendezvous() if world_size > 1 else None,
             kv_offload=offload_config(args),
         )
-        if args.tensor_parallel_size > 1:  # a bad size fails here, before any process starts
+        if world_size > 1:  # a bad size fails here, before any process starts
             if not self.platform.platform.capabilities.collectives:
                 raise ValueError(
-                    f"tensor_parallel_size={args.tensor_parallel_size} needs collectives; "
+                    f"{world_size} ranks (tensor_parallel_size={tp}, "
+                    f"decode_context_parallel_size={dcp}) need collectives; "
                     f"platform {self.platform.name!r} declares none (capabilities.collectives)"
                 )
-            local_config(
-                self.loaded.hf_config, args.tensor_parallel_size, args.enable_expert_parallel
-            )
+        if tp > 1:
+            local_config(self.loaded.hf_config, tp, args.enable_expert_parallel)
+        if dcp > 1:
+            specs = attention_specs_for(self.loaded.hf_config, self.dtype, args.block_size)
+            check_decode_context_parallel(specs, args.block_size, dcp)
         return make_executor(
             args.distributed_executor_backend, config, self.platform, self.loaded.hf_config,
             in_process_registry,

@@ -381,6 +381,8 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     # MoE experts split over the TP group's ranks (vLLM's enable_expert_parallel)
     enable_expert_parallel: bool = False
+    # > 1: a (dcp, tp) grid; each sequence's KV spread token by token over the dcp ranks
+    decode_context_parallel_size: int = 1
 
 
 @dataclass(frozen=True, slots=True)

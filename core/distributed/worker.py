@@ -66,7 +66,7 @@ class Worker:
         if self.hf_config is None:
             self.hf_config = load_model_info(self.config.model_path, load_tokenizer=False).hf_config
         torch.manual_seed(self.config.seed)
-        if self.config.tensor_parallel_size > 1:
+        if self.config.world_size > 1:
             self._init_parallel_state()
         # before any weights: the KV cache is sized from what the engine adds to this
         self._memory_at_start = self.platform.platform.memory_info()
@@ -210,21 +210,26 @@ class Worker:
             self._owns_parallel_state = False
 
     def _init_parallel_state(self) -> None:
-        """Join the TP group of all `world_size` ranks (tokenmill.distributed.parallel_state)."""
+        """Join the groups of the (dcp, tp) grid of all `world_size` ranks
+        (tokenmill.distributed.parallel_state): TP groups contiguous, dcp strided by tp."""
         config = self.config
-        if config.world_size != config.tensor_parallel_size or config.dist_init_method is None:
+        layout = ParallelLayout.of(
+            ("dcp", "tp"), dcp=config.decode_context_parallel_size,
+            tp=config.tensor_parallel_size,
+        )
+        if config.world_size != layout.world_size or config.dist_init_method is None:
             raise ValueError(
-                f"tensor_parallel_size={config.tensor_parallel_size} needs world_size equal to "
-                f"it (got {config.world_size}) and a dist_init_method (got "
+                f"the layout {dict(zip(layout.dims, layout.sizes))} needs world_size "
+                f"{layout.world_size} (got {config.world_size}) and a dist_init_method (got "
                 f"{config.dist_init_method!r})"
             )
-        layout = ParallelLayout.of(tp=config.tensor_parallel_size)
         init_parallel_state(
             layout, self.rank, self._platform, config.dist_init_method,
             expert_parallel=config.enable_expert_parallel,
         )
         self._owns_parallel_state = True
-        logger.info("rank %d: joined the tensor parallel group of %d", self.rank, layout.world_size)
+        logger.info("rank %d: joined the parallel groups %s", self.rank,
+                    dict(zip(layout.dims, layout.sizes)))
 
     # ---- helpers -----------------------------------------------------------------------
     @property
@@ -260,6 +265,7 @@ class Worker:
                 distributed_executor_backend=config.distributed_executor_backend,
                 tensor_parallel_size=config.tensor_parallel_size,
                 enable_expert_parallel=config.enable_expert_parallel,
+                decode_context_parallel_size=config.decode_context_parallel_size,
             ),
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,

@@ -14,6 +14,8 @@ Parameter names follow HF's, except that q/k/v become `qkv_proj` and gate/up bec
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -24,6 +26,10 @@ from torch import nn
 from tokenmill.distributed.parallel_state import get_parallel_state
 from tokenmill.kv.groups import KVLayout, plan_groups
 from tokenmill.model import parallel
+from tokenmill.model.context_parallel import (
+    DecodeContextParallelAttention,
+    check_decode_context_parallel,
+)
 from tokenmill.model.layers import (
     Attention,
     BackendChoice,
@@ -43,6 +49,8 @@ from tokenmill.platforms.interfaces import (
     AttentionMetadata,
     AttentionSpec,
 )
+
+logger = logging.getLogger(__name__)
 
 # model types whose attention normalises each head's q and k (Qwen3 and its MoE)
 QK_NORM_TYPES = ("qwen3", "qwen3_moe")
@@ -220,8 +228,19 @@ class CausalLM(nn.Module):
         self.attention_specs: list[AttentionSpec] = self.attention_specs_for(
             hf_config, dtype, block_size
         )
-        # One backend for every layer, or a chooser per spec (a platform picks per kind).
-        backends = resolve_backends(self.attention_specs, attention_backend)
+        dcp = state.group("dcp")
+        if dcp.world_size > 1:  # the KV cache spread over the dcp ranks, token by token
+            check_decode_context_parallel(self.attention_specs, block_size, dcp.world_size)
+            self.attention_specs = [
+                dataclasses.replace(s, block_size=block_size // dcp.world_size)
+                for s in self.attention_specs
+            ]
+            backends = [DecodeContextParallelAttention(dcp)] * len(self.attention_specs)
+            logger.info("decode context parallel over %d ranks: attention runs on the core's "
+                        "partial attention, not the platform's backend", dcp.world_size)
+        else:
+            # One backend for every layer, or a chooser per spec (a platform picks per kind).
+            backends = resolve_backends(self.attention_specs, attention_backend)
         # the distinct backends, for the runner's once-per-step `prepare`
         self.attention_backends = list({id(b): b for b in backends}.values())
         # which layers share a block table (and metadata) and which arena slot each uses
