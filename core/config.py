@@ -9,7 +9,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # the parallel sizes whose product is the number of ranks (worker processes)
-WORLD_SIZES = ("tensor_parallel_size", "decode_context_parallel_size")
+WORLD_SIZES = (
+    "tensor_parallel_size", "decode_context_parallel_size", "prefill_context_parallel_size"
+)
 
 DType = Literal["auto", "bfloat16", "bf16", "float32", "fp32", "float16", "fp16"]
 
@@ -57,6 +59,12 @@ class EngineArgs(BaseModel):
         ge=1,
         description="ranks (beside the tensor parallel ones) each sequence's KV cache is "
         "spread over, token by token; attention merges their parts (full attention only)",
+    )
+    prefill_context_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="ranks (beside the tensor parallel ones) a step's prompt tokens are split "
+        "over, keys and values all-gathered in every layer",
     )
     enable_expert_parallel: bool = Field(
         False,
@@ -117,6 +125,16 @@ class EngineArgs(BaseModel):
         from tokenmill.kv_connector.registry import parse_size
 
         return None if v is None else parse_size(v, info.field_name)
+
+    @model_validator(mode="after")
+    def _one_context_parallel(self) -> EngineArgs:
+        if self.decode_context_parallel_size > 1 and self.prefill_context_parallel_size > 1:
+            raise ValueError(
+                f"decode_context_parallel_size={self.decode_context_parallel_size} and "
+                f"prefill_context_parallel_size={self.prefill_context_parallel_size}: one "
+                "of them at a time for now"
+            )
+        return self
 
     @model_validator(mode="after")
     def _offload_tiers(self) -> EngineArgs:

@@ -146,7 +146,8 @@ class LLMEngine:
         """The executor for args.distributed_executor_backend, its workers not yet set up."""
         args = self.args
         tp, dcp = args.tensor_parallel_size, args.decode_context_parallel_size
-        world_size = tp * dcp
+        pcp = args.prefill_context_parallel_size
+        world_size = tp * dcp * pcp
         config = WorkerConfig(
             model_path=self.loaded.model_path,
             platform=self.platform.name,
@@ -164,14 +165,15 @@ class LLMEngine:
             tensor_parallel_size=tp,
             enable_expert_parallel=args.enable_expert_parallel,
             decode_context_parallel_size=dcp,
+            prefill_context_parallel_size=pcp,
             dist_init_method=_rendezvous() if world_size > 1 else None,
             kv_offload=offload_config(args),
         )
         if world_size > 1:  # a bad size fails here, before any process starts
             if not self.platform.platform.capabilities.collectives:
                 raise ValueError(
-                    f"{world_size} ranks (tensor_parallel_size={tp}, "
-                    f"decode_context_parallel_size={dcp}) need collectives; "
+                    f"{world_size} ranks (tensor_parallel_size={tp}, decode_context_parallel_"
+                    f"size={dcp}, prefill_context_parallel_size={pcp}) need collectives; "
                     f"platform {self.platform.name!r} declares none (capabilities.collectives)"
                 )
         if tp > 1:

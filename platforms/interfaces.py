@@ -383,6 +383,8 @@ class ParallelConfig:
     enable_expert_parallel: bool = False
     # > 1: a (dcp, tp) grid; each sequence's KV spread token by token over the dcp ranks
     decode_context_parallel_size: int = 1
+    # > 1: a (pcp, tp) grid; each prefill step's tokens split over the pcp ranks
+    prefill_context_parallel_size: int = 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -96,6 +96,7 @@ def _serve(args: argparse.Namespace) -> int:
         "tensor_parallel_size": args.tensor_parallel_size,
         "enable_expert_parallel": args.enable_expert_parallel or None,
         "decode_context_parallel_size": args.decode_context_parallel_size,
+        "prefill_context_parallel_size": args.prefill_context_parallel_size,
         "memory_utilization": args.memory_utilization,
         "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
         "generation_config": args.generation_config,
@@ -162,6 +163,9 @@ def _add_serve_parser(sub) -> None:
                    help="ranks the model is split over (default 1); > 1 runs the mp backend")
     p.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=None,
                    help="ranks each sequence's KV cache is spread over (x the tensor "
+                        "parallel ones; default 1)")
+    p.add_argument("--prefill-context-parallel-size", "-pcp", type=int, default=None,
+                   help="ranks each prefill step's tokens are split over (x the tensor "
                         "parallel ones; default 1)")
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE models: split the experts over the tensor parallel ranks "

@@ -1,7 +1,12 @@
-"""Decode context parallel: the log-sum-exp merge of interleaved partial attentions equals
-the core's reference attention, and over the "mp" executor with gloo a sequence's KV
-spread over 2 ranks (alone, and beside tp=2: 4 ranks) gives one process's greedy
-tokens, each rank's KV blocks holding half the tokens."""
+"""Context parallel over the "mp" executor with gloo, greedy tokens identical to one
+process.
+
+Decode context parallel: the log-sum-exp merge of interleaved partial attentions equals
+the core's reference attention, and a sequence's KV spread over 2 ranks (alone, and
+beside tp=2: 4 ranks) gives one process's tokens, each rank's KV blocks holding half the
+tokens. Prefill context parallel: a step's tokens split over 2 ranks (alone, beside
+tp=2, and on Gemma 3's sliding windows with chunked prefill mixing prompts and decodes);
+the counted all-gathers show the split ran."""
 
 from __future__ import annotations
 
@@ -98,3 +103,25 @@ def test_bad_decode_context_parallel_settings_are_named(tiny_dirs, tmp_path):
     gemma = make_tiny_model(tmp_path / "gemma3", "gemma3")  # a sliding-window layer
     with pytest.raises(ValueError, match=r"full attention layers without sinks; layers \[0\]"):
         _llm(gemma, decode_context_parallel_size=2)
+
+
+@pytest.mark.parametrize("arch, kw", [
+    ("llama", {}),
+    ("llama", {"tensor_parallel_size": 2}),
+    ("gemma3", {"max_num_batched_tokens": 9}),  # chunks of prompts beside decodes
+])
+def test_pcp2_matches_one_process(tiny_dirs, tmp_path, arch, kw):
+    from tiny_models import make_tiny_model
+
+    path = tiny_dirs[arch] if arch in tiny_dirs else make_tiny_model(tmp_path / arch, arch)
+    llm = _llm(path)
+    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    llm.engine.shutdown()
+    llm = _llm(path, prefill_context_parallel_size=2, **kw)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        gathered = llm.engine.executor.collective_rpc("communicated_op_bytes", ("pcp", "all_gather"))
+    finally:
+        llm.engine.shutdown()
+    assert got == want
+    assert all(b > 0 for b in gathered)

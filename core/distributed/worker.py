@@ -210,12 +210,13 @@ class Worker:
             self._owns_parallel_state = False
 
     def _init_parallel_state(self) -> None:
-        """Join the groups of the (dcp, tp) grid of all `world_size` ranks
-        (tokenmill.distributed.parallel_state): TP groups contiguous, dcp strided by tp."""
+        """Join the groups of the (pcp, dcp, tp) grid of all `world_size` ranks
+        (tokenmill.distributed.parallel_state): TP groups contiguous, the context parallel
+        ones strided by tp."""
         config = self.config
         layout = ParallelLayout.of(
-            ("dcp", "tp"), dcp=config.decode_context_parallel_size,
-            tp=config.tensor_parallel_size,
+            ("pcp", "dcp", "tp"), pcp=config.prefill_context_parallel_size,
+            dcp=config.decode_context_parallel_size, tp=config.tensor_parallel_size,
         )
         if config.world_size != layout.world_size or config.dist_init_method is None:
             raise ValueError(
@@ -266,6 +267,7 @@ class Worker:
                 tensor_parallel_size=config.tensor_parallel_size,
                 enable_expert_parallel=config.enable_expert_parallel,
                 decode_context_parallel_size=config.decode_context_parallel_size,
+                prefill_context_parallel_size=config.prefill_context_parallel_size,
             ),
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,

@@ -25,7 +25,7 @@ from torch import nn
 
 from tokenmill.distributed.parallel_state import get_parallel_state
 from tokenmill.kv.groups import KVLayout, plan_groups
-from tokenmill.model import parallel
+from tokenmill.model import parallel, prefill_context_parallel
 from tokenmill.model.context_parallel import (
     DecodeContextParallelAttention,
     check_decode_context_parallel,
@@ -42,6 +42,7 @@ from tokenmill.model.layers import (
     resolve_backends,
     rope_parameters,
 )
+from tokenmill.model.prefill_context_parallel import PrefillContextParallelAttention
 from tokenmill.ops import Ops
 from tokenmill.platforms.interfaces import (
     AttentionBackend,
@@ -222,25 +223,14 @@ class CausalLM(nn.Module):
         # tensor parallel: the layers are built at one rank's shapes (tokenmill.model.parallel)
         state = get_parallel_state()
         self.tp = state.tp
+        self.pcp = state.group("pcp")  # prefill context parallel (model/prefill_context_parallel)
         full_config = hf_config
         if self.tp.world_size > 1:
             hf_config = parallel.local_config(hf_config, self.tp.world_size, state.expert_parallel)
         self.attention_specs: list[AttentionSpec] = self.attention_specs_for(
             hf_config, dtype, block_size
         )
-        dcp = state.group("dcp")
-        if dcp.world_size > 1:  # the KV cache spread over the dcp ranks, token by token
-            check_decode_context_parallel(self.attention_specs, block_size, dcp.world_size)
-            self.attention_specs = [
-                dataclasses.replace(s, block_size=block_size // dcp.world_size)
-                for s in self.attention_specs
-            ]
-            backends = [DecodeContextParallelAttention(dcp)] * len(self.attention_specs)
-            logger.info("decode context parallel over %d ranks: attention runs on the core's "
-                        "partial attention, not the platform's backend", dcp.world_size)
-        else:
-            # One backend for every layer, or a chooser per spec (a platform picks per kind).
-            backends = resolve_backends(self.attention_specs, attention_backend)
+        backends = self._choose_backends(state, attention_backend, block_size)
         # the distinct backends, for the runner's once-per-step `prepare`
         self.attention_backends = list({id(b): b for b in backends}.values())
         # which layers share a block table (and metadata) and which arena slot each uses
@@ -255,6 +245,28 @@ class CausalLM(nn.Module):
         if self.tp.world_size > 1:
             parallel.apply_tensor_parallel(self, full_config, self.tp)
         self.requires_grad_(False)
+
+    def _choose_backends(
+        self, state: Any, attention_backend: BackendChoice, block_size: int
+    ) -> list[AttentionBackend]:
+        """Each layer's attention backend: the platform's (a chooser per spec, or one for
+        every layer), wrapped for prefill context parallel; the core's partial attention
+        under decode context parallel (which also shrinks the specs' physical blocks)."""
+        dcp = state.group("dcp")
+        if dcp.world_size > 1:  # the KV cache spread over the dcp ranks, token by token
+            check_decode_context_parallel(self.attention_specs, block_size, dcp.world_size)
+            self.attention_specs = [
+                dataclasses.replace(s, block_size=block_size // dcp.world_size)
+                for s in self.attention_specs
+            ]
+            logger.info("decode context parallel over %d ranks: attention runs on the core's "
+                        "partial attention, not the platform's backend", dcp.world_size)
+            return [DecodeContextParallelAttention(dcp)] * len(self.attention_specs)
+        backends = resolve_backends(self.attention_specs, attention_backend)
+        if self.pcp.world_size > 1:  # prefill split over the pcp ranks, KV all-gathered
+            wrapped = {id(b): PrefillContextParallelAttention(b, self.pcp) for b in backends}
+            backends = [wrapped[id(b)] for b in backends]
+        return backends
 
     @classmethod
     def attention_specs_for(
@@ -300,7 +312,13 @@ class CausalLM(nn.Module):
             raise ValueError(
                 f"got {len(kv_caches)} kv caches for {len(self.attention_specs)} layers"
             )
-        return self.model(input_ids, positions, kv_caches, self.layer_metadata(metadata))
+        per_layer = self.layer_metadata(metadata)
+        if prefill_context_parallel.should_split(input_ids.shape[0], self.pcp):
+            return prefill_context_parallel.split_forward(
+                self.model, self.pcp, input_ids, positions, kv_caches, per_layer,
+                self.attention_backends,
+            )
+        return self.model(input_ids, positions, kv_caches, per_layer)
 
     def layer_metadata(
         self, metadata: AttentionMetadata | list[AttentionMetadata]
