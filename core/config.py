@@ -72,6 +72,12 @@ class EngineArgs(BaseModel):
         "expert whole on one rank, tokens dispatched to them all-to-all) instead of "
         "splitting every expert's intermediate dim",
     )
+    enable_sequence_parallelism: bool = Field(
+        False,
+        description="with tensor_parallel_size > 1: between TP regions split the activations "
+        "along the tokens (reduce-scatter after row-parallel layers, all-gather before "
+        "column-parallel ones) instead of all-reducing them; llama, qwen2, qwen3",
+    )
     num_kv_blocks: int | None = Field(None, ge=1, description="override the KV pool size")
     seed: int = 0
     generation_config: str = Field(

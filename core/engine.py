@@ -22,7 +22,7 @@ from tokenmill.kv_connector.engine_setup import Offload, engine_offload, offload
 from tokenmill.model.context_parallel import check_decode_context_parallel
 from tokenmill.model.generation_config import describe, load_generation_defaults
 from tokenmill.model.loader import ModelInfo, default_model_path, load_model_info
-from tokenmill.model.parallel import local_config
+from tokenmill.model.parallel import check_sequence_parallel, local_config
 from tokenmill.model.registry import attention_specs_for
 from tokenmill.output_processor import CoreOutputProcessor, OutputProcessor, check_prompt
 from tokenmill.outputs import EngineCoreOutput, EngineCoreRequest, RequestOutput, SchedulerStats
@@ -164,6 +164,7 @@ class LLMEngine:
             world_size=world_size,
             tensor_parallel_size=tp,
             enable_expert_parallel=args.enable_expert_parallel,
+            enable_sequence_parallelism=args.enable_sequence_parallelism,
             decode_context_parallel_size=dcp,
             prefill_context_parallel_size=pcp,
             dist_init_method=_rendezvous() if world_size > 1 else None,
@@ -178,6 +179,8 @@ class LLMEngine:
                 )
         if tp > 1:
             local_config(self.loaded.hf_config, tp, args.enable_expert_parallel)
+            if args.enable_sequence_parallelism:
+                check_sequence_parallel(self.loaded.hf_config)
         if dcp > 1:
             specs = attention_specs_for(self.loaded.hf_config, self.dtype, args.block_size)
             check_decode_context_parallel(specs, args.block_size, dcp)

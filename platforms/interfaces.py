@@ -381,6 +381,8 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     # MoE experts split over the TP group's ranks (vLLM's enable_expert_parallel)
     enable_expert_parallel: bool = False
+    # activations split along the tokens between TP regions (vLLM's name)
+    enable_sequence_parallelism: bool = False
     # > 1: a (dcp, tp) grid; each sequence's KV spread token by token over the dcp ranks
     decode_context_parallel_size: int = 1
     # > 1: a (pcp, tp) grid; each prefill step's tokens split over the pcp ranks

@@ -95,6 +95,7 @@ def _serve(args: argparse.Namespace) -> int:
         "distributed_executor_backend": args.distributed_executor_backend,
         "tensor_parallel_size": args.tensor_parallel_size,
         "enable_expert_parallel": args.enable_expert_parallel or None,
+        "enable_sequence_parallelism": args.enable_sequence_parallelism or None,
         "decode_context_parallel_size": args.decode_context_parallel_size,
         "prefill_context_parallel_size": args.prefill_context_parallel_size,
         "memory_utilization": args.memory_utilization,
@@ -167,6 +168,9 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--prefill-context-parallel-size", "-pcp", type=int, default=None,
                    help="ranks each prefill step's tokens are split over (x the tensor "
                         "parallel ones; default 1)")
+    p.add_argument("--enable-sequence-parallelism", action="store_true",
+                   help="with -tp > 1: activations split along the tokens between tensor "
+                        "parallel regions (reduce-scatter + all-gather, not all-reduce)")
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE models: split the experts over the tensor parallel ranks "
                         "(all-to-all dispatch) instead of each expert's intermediate dim")

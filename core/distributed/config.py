@@ -25,6 +25,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     distributed_executor_backend: str = "uni"
     tensor_parallel_size: int = 1  # the TP group spans all world_size ranks when > 1
     enable_expert_parallel: bool = False  # MoE experts split over the TP group's ranks
+    enable_sequence_parallelism: bool = False  # activations split by token between TP regions
     decode_context_parallel_size: int = 1  # ranks a sequence's KV is spread over (x tp)
     prefill_context_parallel_size: int = 1  # ranks a step's tokens are split over (x tp)
     dist_init_method: str | None = None  # torch.distributed rendezvous, e.g. tcp://host:port

@@ -185,12 +185,15 @@ class GroupCoordinator:
 class ParallelState:
     """This rank's groups. `expert_parallel` (vLLM's enable_expert_parallel): a MoE layer's
     experts are split over the TP group's ranks (`ep`), each expert whole on one rank,
-    instead of every expert's intermediate dim being split over them (`moe_tp`)."""
+    instead of every expert's intermediate dim being split over them (`moe_tp`).
+    `sequence_parallel` (vLLM's enable_sequence_parallelism): between TP regions the
+    activations are split along the tokens (core/model/parallel.py)."""
 
     layout: ParallelLayout
     rank: int
     groups: dict[str, GroupCoordinator]
     expert_parallel: bool = False
+    sequence_parallel: bool = False
 
     def group(self, dim: str) -> GroupCoordinator:
         if dim not in self.groups:
@@ -253,11 +256,13 @@ def init_parallel_state(
     init_method: str,
     backend: str = "gloo",
     expert_parallel: bool = False,
+    sequence_parallel: bool = False,
 ) -> ParallelState:
     """Join the world (`init_method`: e.g. "tcp://127.0.0.1:PORT", the same on every rank),
     build every group of `layout` and make the result this process's parallel state.
     `platform` is the ActivePlatform whose communicator each group gets; `expert_parallel`
-    splits MoE experts over the TP group (ParallelState)."""
+    splits MoE experts over the TP group, `sequence_parallel` the activations between TP
+    regions along the tokens (ParallelState)."""
     global _state
     if _state is not None:
         raise RuntimeError("the parallel state is already initialised in this process")
@@ -269,7 +274,7 @@ def init_parallel_state(
         groups = build_groups(layout, rank, platform)
     else:
         groups = {}
-    _state = ParallelState(layout, rank, groups, expert_parallel)
+    _state = ParallelState(layout, rank, groups, expert_parallel, sequence_parallel)
     return _state
 
 

@@ -227,6 +227,7 @@ class Worker:
         init_parallel_state(
             layout, self.rank, self._platform, config.dist_init_method,
             expert_parallel=config.enable_expert_parallel,
+            sequence_parallel=config.enable_sequence_parallelism,
         )
         self._owns_parallel_state = True
         logger.info("rank %d: joined the parallel groups %s", self.rank,
@@ -266,6 +267,7 @@ class Worker:
                 distributed_executor_backend=config.distributed_executor_backend,
                 tensor_parallel_size=config.tensor_parallel_size,
                 enable_expert_parallel=config.enable_expert_parallel,
+                enable_sequence_parallelism=config.enable_sequence_parallelism,
                 decode_context_parallel_size=config.decode_context_parallel_size,
                 prefill_context_parallel_size=config.prefill_context_parallel_size,
             ),

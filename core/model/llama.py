@@ -188,12 +188,15 @@ class Model(nn.Module):
         metadata: list[AttentionMetadata],
     ) -> torch.Tensor:
         """`metadata[i]` is layer i's (its KV group's)."""
+        sp = self.__dict__.get("sequence_parallel")  # tensor parallel's SequenceParallel
+        if sp is not None:
+            sp.num_tokens = input_ids.shape[0]
         hidden = self.embed_tokens(input_ids)
         residual = None
         for layer, kv_cache, meta in zip(self.layers, kv_caches, metadata, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
         hidden, _ = self.norm(hidden, residual)
-        return hidden
+        return hidden if sp is None else sp.gather(hidden)
 
 
 class CausalLM(nn.Module):
@@ -243,7 +246,7 @@ class CausalLM(nn.Module):
         if not self.tie_word_embeddings:
             self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, False, dtype)
         if self.tp.world_size > 1:
-            parallel.apply_tensor_parallel(self, full_config, self.tp)
+            parallel.apply_tensor_parallel(self, full_config, self.tp, state.sequence_parallel)
         self.requires_grad_(False)
 
     def _choose_backends(
