@@ -10,7 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 # the parallel sizes whose product is the number of ranks (worker processes)
 WORLD_SIZES = (
-    "tensor_parallel_size", "decode_context_parallel_size", "prefill_context_parallel_size"
+    "tensor_parallel_size", "pipeline_parallel_size", "decode_context_parallel_size",
+    "prefill_context_parallel_size",
 )
 
 DType = Literal["auto", "bfloat16", "bf16", "float32", "fp32", "float16", "fp16"]
@@ -46,13 +47,18 @@ class EngineArgs(BaseModel):
         "engine may use, weights and activations included; the KV cache gets what is left "
         "(vLLM's gpu_memory_utilization)",
     )
-    distributed_executor_backend: Literal["uni", "mp"] = Field(
+    distributed_executor_backend: Literal["uni", "mp", "ray"] = Field(
         "uni",
         description="uni: the worker runs in the engine's process; mp: a process per rank "
-        "(the default when tensor_parallel_size > 1)",
+        "on this host (the default when tensor_parallel_size x pipeline_parallel_size > 1); "
+        "ray: a Ray actor per rank, on the nodes of a Ray cluster",
     )
     tensor_parallel_size: int = Field(
         1, ge=1, description="ranks the model's heads, MLP and vocab are split over"
+    )
+    pipeline_parallel_size: int = Field(
+        1, ge=1, description="stages the model's layers are split over (each with "
+        "tensor_parallel_size ranks)",
     )
     decode_context_parallel_size: int = Field(
         1,
@@ -98,22 +104,28 @@ class EngineArgs(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _tp_backend(cls, data: Any) -> Any:
-        """More than one rank needs a process per rank: 'mp' unless another is named."""
+        """More than one rank (the product of WORLD_SIZES) needs a process per rank: 'mp'
+        unless another is named."""
         if not isinstance(data, dict):
             return data
         sizes = {k: data.get(k) or 1 for k in WORLD_SIZES}
-        if math.prod(sizes.values()) <= 1:
-            return data
+        if not all(isinstance(v, int) for v in sizes.values()) or math.prod(sizes.values()) <= 1:
+            return data  # the fields' own checks report bad values
         backend = data.get("distributed_executor_backend")
         if backend is None:
             return {**data, "distributed_executor_backend": "mp"}
         if backend == "uni":
-            named = ", ".join(f"{k}={v}" for k, v in sizes.items() if v > 1)
+            named = " x ".join(f"{k}={v}" for k, v in sizes.items() if v > 1)
             raise ValueError(
-                f"{named} needs a process per rank: "
-                "distributed_executor_backend='uni' runs one; use 'mp'"
+                f"{named} needs a process per rank: distributed_executor_backend='uni' runs "
+                "one; use 'mp' or 'ray'"
             )
         return data
+
+    @property
+    def world_size(self) -> int:
+        """Worker ranks of one engine: the product of WORLD_SIZES."""
+        return math.prod(getattr(self, k) for k in WORLD_SIZES)
 
     # KV offload (core/kv_connector/, docs/kv-offload.md): each set tier joins the stack
     kv_offload_host_bytes: int | None = Field(
@@ -140,6 +152,13 @@ class EngineArgs(BaseModel):
                 f"prefill_context_parallel_size={self.prefill_context_parallel_size}: one "
                 "of them at a time for now"
             )
+        if self.pipeline_parallel_size > 1 and (
+            self.prefill_context_parallel_size > 1 or self.enable_sequence_parallelism
+        ):
+            raise ValueError(
+                f"pipeline_parallel_size={self.pipeline_parallel_size} does not combine with "
+                "prefill_context_parallel_size > 1 or enable_sequence_parallelism yet"
+            )
         return self
 
     @model_validator(mode="after")
@@ -147,11 +166,10 @@ class EngineArgs(BaseModel):
         from tokenmill.kv_connector.engine_setup import offload_config
 
         # raises ValueError naming a bad combination
-        if offload_config(self) is not None and self.distributed_executor_backend != "uni":
+        if offload_config(self) is not None and self.tensor_parallel_size > 1:
             raise ValueError(
-                "KV offload runs with distributed_executor_backend='uni' for now (its "
-                "scheduler side looks the worker's tiers up in-process); got "
-                f"{self.distributed_executor_backend!r}"
+                "KV offload runs with tensor_parallel_size=1 for now (each rank would save "
+                f"and load its own shard of every block); got {self.tensor_parallel_size}"
             )
         return self
 

@@ -20,8 +20,9 @@ from tokenmill.step import StepDescription, StepResult
 
 # 1.1: op apply_token_bitmask. 1.2: tokenmill_model_runner gets a ModelRunnerContext and
 # returns a ModelRunnerBase; tokenmill_graph_capture returns a GraphCapture; ops
-# moe_experts and gelu_tanh_and_mul; AttentionSpec.sinks.
-PLUGIN_API_VERSION = "1.2"
+# moe_experts and gelu_tanh_and_mul; AttentionSpec.sinks. 1.3: the MLA kind
+# (AttentionSpec.mla, MLADims) and AttentionBackend.kv_cache_shape.
+PLUGIN_API_VERSION = "1.3"
 
 
 class AttentionKind(str, enum.Enum):
@@ -34,8 +35,40 @@ class AttentionKind(str, enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class MLADims:
+    """The shapes of a multi-head latent attention layer (DeepSeek-V2/V3, Kimi).
+
+    Per token the cache keeps one latent row of `kv_lora_rank + qk_rope_head_dim`
+    values: the normalised compressed KV `c_kv` (kv_lora_rank), then the rotary key
+    `k_pe` (qk_rope_head_dim) shared by every head. Head h's key is
+    `cat(W_UK[h] @ c_kv, k_pe)` and its value `W_UV[h] @ c_kv`, with the up-projections
+    `w_uk` [num_heads, qk_nope_head_dim, kv_lora_rank] and `w_uv` [num_heads, v_head_dim,
+    kv_lora_rank] (rows of the checkpoint's `kv_b_proj`).
+    """
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def latent_size(self) -> int:
+        """Values cached per token per layer."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True, slots=True)
 class AttentionSpec:
-    """What one attention layer needs from a backend."""
+    """What one attention layer needs from a backend.
+
+    For `AttentionKind.MLA`, `mla` holds the layer's dimensions; `num_kv_heads` is 1 and
+    `head_size` is `mla.latent_size` (what the cache holds per token), and `scale` is set
+    (the model's softmax scale over the qk_head_dim-wide dot products).
+    """
 
     kind: AttentionKind
     num_heads: int
@@ -51,6 +84,36 @@ class AttentionSpec:
     # sets `AttentionBackend.supports_sinks` (the core otherwise runs that layer on its
     # reference attention and logs it).
     sinks: bool = False
+    mla: MLADims | None = None  # exactly for AttentionKind.MLA
+
+    def __post_init__(self) -> None:
+        if (self.kind == AttentionKind.MLA) != (self.mla is not None):
+            raise ValueError(f"attention kind {self.kind.value!r} with mla={self.mla}: MLA "
+                             "layers, and only they, carry MLADims")
+        if self.mla is not None and (
+            self.num_kv_heads != 1 or self.head_size != self.mla.latent_size
+        ):
+            raise ValueError(
+                f"an MLA spec caches one latent row per token: num_kv_heads must be 1 (got "
+                f"{self.num_kv_heads}) and head_size kv_lora_rank + qk_rope_head_dim = "
+                f"{self.mla.latent_size} (got {self.head_size})"
+            )
+
+
+def kv_cache_shape(spec: AttentionSpec, num_blocks: int) -> tuple[int, ...]:
+    """The standard layout of one layer's paged cache of `num_blocks` blocks.
+
+    FULL and SLIDING_WINDOW: [2, num_blocks, block_size, num_kv_heads, head_size] (keys,
+    then values). MLA: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim] (each
+    token's latent row: c_kv then k_pe), about (2 * heads * head) / latent times smaller
+    than the equivalent multi-head cache. A backend that wants another layout of the same
+    bytes says so in `AttentionBackend.kv_cache_shape`.
+    """
+    if spec.kind == AttentionKind.MLA:
+        return (num_blocks, spec.block_size, spec.head_size)
+    if spec.kind in (AttentionKind.FULL, AttentionKind.SLIDING_WINDOW):
+        return (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+    raise ValueError(f"attention kind {spec.kind.value!r} keeps no paged KV cache")
 
 
 @dataclass(slots=True)
@@ -144,6 +207,13 @@ class AttentionBackend(ABC):
     def prepare(self, metadata: AttentionMetadata) -> None:  # noqa: B027 - optional hook
         """Precompute per-step state (gather indices, masks) into `metadata.backend_state`."""
 
+    def kv_cache_shape(self, spec: AttentionSpec, num_blocks: int) -> tuple[int, ...]:
+        """The shape the arena views one layer's pages as (`kv_cache` in `forward`); the
+        core's standard layout (`kv_cache_shape`) unless overridden. Must not depend on
+        anything but `spec` and `num_blocks`, and every layer of a model must need the
+        same bytes per block."""
+        return kv_cache_shape(spec, num_blocks)
+
     @abstractmethod
     def forward(
         self,
@@ -160,6 +230,16 @@ class AttentionBackend(ABC):
         step's tokens up to and including itself). Returns [num_tokens, num_heads, head_size].
         With `spec.sinks` the core adds the keyword `sinks` (float32 [num_heads]); only a
         backend with `supports_sinks` gets such a spec.
+
+        MLA (`spec.kind == AttentionKind.MLA`, see `MLADims`; reference:
+        `tokenmill.ops.mla.mla_attention`) reads the arguments as: `query` [num_tokens,
+        num_heads, qk_nope_head_dim + qk_rope_head_dim] (q_nope | roped q_pe); `key`
+        [num_tokens, 1, kv_lora_rank + qk_rope_head_dim], the latent row to cache (c_kv |
+        roped k_pe); `value` None; `kv_cache` [num_blocks, block_size, kv_lora_rank +
+        qk_rope_head_dim]; and the keywords `w_uk` [num_heads, qk_nope_head_dim,
+        kv_lora_rank] and `w_uv` [num_heads, v_head_dim, kv_lora_rank]. Returns
+        [num_tokens, num_heads, v_head_dim]. A backend may decompress the latents (prefill)
+        or fold `w_uk` into the query and apply `w_uv` after (decode); both are exact.
         """
 
 
@@ -379,6 +459,10 @@ class ParallelConfig:
     # > 1: the ranks form one tensor parallel group (tokenmill.distributed.parallel_state
     # holds its communicator); a runner of the plugin's own must shard its model itself
     tensor_parallel_size: int = 1
+    # > 1: the ranks also form pipeline stages (layout pp x tp, tokenmill.distributed.
+    # parallel_state); the core's runner runs a stage's layers only, results come from
+    # TP rank 0 of the last stage
+    pipeline_parallel_size: int = 1
     # MoE experts split over the TP group's ranks (vLLM's enable_expert_parallel)
     enable_expert_parallel: bool = False
     # activations split along the tokens between TP regions (vLLM's name)

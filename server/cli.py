@@ -94,6 +94,7 @@ def _serve(args: argparse.Namespace) -> int:
         "kv_offload_remote": args.kv_offload_remote,
         "distributed_executor_backend": args.distributed_executor_backend,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "pipeline_parallel_size": args.pipeline_parallel_size,
         "enable_expert_parallel": args.enable_expert_parallel or None,
         "enable_sequence_parallelism": args.enable_sequence_parallelism or None,
         "decode_context_parallel_size": args.decode_context_parallel_size,
@@ -157,11 +158,15 @@ def _add_serve_parser(sub) -> None:
                    help="most prompt tokens one request computes per step (0: no limit; "
                         "default: the platform's choice, 512 on CPU)")
     p.add_argument("--block-size", type=int, default=None)
-    p.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp"],
+    p.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],
                    help="uni (default): the model runs in the engine's process; mp: a worker "
-                        "process per rank")
+                        "process per rank; ray: a Ray actor per rank (joins the Ray cluster "
+                        "RAY_ADDRESS names, or starts a local one)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
                    help="ranks the model is split over (default 1); > 1 runs the mp backend")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None,
+                   help="stages the model's layers are split over (default 1), each of "
+                        "--tensor-parallel-size ranks; > 1 runs the mp backend")
     p.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=None,
                    help="ranks each sequence's KV cache is spread over (x the tensor "
                         "parallel ones; default 1)")

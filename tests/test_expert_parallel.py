@@ -6,7 +6,7 @@ and gloo: greedy tokens identical to one process.
   rank holding its experts whole, tokens dispatched and combined all-to-all (the counted
   bytes say the all-to-all ran, and how much each rank's experts take);
 - tp without EP: every expert's intermediate dim split (Qwen3-MoE, whose layer 1 is
-  dense, Mixtral, gpt-oss with expert biases and sinks), and Gemma 3.
+  dense, gpt-oss with expert biases and sinks), and Gemma 3.
 """
 
 from __future__ import annotations
@@ -55,7 +55,6 @@ def _expert_bytes(path) -> int:
         ("gpt_oss", 2, True),
         ("mixtral", 4, True),
         ("qwen3_moe", 2, False),
-        ("mixtral", 2, False),
         ("gpt_oss", 2, False),
         ("gemma3", 2, False),
     ],

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import msgspec
 import torch
 
 from tokenmill.distributed.config import WorkerConfig
@@ -21,8 +22,9 @@ from tokenmill.distributed.parallel_state import (
     init_parallel_state,
 )
 from tokenmill.kv.sizing import kv_cache_budget
-from tokenmill.kv_connector.engine_setup import WorkerOffload, make_worker_offload
+from tokenmill.kv_connector.engine_setup import WorkerOffload, make_worker_offload, slot_caches
 from tokenmill.model.loader import build_model, checkpoint_weights, load_model_info
+from tokenmill.model.pipeline import stage_weight_filter
 from tokenmill.model.registry import attention_specs_for
 from tokenmill.platforms.interfaces import (
     AllocatorPurpose,
@@ -100,8 +102,16 @@ class Worker:
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             max_num_seqs=self.config.max_num_seqs,
             max_model_len=self.config.max_model_len,
-            graphs=platform.graph_capture(self.config.max_num_seqs),
+            graphs=self._graphs(),
         )
+
+    def _graphs(self):
+        """The platform's decode graphs; none with pipeline parallel (a captured step
+        cannot hold the stage's send and receive)."""
+        if self.config.pipeline_parallel_size > 1:
+            logger.info("rank %d: decode graphs are off with pipeline parallel", self.rank)
+            return None
+        return self._platform.graph_capture(self.config.max_num_seqs)
 
     def determine_num_blocks(self) -> int:
         """How many KV blocks this rank holds: `num_kv_blocks` if set; else as many as fit
@@ -175,14 +185,34 @@ class Worker:
                     f"KV offload needs the core's model runner (its KV caches); platform "
                     f"{self._platform.name!r} brings {type(self._runner).__name__}"
                 )
+            layout = getattr(getattr(self._runner, "model", None), "kv_layout", None)
             self.kv_offload = make_worker_offload(
-                self.config.kv_offload, self.config.model_path, self.hf_config, caches,
+                self.config.kv_offload, self.config.model_path, self.hf_config,
+                slot_caches(caches, layout.layer_slot if layout is not None else None),
                 self._platform, self.config.block_size,
             )
+            if self.config.distributed_executor_backend != "uni":
+                # the engine's scheduler side mirrors the stack from our reports
+                self.kv_offload.stack.record_changes()
+                self.kv_offload.worker_side.mirrored = True
+
+    def kv_offload_index(self) -> bytes:
+        """Everything this rank's KV tiers hold, as a msgpack `TierIndex` (the seed of
+        the engine's mirror, kv_connector/directory.py). Changes logged before it are
+        dropped: the index already has them."""
+        offload = self._offload
+        offload.stack.take_changes()
+        index = offload.stack.index(offload.layout.fingerprint(), self.config.block_size)
+        return msgspec.msgpack.encode(index)
+
+    def kv_offload_drain(self) -> bytes:
+        """Wait for every KV load and save in flight; their msgpack `WorkerReport`."""
+        return msgspec.msgpack.encode(self._offload.worker_side.drain())
 
     # ---- steps -------------------------------------------------------------------------
     def execute(self, step: StepDescription) -> StepResult | None:
-        """Run one step; rank 0 returns its result, the other ranks None."""
+        """Run one step; the output rank (`WorkerConfig.output_rank`: rank 0, or TP rank 0
+        of the last pipeline stage) returns its result, the other ranks None."""
         connector = self.kv_offload.worker_side if self.kv_offload is not None else None
         meta = step.kv_connector
         if connector is not None and meta is not None:
@@ -196,7 +226,7 @@ class Worker:
             result.kv_connector = connector.report(
                 wait_s=0.0 if step.scheduled_request_ids else 0.005
             )
-        return result if self.rank == 0 else None
+        return result if self.rank == self.config.output_rank else None
 
     def shutdown(self) -> None:
         if self.kv_offload is not None:
@@ -210,13 +240,14 @@ class Worker:
             self._owns_parallel_state = False
 
     def _init_parallel_state(self) -> None:
-        """Join the groups of the (pcp, dcp, tp) grid of all `world_size` ranks
+        """Join the (pp, pcp, dcp, tp) grid of all `world_size` ranks
         (tokenmill.distributed.parallel_state): TP groups contiguous, the context parallel
-        ones strided by tp."""
+        ones strided by tp, pipeline stages outermost."""
         config = self.config
         layout = ParallelLayout.of(
-            ("pcp", "dcp", "tp"), pcp=config.prefill_context_parallel_size,
-            dcp=config.decode_context_parallel_size, tp=config.tensor_parallel_size,
+            ("pp", "pcp", "dcp", "tp"), pp=config.pipeline_parallel_size,
+            pcp=config.prefill_context_parallel_size, dcp=config.decode_context_parallel_size,
+            tp=config.tensor_parallel_size,
         )
         if config.world_size != layout.world_size or config.dist_init_method is None:
             raise ValueError(
@@ -230,15 +261,28 @@ class Worker:
             sequence_parallel=config.enable_sequence_parallelism,
         )
         self._owns_parallel_state = True
-        logger.info("rank %d: joined the parallel groups %s", self.rank,
-                    dict(zip(layout.dims, layout.sizes)))
+        logger.info("rank %d: joined the grid %s", self.rank, layout.coords(self.rank))
 
     # ---- helpers -----------------------------------------------------------------------
+    def _keep_weight(self):
+        """With pipeline parallel, which checkpoint tensors this rank's stage reads."""
+        config = self.config
+        if config.pipeline_parallel_size == 1:
+            return None
+        stage = get_parallel_state().group("pp").rank_in_group
+        return stage_weight_filter(self.hf_config, config.pipeline_parallel_size, stage)
+
     @property
     def _platform(self) -> ActivePlatform:
         if self.platform is None:
             raise RuntimeError("Worker.init_device must run first")
         return self.platform
+
+    @property
+    def _offload(self) -> WorkerOffload:
+        if self.kv_offload is None:
+            raise RuntimeError("this worker has no KV offload (no kv_offload tiers configured)")
+        return self.kv_offload
 
     @property
     def _runner(self) -> ModelRunnerBase:
@@ -252,7 +296,7 @@ class Worker:
         return ModelRunnerContext(
             hf_config=hf_config,
             model_path=config.model_path,
-            weights=lambda: checkpoint_weights(config.model_path, hf_config),
+            weights=lambda: checkpoint_weights(config.model_path, hf_config, self._keep_weight()),
             dtype=dtype,
             device=self._platform.platform.device,
             kv_cache=KVCacheSpec(
@@ -266,6 +310,7 @@ class Worker:
                 rank=self.rank,
                 distributed_executor_backend=config.distributed_executor_backend,
                 tensor_parallel_size=config.tensor_parallel_size,
+                pipeline_parallel_size=config.pipeline_parallel_size,
                 enable_expert_parallel=config.enable_expert_parallel,
                 enable_sequence_parallelism=config.enable_sequence_parallelism,
                 decode_context_parallel_size=config.decode_context_parallel_size,

@@ -24,7 +24,13 @@ import torch.nn.functional as F
 
 from tokenmill.distributed.parallel_state import GroupCoordinator
 from tokenmill.ops.reference import write_kv
-from tokenmill.platforms.interfaces import AttentionBackend, AttentionMetadata, AttentionSpec
+from tokenmill.platforms.interfaces import (
+    AttentionBackend,
+    AttentionKind,
+    AttentionMetadata,
+    AttentionSpec,
+    kv_cache_shape,
+)
 
 MIN_TOKENS_PER_RANK = 2  # a step with fewer per rank runs whole everywhere
 _STATE = "prefill_context_parallel"
@@ -96,6 +102,19 @@ class PrefillContextParallelAttention(AttentionBackend):
 
     def prepare(self, metadata: AttentionMetadata) -> None:
         self.inner.prepare(metadata)
+
+    def kv_cache_shape(self, spec: AttentionSpec, num_blocks: int) -> tuple[int, ...]:
+        """The standard layout, which the gathered keys and values are written in;
+        ValueError when the inner backend wants another (or the layer is not multi-head)."""
+        shape = tuple(self.inner.kv_cache_shape(spec, num_blocks))
+        if spec.kind not in (AttentionKind.FULL, AttentionKind.SLIDING_WINDOW) or shape != (
+            kv_cache_shape(spec, num_blocks)
+        ):
+            raise ValueError(
+                f"prefill_context_parallel_size > 1 writes the standard multi-head KV layout; "
+                f"{self.inner.name!r} declares {shape} for a {spec.kind.name} layer"
+            )
+        return shape
 
     def forward(self, spec, query, key, value, kv_cache, metadata, **kwargs):
         state = metadata.backend_state.get(_STATE)

@@ -144,7 +144,8 @@ class GpuPlugin:
                 default_dtype=torch.float32,
                 memory_info=host_memory_info,
                 version=f"triton {triton_version} interpreter on CPU, float32 and bfloat16 "
-                "checked (bf16 tiles upcast to float32 before tl.dot); torch "
+                "checked (bf16 tiles upcast to float32 before tl.dot, float32 -> bf16 casts "
+                "rounded to nearest even in-kernel); torch "
                 + torch.__version__,
                 long_prefill_token_threshold=256,
             )
