@@ -115,7 +115,9 @@ class EngineArgs(BaseModel):
         if backend is None:
             return {**data, "distributed_executor_backend": "mp"}
         if backend == "uni":
-            named = " x ".join(f"{k}={v}" for k, v in sizes.items() if v > 1)
+            named = " x ".join(
+                f"{k}={v}" for k, v in sizes.items() if v > 1 or k == "tensor_parallel_size"
+            )
             raise ValueError(
                 f"{named} needs a process per rank: distributed_executor_backend='uni' runs "
                 "one; use 'mp' or 'ray'"
