@@ -106,3 +106,26 @@ def test_serve_flag_reaches_engine_args(capsys):
             "uni", "--port", "1"]
     assert main(argv) == 2  # rejected by EngineArgs, after parsing the flag
     assert "distributed_executor_backend='uni'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_stacked_expert_checkpoints_load_like_per_expert_ones(models, tmp_path, arch):
+    """transformers 5 holds experts stacked (`mlp.experts.gate_up_proj` [E, 2I, H]); a
+    checkpoint saved from its state dict loads into the same model as the per-expert one."""
+    import shutil
+
+    from safetensors.torch import save_file
+    from tiny_models import load_hf
+
+    path, want, _ = models[arch]
+    stacked = tmp_path / "stacked"
+    shutil.copytree(path, stacked)
+    state = {k: v.clone() for k, v in load_hf(path).state_dict().items()}
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in state)
+    save_file(state, str(stacked / "model.safetensors"))
+    llm = _llm(stacked, tensor_parallel_size=1)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    finally:
+        llm.engine.shutdown()
+    assert got == want
