@@ -10,6 +10,7 @@ from torch import nn
 from tokenmill.model.gemma3 import Gemma3ForCausalLM
 from tokenmill.model.gpt_oss import GptOssForCausalLM
 from tokenmill.model.llama import CausalLM
+from tokenmill.model.qwen3_next import Qwen3NextForCausalLM
 from tokenmill.platforms.interfaces import AttentionSpec
 
 # HF `model_type` -> class. One class covers the llama family; its module docstring says how
@@ -21,6 +22,7 @@ _MODEL_TYPES: dict[str, type[nn.Module]] = {
     "qwen3": CausalLM,
     "gemma3_text": Gemma3ForCausalLM,
     "gpt_oss": GptOssForCausalLM,
+    "qwen3_next": Qwen3NextForCausalLM,
 }
 
 
