@@ -155,22 +155,30 @@ class ReferenceLinearAttentionBackend(LinearAttentionBackend):
         state_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
+        starts = metadata.query_start_loc.tolist()
+        return torch.cat([
+            self.forward_sequence(spec, inputs, state_cache, metadata, i, starts[i], starts[i + 1])
+            for i in range(metadata.num_seqs)
+        ])
+
+    def forward_sequence(
+        self, spec: AttentionSpec, inputs: Any, state_cache: torch.Tensor,
+        metadata: AttentionMetadata, i: int, lo: int, hi: int,
+    ) -> torch.Tensor:
+        """Sequence i (tokens [lo, hi) of the step): read its state, run the variant piece
+        by piece between its checkpoints, write them and its slot; returns its outputs."""
         variant = self._impls[spec.state.variant]
         rec = metadata.recurrent
-        starts = metadata.query_start_loc.tolist()
-        outs = []
-        for i in range(metadata.num_seqs):
-            lo, hi = starts[i], starts[i + 1]
-            state = initial_state(state_cache, spec.state, rec.source_block_ids[i])
-            at = lo
-            for n, pages in rec.checkpoints[i]:
-                if lo + n > at:
-                    out, state = variant.run(spec, inputs, at, lo + n, state)
-                    outs.append(out)
-                    at = lo + n
-                write_states(state_cache, spec.state, [pages], [t[None] for t in state])
-            if at < hi:
-                out, state = variant.run(spec, inputs, at, hi, state)
+        state = initial_state(state_cache, spec.state, rec.source_block_ids[i])
+        outs, at = [], lo
+        for n, pages in rec.checkpoints[i]:
+            if lo + n > at:
+                out, state = variant.run(spec, inputs, at, lo + n, state)
                 outs.append(out)
-            write_states(state_cache, spec.state, [rec.state_block_ids[i]], [t[None] for t in state])
+                at = lo + n
+            write_states(state_cache, spec.state, [pages], [t[None] for t in state])
+        if at < hi:
+            out, state = variant.run(spec, inputs, at, hi, state)
+            outs.append(out)
+        write_states(state_cache, spec.state, [rec.state_block_ids[i]], [t[None] for t in state])
         return torch.cat(outs)
