@@ -294,6 +294,8 @@ class LLMEngine:
             prefix_cache_queries=self.kv.stats.queries,
             prefix_cache_hits=self.kv.stats.hits,
             kv_tiers=self.offload.snapshot() if self.offload is not None else {},
+            kv_blocks_by_type=self.kv.blocks_in_use_by_type(),
+            kv_blocks_usable=self.kv.pool.num_usable_blocks,
         )
 
     # ---- the step --------------------------------------------------------------------
