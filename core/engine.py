@@ -34,6 +34,7 @@ from tokenmill.model.pipeline import check_pipeline
 from tokenmill.model.registry import attention_specs_for
 from tokenmill.output_processor import CoreOutputProcessor, OutputProcessor, check_prompt
 from tokenmill.outputs import EngineCoreOutput, EngineCoreRequest, RequestOutput, SchedulerStats
+from tokenmill.platforms.interfaces import AttentionKind
 from tokenmill.platforms.registry import ActivePlatform, PlatformRegistry, load_platform
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
@@ -103,9 +104,16 @@ class LLMEngine:
         # KV groups: one block table per group of layers of one attention type, where the
         # runner keeps them (the core's); a plugin's own runner gets one table for all layers
         groups = None
+        specs = attention_specs_for(self.loaded.hf_config, self.dtype, args.block_size)
         if all(self.executor.collective_rpc("uses_kv_groups")):
-            specs = attention_specs_for(self.loaded.hf_config, self.dtype, args.block_size)
             groups = plan_groups(specs).groups
+        elif any(s.kind == AttentionKind.LINEAR for s in specs):
+            self.executor.shutdown()
+            raise ValueError(
+                "this model has recurrent (linear attention) layers, whose state only the "
+                "core's model runner keeps in the KV arena; the platform's own runner "
+                "gets one block table per request: run it on a platform without one"
+            )
         self.kv = KVCacheManager(
             self.num_kv_blocks, args.block_size, args.enable_prefix_caching, groups
         )
@@ -320,6 +328,8 @@ class LLMEngine:
             prefix_cache_queries=self.kv.stats.queries,
             prefix_cache_hits=self.kv.stats.hits,
             kv_tiers=self.offload.snapshot() if self.offload is not None else {},
+            kv_blocks_by_type=self.kv.blocks_in_use_by_type(),
+            kv_blocks_usable=self.kv.pool.num_usable_blocks,
         )
 
     # ---- the step --------------------------------------------------------------------
