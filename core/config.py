@@ -126,10 +126,11 @@ class EngineArgs(BaseModel):
         from tokenmill.kv_connector.engine_setup import offload_config
 
         # raises ValueError naming a bad combination
-        if offload_config(self) is not None and self.tensor_parallel_size > 1:
+        if offload_config(self) is not None and self.world_size > 1:
             raise ValueError(
-                "KV offload runs with tensor_parallel_size=1 for now (each rank would save "
-                f"and load its own shard of every block); got {self.tensor_parallel_size}"
+                "KV offload runs with tensor_parallel_size=1 and pipeline_parallel_size=1 for "
+                "now (each rank would save and load its own shard of every block); got "
+                f"{self.tensor_parallel_size} x {self.pipeline_parallel_size}"
             )
         return self
 

@@ -66,7 +66,7 @@ def _serve(args: argparse.Namespace) -> int:
     from tokenmill.async_engine import AsyncLLM
     from tokenmill.config import EngineArgs
     from tokenmill.server.app import build_app
-    from tokenmill.server.protocol import MAX_HTTP_HEAD_BYTES
+    from tokenmill.server.http_server import uvicorn_options
     from tokenmill.server.reasoning import reasoning_parser_names
     from tokenmill.server.tool_parsers import tool_parser_names
 
@@ -124,8 +124,7 @@ def _serve(args: argparse.Namespace) -> int:
             app,
             host=args.host,
             port=args.port,
-            http="h11",  # its header-size limit is configurable
-            h11_max_incomplete_event_size=MAX_HTTP_HEAD_BYTES,
+            **uvicorn_options(),  # httptools + uvloop
             timeout_graceful_shutdown=args.shutdown_timeout,
             log_level=args.log_level,
         ))
