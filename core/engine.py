@@ -364,7 +364,7 @@ class LLMEngine:
         while not queue.full:
             share = -(-len(self.scheduler.requests) // queue.depth)
             plan = self.scheduler.schedule(max_num_scheduled=max(1, share))
-            if plan.step is None:
+            if plan.is_empty:  # every request waits for a step in flight (or for KV)
                 break
             plan.step.structured = self._structured_masks(plan)
             self.scheduler.update_computed(plan)
