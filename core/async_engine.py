@@ -97,13 +97,25 @@ class AsyncLLM:
                 "installed plugins; it takes no LLMEngine and no registry"
             )
         self.engine: LLMEngine | None = None
+        dp = args is not None and args.data_parallel_size > 1
         if engine_process:
-            self._client = EngineCoreProcClient(args)
+            if dp:  # an engine process per replica (tokenmill.distributed.data_parallel)
+                from tokenmill.distributed.data_parallel import DataParallelClient
+
+                self._client = DataParallelClient.in_processes(args)
+            else:
+                self._client = EngineCoreProcClient(args)
             self._init_frontend_for_process(args, self._client)
         else:
-            self.engine = engine if engine is not None else LLMEngine(args, registry)
-            self._client = InprocClient(self.engine)
-            self.args = self.engine.args
+            if dp:  # an engine thread per replica; self.engine is the first replica
+                from tokenmill.distributed.data_parallel import DataParallelClient
+
+                self._client = DataParallelClient.in_threads(args, registry)
+                self.engine = self._client.engines[0]
+            else:
+                self.engine = engine if engine is not None else LLMEngine(args, registry)
+                self._client = InprocClient(self.engine)
+            self.args = args if dp else self.engine.args
             self.tokenizer = self.engine.tokenizer
             self.max_model_len = self.engine.max_model_len
             self.vocab_size = self.engine.loaded.hf_config.vocab_size

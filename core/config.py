@@ -40,13 +40,23 @@ class EngineArgs(BaseModel):
         "engine may use, weights and activations included; the KV cache gets what is left "
         "(vLLM's gpu_memory_utilization)",
     )
-    distributed_executor_backend: Literal["uni", "mp"] = Field(
+    distributed_executor_backend: Literal["uni", "mp", "ray"] = Field(
         "uni",
         description="uni: the worker runs in the engine's process; mp: a process per rank "
-        "(the default when tensor_parallel_size > 1)",
+        "on this host (the default when tensor_parallel_size x pipeline_parallel_size > 1); "
+        "ray: a Ray actor per rank, on the nodes of a Ray cluster",
     )
     tensor_parallel_size: int = Field(
         1, ge=1, description="ranks the model's heads, MLP and vocab are split over"
+    )
+    pipeline_parallel_size: int = Field(
+        1, ge=1, description="stages the model's layers are split over (each with "
+        "tensor_parallel_size ranks)",
+    )
+    data_parallel_size: int = Field(
+        1, ge=1, description="whole engine replicas (each of tensor_parallel_size x "
+        "pipeline_parallel_size ranks) behind one front; requests go to the replica that "
+        "served their prefix, else the least loaded (tokenmill.distributed.dp_router)",
     )
     num_kv_blocks: int | None = Field(None, ge=1, description="override the KV pool size")
     seed: int = 0
@@ -68,18 +78,31 @@ class EngineArgs(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _tp_backend(cls, data: Any) -> Any:
-        """tensor_parallel_size > 1 needs a process per rank: 'mp' unless another is named."""
-        if not isinstance(data, dict) or (data.get("tensor_parallel_size") or 1) <= 1:
+        """tensor_parallel_size x pipeline_parallel_size > 1 needs a process per rank: 'mp'
+        unless another is named."""
+        if not isinstance(data, dict):
             return data
+        tp = data.get("tensor_parallel_size") or 1
+        pp = data.get("pipeline_parallel_size") or 1
+        if not isinstance(tp, int) or not isinstance(pp, int) or tp * pp <= 1:
+            return data  # the fields' own checks report bad values
         backend = data.get("distributed_executor_backend")
         if backend is None:
             return {**data, "distributed_executor_backend": "mp"}
         if backend == "uni":
+            sizes = f"tensor_parallel_size={tp}" if pp == 1 else (
+                f"tensor_parallel_size={tp} x pipeline_parallel_size={pp}"
+            )
             raise ValueError(
-                f"tensor_parallel_size={data['tensor_parallel_size']} needs a process per rank: "
-                "distributed_executor_backend='uni' runs one; use 'mp'"
+                f"{sizes} needs a process per rank: distributed_executor_backend='uni' runs "
+                "one; use 'mp' or 'ray'"
             )
         return data
+
+    @property
+    def world_size(self) -> int:
+        """Worker ranks of one engine: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     # KV offload (core/kv_connector/, docs/kv-offload.md): each set tier joins the stack
     kv_offload_host_bytes: int | None = Field(
@@ -103,11 +126,11 @@ class EngineArgs(BaseModel):
         from tokenmill.kv_connector.engine_setup import offload_config
 
         # raises ValueError naming a bad combination
-        if offload_config(self) is not None and self.distributed_executor_backend != "uni":
+        if offload_config(self) is not None and self.world_size > 1:
             raise ValueError(
-                "KV offload runs with distributed_executor_backend='uni' for now (its "
-                "scheduler side looks the worker's tiers up in-process); got "
-                f"{self.distributed_executor_backend!r}"
+                "KV offload runs with tensor_parallel_size=1 and pipeline_parallel_size=1 for "
+                "now (each rank would save and load its own shard of every block); got "
+                f"{self.tensor_parallel_size} x {self.pipeline_parallel_size}"
             )
         return self
 

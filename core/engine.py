@@ -10,18 +10,27 @@ import itertools
 import logging
 import socket
 
+import msgspec
 import torch
 
 from tokenmill.config import EngineArgs
 from tokenmill.distributed.config import WorkerConfig
 from tokenmill.distributed.errors import ExecutorError
 from tokenmill.distributed.executor import Executor, UniExecutor, make_executor
+from tokenmill.distributed.in_flight import InFlightSteps
 from tokenmill.kv.groups import plan_groups
 from tokenmill.kv.manager import KVCacheManager
-from tokenmill.kv_connector.engine_setup import Offload, engine_offload, offload_config
+from tokenmill.kv_connector.engine_setup import (
+    Offload,
+    engine_offload,
+    offload_config,
+    remote_engine_offload,
+)
+from tokenmill.kv_connector.messages import TierIndex, WorkerReport
 from tokenmill.model.generation_config import describe, load_generation_defaults
 from tokenmill.model.loader import ModelInfo, default_model_path, load_model_info
 from tokenmill.model.parallel import local_config
+from tokenmill.model.pipeline import check_pipeline
 from tokenmill.model.registry import attention_specs_for
 from tokenmill.output_processor import CoreOutputProcessor, OutputProcessor, check_prompt
 from tokenmill.outputs import EngineCoreOutput, EngineCoreRequest, RequestOutput, SchedulerStats
@@ -67,6 +76,11 @@ class LLMEngine:
     def __init__(self, args: EngineArgs, registry: PlatformRegistry | None = None) -> None:
         """`registry`: where to find `args.platform`; None discovers installed plugins
         (entry points). Pass one to run in-process plugins (tests, the conformance suite)."""
+        if args.data_parallel_size > 1:
+            raise ValueError(
+                f"data_parallel_size={args.data_parallel_size}: an LLMEngine is one replica; "
+                "LLM and AsyncLLM build the replicas (tokenmill.distributed.data_parallel)"
+            )
         self.args = args
         self.platform = load_platform(args.platform, registry)
         self.device = self.platform.platform.device
@@ -130,6 +144,8 @@ class LLMEngine:
         # by `add_request` / `step`; an engine process runs only the core's)
         self.core_outputs = CoreOutputProcessor(self.scheduler, self.max_model_len, self.structured)
         self.outputs = OutputProcessor(self.tokenizer)
+        # pipeline parallel: steps submitted to the executor, not yet collected
+        self.in_flight = InFlightSteps(self.executor.max_concurrent_batches)
         self._ids = itertools.count()
         logger.info(
             "engine ready: platform=%s dtype=%s executor=%s kv_blocks=%d (%d tokens) "
@@ -157,42 +173,52 @@ class LLMEngine:
             kv_cache_memory_bytes=args.kv_cache_memory_bytes,
             memory_utilization=args.memory_utilization,
             distributed_executor_backend=args.distributed_executor_backend,
-            world_size=args.tensor_parallel_size,
+            world_size=args.world_size,
             tensor_parallel_size=args.tensor_parallel_size,
-            dist_init_method=_rendezvous() if args.tensor_parallel_size > 1 else None,
+            pipeline_parallel_size=args.pipeline_parallel_size,
+            dist_init_method=_rendezvous() if args.world_size > 1 else None,
             kv_offload=offload_config(args),
         )
-        if args.tensor_parallel_size > 1:  # a bad size fails here, before any process starts
+        if args.world_size > 1:  # a bad size fails here, before any process starts
             if not self.platform.platform.capabilities.collectives:
                 raise ValueError(
-                    f"tensor_parallel_size={args.tensor_parallel_size} needs collectives; "
-                    f"platform {self.platform.name!r} declares none (capabilities.collectives)"
+                    f"tensor_parallel_size={args.tensor_parallel_size} x pipeline_parallel_size="
+                    f"{args.pipeline_parallel_size} needs collectives; platform "
+                    f"{self.platform.name!r} declares none (capabilities.collectives)"
                 )
+        if args.tensor_parallel_size > 1:
             local_config(self.loaded.hf_config, args.tensor_parallel_size)
+        if args.pipeline_parallel_size > 1:
+            check_pipeline(self.loaded.hf_config, args.pipeline_parallel_size)
         return make_executor(
             args.distributed_executor_backend, config, self.platform, self.loaded.hf_config,
             in_process_registry,
         )
 
     def _connect_offload(self) -> Offload | None:
-        """KV offload's engine side over the worker's tier stack, or None without tiers.
-        The scheduler side looks the tiers up in-process, so offload runs with the "uni"
-        executor for now (docs/kv-offload.md)."""
+        """KV offload's engine side, or None without tiers: over the worker's own tier
+        stack with the in-process executor; over a mirror of rank 0's stack, seeded from
+        its index and kept up to date by its step reports, with worker processes."""
         if offload_config(self.args) is None:
             return None
-        if not isinstance(self.executor, UniExecutor):  # EngineArgs refuse it already
-            self.executor.shutdown()
-            raise ValueError("KV offload needs the in-process ('uni') executor")
-        if self.kv.num_groups > 1:
-            # the connector saves and loads one block table (group 0's) per request
-            self.executor.shutdown()
-            kinds = ", ".join(g.kind.name.lower() for g in self.kv.groups)
-            raise ValueError(
-                f"KV offload supports models with one KV group; this model has "
-                f"{self.kv.num_groups} ({kinds}): unset the kv_offload_* settings "
-                "(docs/kv-offload.md)"
+        if isinstance(self.executor, UniExecutor):
+            return engine_offload(
+                self.executor.worker.kv_offload, self.args.block_size, self.kv.groups
             )
-        return engine_offload(self.executor.worker.kv_offload, self.args.block_size)
+        (data,) = self.executor.collective_rpc("kv_offload_index", unique_reply_rank=0)
+        return remote_engine_offload(msgspec.msgpack.decode(data, type=TierIndex), self.kv.groups)
+
+    def drain_kv_offload(self) -> None:
+        """Wait for every KV load and save in flight and apply their report (tests and
+        benchmarks read settled counters after it). No-op without offload."""
+        if self.offload is None:
+            return
+        if self.offload.worker_side is not None:
+            report = self.offload.worker_side.drain()
+        else:
+            (data,) = self.executor.collective_rpc("kv_offload_drain", unique_reply_rank=0)
+            report = msgspec.msgpack.decode(data, type=WorkerReport)
+        self.scheduler.update_from_connector(report)
 
     def shutdown(self) -> None:
         """Stop the workers (their processes, for "mp"); idempotent."""
@@ -305,6 +331,8 @@ class LLMEngine:
 
     def core_step(self) -> list[EngineCoreOutput]:
         """One step of the engine core: schedule, execute, and the per-sequence deltas."""
+        if self.in_flight.depth > 1:
+            return self._pipelined_step()
         plan = self.scheduler.schedule()
         if plan.step is None:
             return []
@@ -316,6 +344,35 @@ class LLMEngine:
         self.scheduler.update_computed(plan)
         self.scheduler.update_from_connector(result.kv_connector)
         return self.core_outputs.process(result)
+
+    def _pipelined_step(self) -> list[EngineCoreOutput]:
+        """Pipeline parallel: fill the pipeline with up to `depth` micro-batches (each
+        about 1 / depth of the unfinished requests), then collect the oldest. A request's
+        tokens count as computed once its step is submitted, so the next micro-batch
+        holds other requests, or the next chunk of a prompt in flight."""
+        queue = self.in_flight
+        while not queue.full:
+            share = -(-len(self.scheduler.requests) // queue.depth)
+            plan = self.scheduler.schedule(max_num_scheduled=max(1, share))
+            if plan.step is None:
+                break
+            plan.step.structured = self._structured_masks(plan)
+            self.scheduler.update_computed(plan)
+            try:
+                handle = self.executor.submit(plan.step)
+            except ExecutorError as e:
+                queue.clear()
+                return self._fail(e)
+            queue.push(plan, handle, self.scheduler.requests)
+        if not queue:
+            return []
+        entry = queue.pop()
+        try:
+            result = self.executor.collect(entry.handle)
+        except ExecutorError as e:
+            queue.clear()
+            return self._fail(e)
+        return self.core_outputs.process(entry.current(result, self.scheduler.requests))
 
     # ---- health ----------------------------------------------------------------------
     def check_health(self) -> None:

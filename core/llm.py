@@ -28,7 +28,13 @@ class LLM:
     def __init__(
         self, model: str | None = None, dtype: str = "auto", registry=None, **engine_args: Any
     ) -> None:
-        self.engine = LLMEngine(EngineArgs(model=model, dtype=dtype, **engine_args), registry)
+        args = EngineArgs(model=model, dtype=dtype, **engine_args)
+        if args.data_parallel_size > 1:
+            from tokenmill.distributed.data_parallel import DataParallelEngine
+
+            self.engine = DataParallelEngine(args, registry)
+        else:
+            self.engine = LLMEngine(args, registry)
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -20,8 +20,10 @@ from tokenmill.step import StepDescription, StepResult
 
 # 1.1: op apply_token_bitmask. 1.2: tokenmill_model_runner gets a ModelRunnerContext and
 # returns a ModelRunnerBase; tokenmill_graph_capture returns a GraphCapture; ops
-# moe_experts and gelu_tanh_and_mul; AttentionSpec.sinks.
-PLUGIN_API_VERSION = "1.2"
+# moe_experts and gelu_tanh_and_mul; AttentionSpec.sinks. 1.3: recurrent state for kind
+# LINEAR (AttentionSpec.state, AttentionMetadata.recurrent, LinearAttentionBackend); the
+# MLA kind (AttentionSpec.mla, MLADims) and AttentionBackend.kv_cache_shape.
+PLUGIN_API_VERSION = "1.3"
 
 
 class AttentionKind(str, enum.Enum):
@@ -34,8 +36,93 @@ class AttentionKind(str, enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class StateTensorSpec:
+    """One tensor of a recurrent layer's per-sequence state (e.g. "conv" [C, K - 1] or
+    "ssm" [H, dk, dv]); shape without the batch dimension."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def num_bytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+# Each state tensor starts at a multiple of this many bytes in the packed state.
+STATE_ALIGN = 64
+
+
+@dataclass(frozen=True, slots=True)
+class RecurrentStateSpec:
+    """What a recurrent (LINEAR) layer keeps per running sequence, and which computation
+    updates it. `variant` names the recurrence ("gated_delta": Gated DeltaNet; "mamba2",
+    "kda"...): a `LinearAttentionBackend` dispatches on it. The arena packs the tensors
+    in order, each at a multiple of STATE_ALIGN bytes (`offsets`), into as many pages as
+    `num_bytes` needs; it fixes nothing else about them."""
+
+    variant: str
+    tensors: tuple[StateTensorSpec, ...]
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """Byte offset of each tensor in the packed state."""
+        out, at = [], 0
+        for t in self.tensors:
+            out.append(at)
+            at += -(-t.num_bytes // STATE_ALIGN) * STATE_ALIGN
+        return tuple(out)
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of one sequence's packed state in one layer."""
+        if not self.tensors:
+            return 0
+        return self.offsets[-1] + self.tensors[-1].num_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class MLADims:
+    """The shapes of a multi-head latent attention layer (DeepSeek-V2/V3, Kimi).
+
+    Per token the cache keeps one latent row of `kv_lora_rank + qk_rope_head_dim`
+    values: the normalised compressed KV `c_kv` (kv_lora_rank), then the rotary key
+    `k_pe` (qk_rope_head_dim) shared by every head. Head h's key is
+    `cat(W_UK[h] @ c_kv, k_pe)` and its value `W_UV[h] @ c_kv`, with the up-projections
+    `w_uk` [num_heads, qk_nope_head_dim, kv_lora_rank] and `w_uv` [num_heads, v_head_dim,
+    kv_lora_rank] (rows of the checkpoint's `kv_b_proj`).
+    """
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def latent_size(self) -> int:
+        """Values cached per token per layer."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True, slots=True)
 class AttentionSpec:
-    """What one attention layer needs from a backend."""
+    """What one attention layer needs from a backend.
+
+    A LINEAR layer (recurrent: Gated DeltaNet, Mamba2, KDA) sets `state` and uses
+    num_heads / num_kv_heads / head_size for its value heads, key heads and key head size
+    (informative only: the state's shapes are in `state`).
+
+    For `AttentionKind.MLA`, `mla` holds the layer's dimensions; `num_kv_heads` is 1 and
+    `head_size` is `mla.latent_size` (what the cache holds per token), and `scale` is set
+    (the model's softmax scale over the qk_head_dim-wide dot products).
+    """
 
     kind: AttentionKind
     num_heads: int
@@ -51,6 +138,68 @@ class AttentionSpec:
     # sets `AttentionBackend.supports_sinks` (the core otherwise runs that layer on its
     # reference attention and logs it).
     sinks: bool = False
+    # kind LINEAR only: the per-sequence state the layer keeps (None for attention kinds)
+    state: RecurrentStateSpec | None = None
+    mla: MLADims | None = None  # exactly for AttentionKind.MLA
+
+    def __post_init__(self) -> None:
+        if (self.kind == AttentionKind.LINEAR) != (self.state is not None):
+            raise ValueError(
+                f"an AttentionSpec of kind {self.kind.value!r} with state={self.state}: a "
+                "LINEAR layer declares its state (RecurrentStateSpec), other kinds do not"
+            )
+        if (self.kind == AttentionKind.MLA) != (self.mla is not None):
+            raise ValueError(f"attention kind {self.kind.value!r} with mla={self.mla}: MLA "
+                             "layers, and only they, carry MLADims")
+        if self.mla is not None and (
+            self.num_kv_heads != 1 or self.head_size != self.mla.latent_size
+        ):
+            raise ValueError(
+                f"an MLA spec caches one latent row per token: num_kv_heads must be 1 (got "
+                f"{self.num_kv_heads}) and head_size kv_lora_rank + qk_rope_head_dim = "
+                f"{self.mla.latent_size} (got {self.head_size})"
+            )
+
+
+def kv_cache_shape(spec: AttentionSpec, num_blocks: int) -> tuple[int, ...]:
+    """The standard layout of one layer's paged cache of `num_blocks` blocks.
+
+    FULL and SLIDING_WINDOW: [2, num_blocks, block_size, num_kv_heads, head_size] (keys,
+    then values). MLA: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim] (each
+    token's latent row: c_kv then k_pe), about (2 * heads * head) / latent times smaller
+    than the equivalent multi-head cache. A backend that wants another view of the same
+    bytes says so in `AttentionBackend.kv_cache_shape`. LINEAR layers keep states, not
+    per-token pages (`RecurrentStateSpec`).
+    """
+    if spec.kind == AttentionKind.MLA:
+        return (num_blocks, spec.block_size, spec.head_size)
+    if spec.kind in (AttentionKind.FULL, AttentionKind.SLIDING_WINDOW):
+        return (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+    raise ValueError(f"attention kind {spec.kind.value!r} keeps no paged KV cache")
+
+
+@dataclass(slots=True)
+class RecurrentStateMetadata:
+    """Where each sequence's recurrent state lives in one step, for one KV group of LINEAR
+    layers (core/kv/recurrent.py). Block ids name pages of the arena, as block tables do;
+    a layer reads and writes them through `tokenmill.kv.state` (`read_states`,
+    `write_states`) on its own state cache.
+
+    Per sequence, in batch order:
+    - `state_block_ids[i]`: the sequence's own state slot; after the step it must hold
+      the state after the sequence's last computed token.
+    - `source_block_ids[i]`: where the state before the query's first token is read:
+      the slot itself, a prefix-cache checkpoint (the first step after a hit: read only,
+      never written; the new state goes to the slot: copy on extend), or None for a
+      sequence that starts at token 0 (zero state; the pages may hold anything).
+    - `checkpoints[i]`: (n, block ids) pairs, n ascending in [1, query_len]: write the
+      state after the query's first n tokens into those pages (prefix-cache checkpoints
+      at block boundaries; n == query_len is the state after the step).
+    """
+
+    state_block_ids: list[list[int]]
+    source_block_ids: list[list[int] | None]
+    checkpoints: list[list[tuple[int, list[int]]]]
 
 
 @dataclass(slots=True)
@@ -76,6 +225,9 @@ class AttentionMetadata:
     # Backends may stash per-step precomputed state here (keyed by backend name) in
     # `AttentionBackend.prepare`; the core never reads it.
     backend_state: dict[str, object] = field(default_factory=dict)
+    # a KV group of LINEAR layers: where its sequences' states are (None for attention;
+    # block_tables then hold the state slots and slot_mapping is empty)
+    recurrent: RecurrentStateMetadata | None = None
 
     @classmethod
     def build(
@@ -111,6 +263,37 @@ class AttentionMetadata:
         )
 
 
+def recurrent_metadata(
+    query_lens: list[int],
+    seq_lens: list[int],
+    recurrent: RecurrentStateMetadata,
+    block_size: int,
+    device: torch.device | str | None = None,
+) -> AttentionMetadata:
+    """Metadata for a KV group of LINEAR layers: the step's shape as `AttentionMetadata.build`
+    gives it, block tables = the state slots, no slot mapping (states are not per token)."""
+    slots = [list(ids) or [0] for ids in recurrent.state_block_ids]
+    tables = torch.zeros((len(slots), max(len(ids) for ids in slots)), dtype=torch.int32)
+    for i, ids in enumerate(slots):
+        tables[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+    query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    query_start_loc[1:] = torch.tensor(query_lens).cumsum(0)
+    return AttentionMetadata(
+        num_tokens=sum(query_lens),
+        num_seqs=len(query_lens),
+        query_start_loc=query_start_loc.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=tables.to(device),
+        slot_mapping=torch.empty(0, dtype=torch.int64, device=device),
+        query_lens_cpu=list(query_lens),
+        seq_lens_cpu=list(seq_lens),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        block_size=block_size,
+        recurrent=recurrent,
+    )
+
+
 def token_positions(
     query_lens: list[int], seq_lens: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,6 +327,13 @@ class AttentionBackend(ABC):
     def prepare(self, metadata: AttentionMetadata) -> None:  # noqa: B027 - optional hook
         """Precompute per-step state (gather indices, masks) into `metadata.backend_state`."""
 
+    def kv_cache_shape(self, spec: AttentionSpec, num_blocks: int) -> tuple[int, ...]:
+        """The shape the arena views one layer's pages as (`kv_cache` in `forward`); the
+        core's standard layout (`kv_cache_shape`) unless overridden. Must not depend on
+        anything but `spec` and `num_blocks`, and must hold exactly the standard layout's
+        bytes (the arena checks)."""
+        return kv_cache_shape(spec, num_blocks)
+
     @abstractmethod
     def forward(
         self,
@@ -160,6 +350,52 @@ class AttentionBackend(ABC):
         step's tokens up to and including itself). Returns [num_tokens, num_heads, head_size].
         With `spec.sinks` the core adds the keyword `sinks` (float32 [num_heads]); only a
         backend with `supports_sinks` gets such a spec.
+
+        MLA (`spec.kind == AttentionKind.MLA`, see `MLADims`; reference:
+        `tokenmill.ops.mla.mla_attention`) reads the arguments as: `query` [num_tokens,
+        num_heads, qk_nope_head_dim + qk_rope_head_dim] (q_nope | roped q_pe); `key`
+        [num_tokens, 1, kv_lora_rank + qk_rope_head_dim], the latent row to cache (c_kv |
+        roped k_pe); `value` None; `kv_cache` [num_blocks, block_size, kv_lora_rank +
+        qk_rope_head_dim]; and the keywords `w_uk` [num_heads, qk_nope_head_dim,
+        kv_lora_rank] and `w_uv` [num_heads, v_head_dim, kv_lora_rank]. Returns
+        [num_tokens, num_heads, v_head_dim]. A backend may decompress the latents (prefill)
+        or fold `w_uk` into the query and apply `w_uv` after (decode); both are exact.
+        """
+
+
+class LinearAttentionBackend(AttentionBackend):
+    """Recurrent layers (kind LINEAR): a chunked scan for prefill, the recurrence for
+    decode, over per-sequence states that live in the KV arena.
+
+    Dispatches on `spec.state.variant`: `variants` lists those it runs. Each variant's
+    inputs are a dataclass defined beside its pure-PyTorch reference in
+    `tokenmill.ops.linear_attention` (`REFERENCE_VARIANTS`), e.g. `GatedDeltaInputs`;
+    the model layer builds them (projections stay in the model) and gets the layer's
+    output back. `forward` replaces the attention signature for this kind; `prepare` is
+    as for attention.
+    """
+
+    kind: AttentionKind = AttentionKind.LINEAR
+    variants: frozenset[str] = frozenset()
+
+    def supports(self, spec: AttentionSpec) -> bool:
+        return spec.kind == AttentionKind.LINEAR and spec.state.variant in self.variants
+
+    @abstractmethod
+    def forward(  # type: ignore[override]
+        self,
+        spec: AttentionSpec,
+        inputs: Any,  # the variant's inputs dataclass, tokens flattened as in metadata
+        state_cache: torch.Tensor,  # uint8 [2, num_blocks, page_bytes // 2]: the layer's pages
+        metadata: AttentionMetadata,  # with `recurrent` set
+    ) -> torch.Tensor:
+        """Run the layer's recurrence over the step's tokens, sequence by sequence.
+
+        For sequence i: start from the state in `recurrent.source_block_ids[i]` (zeros when
+        None), process its query tokens, write the states `recurrent.checkpoints[i]` asks
+        for, and leave the final state in `recurrent.state_block_ids[i]`. Never writes a
+        source that is not the sequence's own slot. Returns the variant's output
+        ([num_tokens, ...], see the variant's reference).
         """
 
 
@@ -342,6 +578,10 @@ class ParallelConfig:
     # > 1: the ranks form one tensor parallel group (tokenmill.distributed.parallel_state
     # holds its communicator); a runner of the plugin's own must shard its model itself
     tensor_parallel_size: int = 1
+    # > 1: the ranks also form pipeline stages (layout pp x tp, tokenmill.distributed.
+    # parallel_state); the core's runner runs a stage's layers only, results come from
+    # TP rank 0 of the last stage
+    pipeline_parallel_size: int = 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -94,6 +94,8 @@ def _serve(args: argparse.Namespace) -> int:
         "kv_offload_remote": args.kv_offload_remote,
         "distributed_executor_backend": args.distributed_executor_backend,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "pipeline_parallel_size": args.pipeline_parallel_size,
+        "data_parallel_size": args.data_parallel_size,
         "memory_utilization": args.memory_utilization,
         "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
         "generation_config": args.generation_config,
@@ -152,11 +154,19 @@ def _add_serve_parser(sub) -> None:
                    help="most prompt tokens one request computes per step (0: no limit; "
                         "default: the platform's choice, 512 on CPU)")
     p.add_argument("--block-size", type=int, default=None)
-    p.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp"],
+    p.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],
                    help="uni (default): the model runs in the engine's process; mp: a worker "
-                        "process per rank")
+                        "process per rank; ray: a Ray actor per rank (joins the Ray cluster "
+                        "RAY_ADDRESS names, or starts a local one)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
                    help="ranks the model is split over (default 1); > 1 runs the mp backend")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None,
+                   help="stages the model's layers are split over (default 1), each of "
+                        "--tensor-parallel-size ranks; > 1 runs the mp backend")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=None,
+                   help="engine replicas behind this server (default 1), each in its own "
+                        "process with tp x pp ranks; requests go to the replica that served "
+                        "their prefix, else the least loaded")
     p.add_argument("--memory-utilization", type=float, default=None,
                    help="share of the device memory the engine may use, KV cache included "
                         "(default 0.9; like vLLM's --gpu-memory-utilization)")

@@ -23,6 +23,13 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     memory_utilization: float = 0.9  # share of the device memory_info's total to use
     world_size: int = 1
     distributed_executor_backend: str = "uni"
-    tensor_parallel_size: int = 1  # the TP group spans all world_size ranks when > 1
+    tensor_parallel_size: int = 1  # ranks of one TP group (contiguous ranks)
+    pipeline_parallel_size: int = 1  # pipeline stages; world_size = pp * tp
     dist_init_method: str | None = None  # torch.distributed rendezvous, e.g. tcp://host:port
     kv_offload: OffloadConfig | None = None  # KV offload tiers (core/kv_connector); None: off
+
+    @property
+    def output_rank(self) -> int:
+        """The rank that returns step results: TP rank 0 of the last pipeline stage (the
+        one that samples); rank 0 without pipeline parallel."""
+        return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size

@@ -1,22 +1,38 @@
 """The KV arena: one buffer of bytes from the platform allocator, carved into pages.
 
 Layout. The arena holds `num_layer_slots` regions; region s holds, for every block id b,
-one page of layer-slot s: its keys then its values, [2, num_blocks, block_size, kv_heads,
-head_size]. The layers of one KV group (core/kv/groups.py) own one slot each, so a block
+one page of layer-slot s, viewed in the shape the layer's attention backend declares
+(`AttentionBackend.kv_cache_shape`; the standard one is
+`tokenmill.platforms.interfaces.kv_cache_shape`: keys then values, [2, num_blocks,
+block_size, kv_heads, head_size], or an MLA layer's latent rows, [num_blocks,
+block_size, kv_lora_rank + rope_dim]). The layers of one KV group (core/kv/groups.py) own one slot each, so a block
 id names one page in each slot: allocating block b to a group gives the request that
 block in every layer of the group. Groups of other attention types (sliding windows) map
 their layers onto the same slots, so that all types draw block ids from one free list and
 the split between them moves with the workload.
+
+Recurrent (LINEAR) layers see their slot's region as bytes, [2, num_blocks, page_bytes
+// 2] uint8: the same two halves per block id as attention pages, so a block id names the
+same bytes whichever group holds it. A state spanning several pages is packed over them
+in table order (tokenmill.kv.state).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from tokenmill.platforms.interfaces import Allocator, AttentionSpec
+from tokenmill.kv.groups import page_bytes_of
+from tokenmill.platforms.interfaces import (
+    Allocator,
+    AttentionBackend,
+    AttentionKind,
+    AttentionSpec,
+    kv_cache_shape,
+)
 
 
 @dataclass(slots=True)
@@ -24,30 +40,59 @@ class KVArena:
     buffer: torch.Tensor  # uint8, from the platform's KV allocator
     num_blocks: int
     page_bytes: int  # bytes of one block in one layer slot
-    layer_caches: list[torch.Tensor]  # per layer: [2, num_blocks, block_size, kv_heads, head]
+    # per layer: in its backend's kv_cache_shape (attention), or uint8 [2, num_blocks,
+    # page_bytes // 2] (a recurrent layer's state pages)
+    layer_caches: list[torch.Tensor]
 
     @staticmethod
-    def page_bytes_for(spec: AttentionSpec) -> int:
-        itemsize = torch.empty((), dtype=spec.dtype).element_size()
-        return 2 * spec.block_size * spec.num_kv_heads * spec.head_size * itemsize
+    def cache_shape(
+        spec: AttentionSpec, num_blocks: int, backend: AttentionBackend | None = None
+    ) -> tuple[int, ...]:
+        """One attention layer's cache shape: its backend's declared layout, else the
+        standard one (`tokenmill.platforms.interfaces.kv_cache_shape`)."""
+        if backend is None:
+            return kv_cache_shape(spec, num_blocks)
+        return tuple(backend.kv_cache_shape(spec, num_blocks))
 
     @classmethod
-    def page_bytes_of(cls, specs: list[AttentionSpec]) -> int:
-        """The one page size of `specs` (every layer must agree)."""
+    def page_bytes_for(cls, spec: AttentionSpec, backend: AttentionBackend | None = None) -> int:
+        """Bytes of one block of one attention layer."""
+        return math.prod(cls.cache_shape(spec, 1, backend)) * spec.dtype.itemsize
+
+    @classmethod
+    def page_bytes_of(
+        cls, specs: list[AttentionSpec], backends: Sequence[AttentionBackend] | None = None
+    ) -> int:
+        """The one page size of `specs` (every attention layer must agree; see
+        `tokenmill.kv.groups.page_bytes_of`), with each layer's backend's declared layout
+        when `backends` are given."""
         if not specs:
             raise ValueError("the model declares no attention layers; nothing to cache")
-        page_bytes = {cls.page_bytes_for(s) for s in specs}
-        if len(page_bytes) != 1:
-            raise ValueError(f"layers need different KV page sizes {sorted(page_bytes)}")
-        return page_bytes.pop()
+        page = page_bytes_of(specs)
+        if backends is not None:
+            declared = {
+                cls.page_bytes_for(s, b)
+                for s, b in zip(specs, backends, strict=True)
+                if s.kind != AttentionKind.LINEAR
+            }
+            if declared - {page}:
+                raise ValueError(
+                    f"attention backends declare pages of {sorted(declared)} bytes; the "
+                    f"layers' specs need {page}: a declared layout must hold the same bytes"
+                )
+        return page
 
     @classmethod
     def block_bytes_for(
-        cls, specs: list[AttentionSpec], layer_slots: Sequence[int] | None = None
+        cls,
+        specs: list[AttentionSpec],
+        layer_slots: Sequence[int] | None = None,
+        backends: Sequence[AttentionBackend] | None = None,
     ) -> int:
-        """Bytes of one block id over every layer slot (`layer_slots`: as in `create`)."""
+        """Bytes of one block id over every layer slot (`layer_slots`, `backends`: as in
+        `create`)."""
         num_slots = len(specs) if layer_slots is None else max(layer_slots) + 1
-        return cls.page_bytes_of(specs) * num_slots
+        return cls.page_bytes_of(specs, backends) * num_slots
 
     @classmethod
     def create(
@@ -58,10 +103,13 @@ class KVArena:
         num_blocks: int,
         device: torch.device,
         layer_slots: Sequence[int] | None = None,
+        backends: Sequence[AttentionBackend] | None = None,
     ) -> KVArena:
         """Allocate an arena of `num_blocks` blocks for layers with `specs`. `layer_slots[i]`
-        is layer i's slot (`KVLayout.layer_slot`); None gives every layer its own."""
-        page = cls.page_bytes_of(specs)
+        is layer i's slot (`KVLayout.layer_slot`); None gives every layer its own.
+        `backends[i]` is layer i's attention backend, whose `kv_cache_shape` its pages are
+        viewed as (None: the standard layouts)."""
+        page = cls.page_bytes_of(specs, backends)
         if layer_slots is None:
             layer_slots = range(len(specs))
         num_slots = max(layer_slots) + 1
@@ -74,11 +122,12 @@ class KVArena:
         # which conformance tier T1 checks with NaN-filled caches.
         buffer = allocator.allocate(num_blocks * page * num_slots)
         caches = []
-        for slot, spec in zip(layer_slots, specs, strict=True):
+        layer_backends = backends if backends is not None else [None] * len(specs)
+        for slot, spec, backend in zip(layer_slots, specs, layer_backends, strict=True):
             region = buffer[slot * num_blocks * page : (slot + 1) * num_blocks * page]
-            caches.append(
-                region.view(spec.dtype).view(
-                    2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size
-                )
-            )
+            if spec.kind == AttentionKind.LINEAR:
+                caches.append(region.view(2, num_blocks, page // 2))
+                continue
+            shape = cls.cache_shape(spec, num_blocks, backend)
+            caches.append(region.view(spec.dtype).view(*shape))
         return cls(buffer=buffer, num_blocks=num_blocks, page_bytes=page, layer_caches=caches)

@@ -23,7 +23,7 @@ from torch import nn
 
 from tokenmill.distributed.parallel_state import get_parallel_state
 from tokenmill.kv.groups import KVLayout, plan_groups
-from tokenmill.model import parallel
+from tokenmill.model import parallel, pipeline
 from tokenmill.model.layers import (
     Attention,
     BackendChoice,
@@ -208,14 +208,24 @@ class CausalLM(nn.Module):
         self.dtype = dtype
         # tensor parallel: the layers are built at one rank's shapes (tokenmill.model.parallel)
         self.tp = get_parallel_state().tp
+        # pipeline parallel: this stage builds its own layers only (tokenmill.model.pipeline)
+        self.pp = get_parallel_state().group("pp")
         full_config = hf_config
         if self.tp.world_size > 1:
             hf_config = parallel.local_config(hf_config, self.tp.world_size)
         self.attention_specs: list[AttentionSpec] = self.attention_specs_for(
             hf_config, dtype, block_size
         )
+        layers = range(len(self.attention_specs))
+        if self.pp.world_size > 1:
+            layers = pipeline.stage_layers(
+                len(self.attention_specs), self.pp.world_size, self.pp.rank_in_group
+            )
+            self.attention_specs = self.attention_specs[layers.start : layers.stop]
         # One backend for every layer, or a chooser per spec (a platform picks per kind).
         backends = resolve_backends(self.attention_specs, attention_backend)
+        # each layer's backend, whose declared cache layout the arena views its pages as
+        self.layer_backends: list[AttentionBackend] = backends
         # the distinct backends, for the runner's once-per-step `prepare`
         self.attention_backends = list({id(b): b for b in backends}.values())
         # which layers share a block table (and metadata) and which arena slot each uses
@@ -229,6 +239,12 @@ class CausalLM(nn.Module):
             self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, False, dtype)
         if self.tp.world_size > 1:
             parallel.apply_tensor_parallel(self, full_config, self.tp)
+        self._stage_keeps = None
+        if self.pp.world_size > 1:
+            pipeline.apply_pipeline_parallel(self, hf_config, layers, self.pp)
+            self._stage_keeps = pipeline.stage_weight_filter(
+                full_config, self.pp.world_size, self.pp.rank_in_group
+            )
         self.requires_grad_(False)
 
     @classmethod
@@ -262,8 +278,9 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """Run one engine step; returns the final-normed hidden states [num_tokens, hidden].
+    ) -> torch.Tensor | None:
+        """Run one engine step; returns the final-normed hidden states [num_tokens, hidden]
+        (None on a pipeline stage before the last, which sends its activations on).
 
         `input_ids` and `positions` are int64 [num_tokens], flattened sequence by sequence as in
         `metadata`; `kv_caches[i]` is layer i's [2, num_blocks, block_size, num_kv_heads,
@@ -274,6 +291,10 @@ class CausalLM(nn.Module):
         if len(kv_caches) != len(self.attention_specs):
             raise ValueError(
                 f"got {len(kv_caches)} kv caches for {len(self.attention_specs)} layers"
+            )
+        if self.pp.world_size > 1:  # None on every stage but the last
+            return pipeline.stage_forward(
+                self.model, input_ids, positions, kv_caches, self.layer_metadata(metadata)
             )
         return self.model(input_ids, positions, kv_caches, self.layer_metadata(metadata))
 
@@ -307,8 +328,9 @@ class CausalLM(nn.Module):
                 module.prepack(self.ops)
         if self.lm_head is not None:
             self._logits_fn = self.lm_head
-        else:  # tied: the embedding table doubles as the head
+        elif self.model.embed_tokens is not None:  # tied: the embedding doubles as the head
             self._logits_fn = self.ops.prepack_linear(self.model.embed_tokens.weight, None)
+        # else: a pipeline stage before the last, which computes no logits
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -335,6 +357,8 @@ class CausalLM(nn.Module):
                 continue  # recomputed from the config
             if hf_name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # the embedding is the head
+            if self._stage_keeps is not None and not self._stage_keeps(hf_name):
+                continue  # another pipeline stage's
             for name, shard, converted in self._convert(hf_name, tensor):
                 if name not in params:
                     raise KeyError(

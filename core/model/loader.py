@@ -102,14 +102,18 @@ def load_model_info(model: str, *, tokenizer: str | None = None,
     )
 
 
-def checkpoint_weights(model_path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def checkpoint_weights(
+    model_path: str, hf_config: Any, keep: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) of every checkpoint tensor of `model_path` (as resolved by
     `load_model_info`), one at a time for safetensors; GGUF tensors are dequantized to
-    float32."""
+    float32. `keep`: only the names it accepts (a pipeline stage's); safetensors skips
+    the others unread."""
     path = Path(model_path)
     if path.suffix == ".gguf":
-        return _gguf_weights(path, hf_config)
-    return _safetensors_weights(path)
+        weights = _gguf_weights(path, hf_config)
+        return weights if keep is None else ((n, t) for n, t in weights if keep(n))
+    return _safetensors_weights(path, keep)
 
 
 def checkpoint_dtype(model_path: str, hf_config: Any) -> torch.dtype:
@@ -208,7 +212,9 @@ def _hf_config(path: Path) -> Any:
     return AutoConfig.from_pretrained(str(path))
 
 
-def _safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _safetensors_weights(
+    path: Path, keep: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of every tensor in the directory's safetensors files, one file at a time."""
     from safetensors import safe_open
 
@@ -231,7 +237,8 @@ def _safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         for file in files:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
-                    yield name, f.get_tensor(name)
+                    if keep is None or keep(name):
+                        yield name, f.get_tensor(name)
 
     return tensors()
 

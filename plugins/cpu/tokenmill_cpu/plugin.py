@@ -30,7 +30,9 @@ from tokenmill.platforms.interfaces import (
 hookimpl = pluggy.HookimplMarker("tokenmill")
 
 CAPABILITIES = Capabilities(
-    attention_kinds=frozenset({AttentionKind.FULL, AttentionKind.SLIDING_WINDOW}),
+    attention_kinds=frozenset(
+        {AttentionKind.FULL, AttentionKind.SLIDING_WINDOW, AttentionKind.MLA}
+    ),
     dtypes=frozenset({torch.float32, torch.bfloat16}),
     block_sizes=frozenset({8, 16, 32, 64, 128}),
     head_sizes=frozenset({32, 64, 80, 96, 128, 256}),
@@ -78,8 +80,13 @@ def tokenmill_platform() -> Platform:
 @hookimpl
 def tokenmill_attention_backends(platform: Platform) -> list[AttentionBackend]:
     from tokenmill_cpu.attention import CpuPagedAttention
+    from tokenmill_cpu.mla import CpuMLAAttention
 
-    return [CpuPagedAttention(AttentionKind.FULL), CpuPagedAttention(AttentionKind.SLIDING_WINDOW)]
+    return [
+        CpuPagedAttention(AttentionKind.FULL),
+        CpuPagedAttention(AttentionKind.SLIDING_WINDOW),
+        CpuMLAAttention(),
+    ]
 
 
 @hookimpl
