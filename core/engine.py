@@ -39,6 +39,7 @@ from tokenmill.platforms.registry import ActivePlatform, PlatformRegistry, load_
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from tokenmill.sleep_mode import check_level
 from tokenmill.step import StructuredMasks
 from tokenmill.structured.manager import StructuredOutputManager
 
@@ -60,6 +61,10 @@ def resolve_dtype(name: str, platform: ActivePlatform) -> torch.dtype:
         supported = sorted(str(d).removeprefix("torch.") for d in platform.platform.capabilities.dtypes)
         raise ValueError(f"dtype={name!r} is not supported by platform {platform.name!r}; use one of {supported}")
     return dtype
+
+
+class EngineSleepingError(RuntimeError):
+    """A request reached an engine in sleep mode (`LLMEngine.sleep`); `wake_up` it first."""
 
 
 class EngineDeadError(RuntimeError):
@@ -133,6 +138,7 @@ class LLMEngine:
             self.max_model_len = capacity
         self.offload = self._connect_offload()
         self.failure: ExecutorError | None = None  # set when the workers cannot go on
+        self._sleep_level: int | None = None  # set while asleep (sleep mode)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len, threshold
@@ -232,6 +238,51 @@ class LLMEngine:
         """Stop the workers (their processes, for "mp"); idempotent."""
         self.executor.shutdown()
 
+    # ---- sleep mode (tokenmill.sleep_mode) ----------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Free the device memory of every worker: level 1 keeps the weights in host memory
+        and discards the KV cache, level 2 discards both (wake reads the checkpoint again).
+        Only an idle engine sleeps (RuntimeError naming the requests in flight otherwise);
+        the prefix cache is dropped with the KV it indexed. Requests while asleep raise
+        EngineSleepingError; sleeping twice is an error."""
+        level = check_level(level)
+        self.check_health()
+        if self._sleep_level is not None:
+            raise RuntimeError(f"the engine is already asleep (level {self._sleep_level})")
+        if self.has_unfinished_requests():
+            raise RuntimeError(
+                f"cannot sleep with {len(self.scheduler.requests)} requests in flight; let "
+                "them finish or abort them first")
+        freed = sum(self.executor.collective_rpc("sleep", args=(level,)))
+        self.kv.reset_prefix_cache()
+        self._sleep_level = level
+        logger.info("engine asleep (level %d): %.1f MiB freed on its workers", level,
+                    freed / (1 << 20))
+
+    def wake_up(self) -> None:
+        """Give the workers their weights and KV cache back; greedy outputs are those of
+        before the sleep. Waking an awake engine is an error."""
+        self.check_health()
+        if self._sleep_level is None:
+            raise RuntimeError("the engine is not asleep")
+        self.executor.collective_rpc("wake_up")
+        self._sleep_level = None
+        logger.info("engine awake")
+
+    def is_sleeping(self) -> bool:
+        return self._sleep_level is not None
+
+    @property
+    def sleep_level(self) -> int:
+        """The sleep level now; 0 when awake."""
+        return self._sleep_level or 0
+
+    def _check_awake(self) -> None:
+        if self._sleep_level is not None:
+            raise EngineSleepingError(
+                f"the engine is asleep (sleep level {self._sleep_level}): call wake_up() "
+                "before adding requests")
+
     # ---- requests --------------------------------------------------------------------
     def next_request_id(self) -> str:
         return str(next(self._ids))
@@ -248,8 +299,9 @@ class LLMEngine:
         """Queue a request (all its n sequences). Raises ValueError naming the problem if it
         can never run, and its subclass StructuredOutputError if its structured output
         constraint is invalid or takes too long to compile; nothing is queued then. Raises
-        EngineDeadError once the workers have failed."""
+        EngineDeadError once the workers have failed, EngineSleepingError in sleep mode."""
         self.check_health()
+        self._check_awake()
         if request_id in self.outputs.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         check_prompt(prompt_token_ids, params, self.loaded.hf_config.vocab_size, self.max_model_len)
@@ -269,6 +321,7 @@ class LLMEngine:
         looked at). Raises ValueError / StructuredOutputError / EngineDeadError as
         `add_request` does."""
         self.check_health()
+        self._check_awake()
         if request.request_id in self.scheduler.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         # the model's generation defaults for what the request left unset (a no-op when the

@@ -39,6 +39,19 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def sleep(self, level: int = 1) -> None:
+        """Sleep mode (vLLM's): free the device memory; level 1 keeps the weights in host
+        memory and discards the KV cache, level 2 discards both. `generate` / `chat` raise
+        EngineSleepingError until `wake_up()`. Needs a platform that declares sleep_mode."""
+        self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        """Back from `sleep`: same weights, an empty KV cache, the same greedy outputs."""
+        self.engine.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],

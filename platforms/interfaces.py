@@ -22,7 +22,8 @@ from tokenmill.step import StepDescription, StepResult
 # returns a ModelRunnerBase; tokenmill_graph_capture returns a GraphCapture; ops
 # moe_experts and gelu_tanh_and_mul; AttentionSpec.sinks. 1.3: recurrent state for kind
 # LINEAR (AttentionSpec.state, AttentionMetadata.recurrent, LinearAttentionBackend); the
-# MLA kind (AttentionSpec.mla, MLADims) and AttentionBackend.kv_cache_shape.
+# MLA kind (AttentionSpec.mla, MLADims) and AttentionBackend.kv_cache_shape;
+# Allocator.sleep / wake (optional: platforms that declare capabilities.sleep_mode).
 PLUGIN_API_VERSION = "1.3"
 
 
@@ -472,6 +473,21 @@ class Allocator(ABC):
     @abstractmethod
     def bytes_limit(self) -> int:
         """The most this allocator will hand out in total."""
+
+    def sleep(self, keep_contents: bool) -> int:
+        """Sleep mode (called only on platforms that declare `capabilities.sleep_mode`,
+        by `LLM.sleep`): free the memory of every live buffer while the buffer tensors and
+        their views stay valid objects; with `keep_contents` their bytes are kept in host
+        memory for `wake`. Returns the bytes freed. Sleeping twice is an error;
+        `allocate` while asleep is an error. `tokenmill.platforms.sleep.BufferSleep`
+        implements the mechanics."""
+        raise NotImplementedError(f"{type(self).__name__} has no sleep mode")
+
+    def wake(self) -> None:
+        """Give every buffer its memory back (same tensors and views, possibly new
+        addresses): kept contents restored, the others zeroed. Waking an awake allocator
+        is an error."""
+        raise NotImplementedError(f"{type(self).__name__} has no sleep mode")
 
 
 @dataclass(frozen=True, slots=True)
