@@ -60,6 +60,11 @@ class EngineArgs(BaseModel):
         1, ge=1, description="stages the model's layers are split over (each with "
         "tensor_parallel_size ranks)",
     )
+    data_parallel_size: int = Field(
+        1, ge=1, description="whole engine replicas (each of tensor_parallel_size x "
+        "pipeline_parallel_size ranks) behind one front; requests go to the replica that "
+        "served their prefix, else the least loaded (tokenmill.distributed.dp_router)",
+    )
     decode_context_parallel_size: int = Field(
         1,
         ge=1,
@@ -168,10 +173,11 @@ class EngineArgs(BaseModel):
         from tokenmill.kv_connector.engine_setup import offload_config
 
         # raises ValueError naming a bad combination
-        if offload_config(self) is not None and self.tensor_parallel_size > 1:
+        if offload_config(self) is not None and self.world_size > 1:
             raise ValueError(
-                "KV offload runs with tensor_parallel_size=1 for now (each rank would save "
-                f"and load its own shard of every block); got {self.tensor_parallel_size}"
+                "KV offload runs with tensor_parallel_size=1 and pipeline_parallel_size=1 for "
+                "now (each rank would save and load its own shard of every block); got "
+                f"{self.tensor_parallel_size} x {self.pipeline_parallel_size}"
             )
         return self
 

@@ -35,10 +35,12 @@ from tokenmill.model.pipeline import check_pipeline
 from tokenmill.model.registry import attention_specs_for
 from tokenmill.output_processor import CoreOutputProcessor, OutputProcessor, check_prompt
 from tokenmill.outputs import EngineCoreOutput, EngineCoreRequest, RequestOutput, SchedulerStats
+from tokenmill.platforms.interfaces import AttentionKind
 from tokenmill.platforms.registry import ActivePlatform, PlatformRegistry, load_platform
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from tokenmill.sleep_mode import check_level
 from tokenmill.step import StructuredMasks
 from tokenmill.structured.manager import StructuredOutputManager
 
@@ -62,6 +64,10 @@ def resolve_dtype(name: str, platform: ActivePlatform) -> torch.dtype:
     return dtype
 
 
+class EngineSleepingError(RuntimeError):
+    """A request reached an engine in sleep mode (`LLMEngine.sleep`); `wake_up` it first."""
+
+
 class EngineDeadError(RuntimeError):
     """The engine's workers failed; it takes no more requests. Says why."""
 
@@ -77,6 +83,11 @@ class LLMEngine:
     def __init__(self, args: EngineArgs, registry: PlatformRegistry | None = None) -> None:
         """`registry`: where to find `args.platform`; None discovers installed plugins
         (entry points). Pass one to run in-process plugins (tests, the conformance suite)."""
+        if args.data_parallel_size > 1:
+            raise ValueError(
+                f"data_parallel_size={args.data_parallel_size}: an LLMEngine is one replica; "
+                "LLM and AsyncLLM build the replicas (tokenmill.distributed.data_parallel)"
+            )
         self.args = args
         self.platform = load_platform(args.platform, registry)
         self.device = self.platform.platform.device
@@ -99,9 +110,16 @@ class LLMEngine:
         # KV groups: one block table per group of layers of one attention type, where the
         # runner keeps them (the core's); a plugin's own runner gets one table for all layers
         groups = None
+        specs = attention_specs_for(self.loaded.hf_config, self.dtype, args.block_size)
         if all(self.executor.collective_rpc("uses_kv_groups")):
-            specs = attention_specs_for(self.loaded.hf_config, self.dtype, args.block_size)
             groups = plan_groups(specs).groups
+        elif any(s.kind == AttentionKind.LINEAR for s in specs):
+            self.executor.shutdown()
+            raise ValueError(
+                "this model has recurrent (linear attention) layers, whose state only the "
+                "core's model runner keeps in the KV arena; the platform's own runner "
+                "gets one block table per request: run it on a platform without one"
+            )
         self.kv = KVCacheManager(
             self.num_kv_blocks, args.block_size, args.enable_prefix_caching, groups
         )
@@ -121,6 +139,7 @@ class LLMEngine:
             self.max_model_len = capacity
         self.offload = self._connect_offload()
         self.failure: ExecutorError | None = None  # set when the workers cannot go on
+        self._sleep_level: int | None = None  # set while asleep (sleep mode)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len, threshold
@@ -232,6 +251,51 @@ class LLMEngine:
         """Stop the workers (their processes, for "mp"); idempotent."""
         self.executor.shutdown()
 
+    # ---- sleep mode (tokenmill.sleep_mode) ----------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Free the device memory of every worker: level 1 keeps the weights in host memory
+        and discards the KV cache, level 2 discards both (wake reads the checkpoint again).
+        Only an idle engine sleeps (RuntimeError naming the requests in flight otherwise);
+        the prefix cache is dropped with the KV it indexed. Requests while asleep raise
+        EngineSleepingError; sleeping twice is an error."""
+        level = check_level(level)
+        self.check_health()
+        if self._sleep_level is not None:
+            raise RuntimeError(f"the engine is already asleep (level {self._sleep_level})")
+        if self.has_unfinished_requests():
+            raise RuntimeError(
+                f"cannot sleep with {len(self.scheduler.requests)} requests in flight; let "
+                "them finish or abort them first")
+        freed = sum(self.executor.collective_rpc("sleep", args=(level,)))
+        self.kv.reset_prefix_cache()
+        self._sleep_level = level
+        logger.info("engine asleep (level %d): %.1f MiB freed on its workers", level,
+                    freed / (1 << 20))
+
+    def wake_up(self) -> None:
+        """Give the workers their weights and KV cache back; greedy outputs are those of
+        before the sleep. Waking an awake engine is an error."""
+        self.check_health()
+        if self._sleep_level is None:
+            raise RuntimeError("the engine is not asleep")
+        self.executor.collective_rpc("wake_up")
+        self._sleep_level = None
+        logger.info("engine awake")
+
+    def is_sleeping(self) -> bool:
+        return self._sleep_level is not None
+
+    @property
+    def sleep_level(self) -> int:
+        """The sleep level now; 0 when awake."""
+        return self._sleep_level or 0
+
+    def _check_awake(self) -> None:
+        if self._sleep_level is not None:
+            raise EngineSleepingError(
+                f"the engine is asleep (sleep level {self._sleep_level}): call wake_up() "
+                "before adding requests")
+
     # ---- requests --------------------------------------------------------------------
     def next_request_id(self) -> str:
         return str(next(self._ids))
@@ -248,8 +312,9 @@ class LLMEngine:
         """Queue a request (all its n sequences). Raises ValueError naming the problem if it
         can never run, and its subclass StructuredOutputError if its structured output
         constraint is invalid or takes too long to compile; nothing is queued then. Raises
-        EngineDeadError once the workers have failed."""
+        EngineDeadError once the workers have failed, EngineSleepingError in sleep mode."""
         self.check_health()
+        self._check_awake()
         if request_id in self.outputs.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         check_prompt(prompt_token_ids, params, self.loaded.hf_config.vocab_size, self.max_model_len)
@@ -269,6 +334,7 @@ class LLMEngine:
         looked at). Raises ValueError / StructuredOutputError / EngineDeadError as
         `add_request` does."""
         self.check_health()
+        self._check_awake()
         if request.request_id in self.scheduler.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         # the model's generation defaults for what the request left unset (a no-op when the
@@ -328,6 +394,8 @@ class LLMEngine:
             prefix_cache_queries=self.kv.stats.queries,
             prefix_cache_hits=self.kv.stats.hits,
             kv_tiers=self.offload.snapshot() if self.offload is not None else {},
+            kv_blocks_by_type=self.kv.blocks_in_use_by_type(),
+            kv_blocks_usable=self.kv.pool.num_usable_blocks,
         )
 
     # ---- the step --------------------------------------------------------------------
@@ -362,7 +430,7 @@ class LLMEngine:
         while not queue.full:
             share = -(-len(self.scheduler.requests) // queue.depth)
             plan = self.scheduler.schedule(max_num_scheduled=max(1, share))
-            if plan.step is None:
+            if plan.is_empty:  # every request waits for a step in flight (or for KV)
                 break
             plan.step.structured = self._structured_masks(plan)
             self.scheduler.update_computed(plan)

@@ -19,9 +19,12 @@ from tokenmill.kv.arena import KVArena
 from tokenmill.ops.reference import apply_token_bitmask as reference_apply_token_bitmask
 from tokenmill.platforms.interfaces import (
     Allocator,
+    AttentionKind,
     AttentionMetadata,
     GraphCapture,
     ModelRunnerBase,
+    RecurrentStateMetadata,
+    recurrent_metadata,
     token_positions,
 )
 from tokenmill.runner_state import RequestStateTable, ScheduledRow
@@ -106,18 +109,32 @@ class ModelRunner(ModelRunnerBase):
         num_seqs = min(self.max_num_seqs, num_tokens)
         lens = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
         per_seq = [-(-n // self.block_size) for n in lens]
+        layout = self.model.kv_layout
+        state_pages = max((g.state_pages for g in layout.groups), default=0)
         # every KV group reads the same blocks here: the step measures memory, not values
         scratch = KVArena.create(
-            self.kv_allocator, self.model.attention_specs, num_blocks=sum(per_seq),
-            device=self.device, layer_slots=self.model.kv_layout.layer_slot,
+            self.kv_allocator, self.model.attention_specs,
+            num_blocks=max(sum(per_seq), state_pages),
+            device=self.device, layer_slots=layout.layer_slot,
             backends=self.model.layer_backends,
         )
         try:
             first = [sum(per_seq[:i]) for i in range(num_seqs)]
             block_ids = [list(range(f, f + n)) for f, n in zip(first, per_seq)]
             metadata = AttentionMetadata.build(lens, lens, block_ids, self.block_size, self.device)
+            if state_pages:  # recurrent groups: every sequence fresh, on one scratch slot
+                slot = list(range(state_pages))
+                states = RecurrentStateMetadata(
+                    [slot] * num_seqs, [None] * num_seqs, [[] for _ in lens]
+                )
+                linear = recurrent_metadata(lens, lens, states, self.block_size, self.device)
+                metadata = [
+                    linear if g.kind == AttentionKind.LINEAR else metadata for g in layout.groups
+                ]
             for backend in self.backends:
-                backend.prepare(metadata)
+                for m in metadata if isinstance(metadata, list) else [metadata]:
+                    if (backend.kind == AttentionKind.LINEAR) == (m.recurrent is not None):
+                        backend.prepare(m)
             _, positions = token_positions(lens, lens)
             input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
             hidden = self.model(input_ids, positions.to(self.device), scratch.layer_caches, metadata)
@@ -170,18 +187,43 @@ class ModelRunner(ModelRunnerBase):
         # one metadata per KV group (a hybrid model's groups have their own block tables)
         tables = [r.state.tables() for r in batch]
         per_group = [
-            AttentionMetadata.build(
+            self._recurrent_metadata(batch, inputs, g)
+            if group.kind == AttentionKind.LINEAR
+            else AttentionMetadata.build(
                 inputs.query_lens, inputs.seq_lens, [t[g] for t in tables], self.block_size, dev
             )
-            for g in range(len(tables[0]))
+            for g, group in enumerate(self.model.kv_layout.groups)
         ]
         _, positions = token_positions(inputs.query_lens, inputs.seq_lens)
-        for group_metadata in per_group:
+        for group_metadata, group in zip(per_group, self.model.kv_layout.groups, strict=True):
             for backend in self.backends:
-                backend.prepare(group_metadata)
+                if (backend.kind == AttentionKind.LINEAR) == (group.kind == AttentionKind.LINEAR):
+                    backend.prepare(group_metadata)
         metadata = per_group[0] if len(per_group) == 1 else per_group
         input_ids = torch.tensor(inputs.token_ids, dtype=torch.int64, device=dev)
         return self.model(input_ids, positions.to(dev), self.kv_caches, metadata)
+
+    def _recurrent_metadata(
+        self, batch: list[ScheduledRow], inputs: _StepInputs, group_id: int
+    ) -> AttentionMetadata:
+        """Where each row's state is read from and written to in LINEAR group `group_id`:
+        its slot; zeros at token 0; a hit's checkpoint the first step after the hit."""
+        slots, sources, checkpoints = [], [], []
+        for row in batch:
+            slot = row.state.tables()[group_id]
+            op = row.state.recurrent_ops.get(group_id)
+            slots.append(slot)
+            if op is not None and op.restore_block_ids:
+                sources.append(list(op.restore_block_ids))
+            else:
+                sources.append(slot if row.start > 0 else None)
+            checkpoints.append(
+                [(n - row.start, list(ids)) for n, ids in op.checkpoints] if op is not None else []
+            )
+        return recurrent_metadata(
+            inputs.query_lens, inputs.seq_lens,
+            RecurrentStateMetadata(slots, sources, checkpoints), self.block_size, self.device,
+        )
 
     def _sample(
         self,

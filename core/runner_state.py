@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenmill.sampler import make_generator, replay_draws
-from tokenmill.step import SamplingSpec, StepDescription
+from tokenmill.step import RecurrentStateOps, SamplingSpec, StepDescription
 
 
 @dataclass(slots=True)
@@ -27,6 +27,8 @@ class RequestState:
     block_ids: list[int]  # the whole block table (KV group 0's)
     num_computed_tokens: int  # tokens in the KV cache before the current step
     extra_block_ids: list[list[int]] = field(default_factory=list)  # KV groups 1, 2, ...
+    # this step's recurrent-state operations (restore, checkpoints), per LINEAR group id
+    recurrent_ops: dict[int, RecurrentStateOps] = field(default_factory=dict)
 
     def tables(self) -> list[list[int]]:
         """The block table of every KV group, in group order."""
@@ -108,6 +110,7 @@ class RequestStateTable:
         for rid, num_tokens in zip(step.scheduled_request_ids, step.num_scheduled_tokens,
                                    strict=True):
             state = self._get(rid, step)
+            state.recurrent_ops = {op.group_id: op for op in step.recurrent_state.get(rid, ())}
             end = state.num_computed_tokens + num_tokens
             if end > state.num_tokens:
                 raise StepProtocolError(

@@ -25,7 +25,13 @@ from tokenmill.kv_connector.messages import WorkerReport
 from tokenmill.kv_connector.scheduler_side import KVConnectorScheduler
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.step import CachedRequest, NewRequest, SamplingSpec, StepDescription
+from tokenmill.step import (
+    CachedRequest,
+    NewRequest,
+    RecurrentStateOps,
+    SamplingSpec,
+    StepDescription,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +146,12 @@ class Scheduler:
         # connector has loads to start or in flight
         if scheduled or self.loading or self.parked:
             out.step = self.workers.describe_step(scheduled, out.scheduled)
+            for request, _ in scheduled:  # recurrent layers: restores and checkpoints
+                ops = self.kv.recurrent_step_ops(request)
+                if ops:
+                    out.step.recurrent_state[request.request_id] = [
+                        RecurrentStateOps(g, restore, checkpoints) for g, restore, checkpoints in ops
+                    ]
             if self.connector is not None:
                 out.step.kv_connector = self.connector.build_step_meta(
                     [(r, self.kv.group_block_ids(r), r.num_computed_tokens, n)

@@ -79,6 +79,20 @@ class CachedRequest(msgspec.Struct, frozen=True):
     extra_new_block_ids: list[list[int]] = []
 
 
+class RecurrentStateOps(msgspec.Struct, frozen=True):
+    """What a step does with one request's state in one KV group of LINEAR layers, beyond
+    reading and writing its slot (the group's block table; core/kv/recurrent.py)."""
+
+    group_id: int  # the KV group (0 is `block_ids`' group, g >= 1 is extra_block_ids[g - 1])
+    # a prefix-cache hit's checkpoint: the state before this step's first token is read
+    # from these pages (never written) instead of the slot; empty: the slot, or zeros at
+    # token 0
+    restore_block_ids: list[int] = []
+    # (n, pages): write the state after the request's first n tokens (n within this
+    # step's tokens, ascending) into pages: prefix-cache checkpoints
+    checkpoints: list[tuple[int, list[int]]] = []
+
+
 class StructuredMasks(msgspec.Struct, frozen=True):
     """Structured output's token bitmask for some sampling rows of this step."""
 
@@ -109,6 +123,9 @@ class StepDescription(msgspec.Struct, kw_only=True):
     # KV offload: loads to start and blocks to save after the forward pass (None: no
     # connector). A step may carry only this, with no scheduled request (loads in flight).
     kv_connector: ConnectorStepMeta | None = None
+    # request id -> its recurrent-state operations this step (models with LINEAR layers;
+    # requests absent: read and write their slots only)
+    recurrent_state: dict[str, list[RecurrentStateOps]] = {}
 
     @property
     def total_num_scheduled_tokens(self) -> int:

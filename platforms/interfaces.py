@@ -20,8 +20,10 @@ from tokenmill.step import StepDescription, StepResult
 
 # 1.1: op apply_token_bitmask. 1.2: tokenmill_model_runner gets a ModelRunnerContext and
 # returns a ModelRunnerBase; tokenmill_graph_capture returns a GraphCapture; ops
-# moe_experts and gelu_tanh_and_mul; AttentionSpec.sinks. 1.3: the MLA kind
-# (AttentionSpec.mla, MLADims) and AttentionBackend.kv_cache_shape.
+# moe_experts and gelu_tanh_and_mul; AttentionSpec.sinks. 1.3: recurrent state for kind
+# LINEAR (AttentionSpec.state, AttentionMetadata.recurrent, LinearAttentionBackend); the
+# MLA kind (AttentionSpec.mla, MLADims) and AttentionBackend.kv_cache_shape;
+# Allocator.sleep / wake (optional: platforms that declare capabilities.sleep_mode).
 PLUGIN_API_VERSION = "1.3"
 
 
@@ -32,6 +34,55 @@ class AttentionKind(str, enum.Enum):
     SLIDING_WINDOW = "sliding_window"
     LINEAR = "linear"  # recurrent / state-space layers (Gated DeltaNet, Mamba, ...)
     MLA = "mla"
+
+
+@dataclass(frozen=True, slots=True)
+class StateTensorSpec:
+    """One tensor of a recurrent layer's per-sequence state (e.g. "conv" [C, K - 1] or
+    "ssm" [H, dk, dv]); shape without the batch dimension."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def num_bytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+# Each state tensor starts at a multiple of this many bytes in the packed state.
+STATE_ALIGN = 64
+
+
+@dataclass(frozen=True, slots=True)
+class RecurrentStateSpec:
+    """What a recurrent (LINEAR) layer keeps per running sequence, and which computation
+    updates it. `variant` names the recurrence ("gated_delta": Gated DeltaNet; "mamba2",
+    "kda"...): a `LinearAttentionBackend` dispatches on it. The arena packs the tensors
+    in order, each at a multiple of STATE_ALIGN bytes (`offsets`), into as many pages as
+    `num_bytes` needs; it fixes nothing else about them."""
+
+    variant: str
+    tensors: tuple[StateTensorSpec, ...]
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """Byte offset of each tensor in the packed state."""
+        out, at = [], 0
+        for t in self.tensors:
+            out.append(at)
+            at += -(-t.num_bytes // STATE_ALIGN) * STATE_ALIGN
+        return tuple(out)
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of one sequence's packed state in one layer."""
+        if not self.tensors:
+            return 0
+        return self.offsets[-1] + self.tensors[-1].num_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +116,10 @@ class MLADims:
 class AttentionSpec:
     """What one attention layer needs from a backend.
 
+    A LINEAR layer (recurrent: Gated DeltaNet, Mamba2, KDA) sets `state` and uses
+    num_heads / num_kv_heads / head_size for its value heads, key heads and key head size
+    (informative only: the state's shapes are in `state`).
+
     For `AttentionKind.MLA`, `mla` holds the layer's dimensions; `num_kv_heads` is 1 and
     `head_size` is `mla.latent_size` (what the cache holds per token), and `scale` is set
     (the model's softmax scale over the qk_head_dim-wide dot products).
@@ -84,9 +139,16 @@ class AttentionSpec:
     # sets `AttentionBackend.supports_sinks` (the core otherwise runs that layer on its
     # reference attention and logs it).
     sinks: bool = False
+    # kind LINEAR only: the per-sequence state the layer keeps (None for attention kinds)
+    state: RecurrentStateSpec | None = None
     mla: MLADims | None = None  # exactly for AttentionKind.MLA
 
     def __post_init__(self) -> None:
+        if (self.kind == AttentionKind.LINEAR) != (self.state is not None):
+            raise ValueError(
+                f"an AttentionSpec of kind {self.kind.value!r} with state={self.state}: a "
+                "LINEAR layer declares its state (RecurrentStateSpec), other kinds do not"
+            )
         if (self.kind == AttentionKind.MLA) != (self.mla is not None):
             raise ValueError(f"attention kind {self.kind.value!r} with mla={self.mla}: MLA "
                              "layers, and only they, carry MLADims")
@@ -106,14 +168,39 @@ def kv_cache_shape(spec: AttentionSpec, num_blocks: int) -> tuple[int, ...]:
     FULL and SLIDING_WINDOW: [2, num_blocks, block_size, num_kv_heads, head_size] (keys,
     then values). MLA: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim] (each
     token's latent row: c_kv then k_pe), about (2 * heads * head) / latent times smaller
-    than the equivalent multi-head cache. A backend that wants another layout of the same
-    bytes says so in `AttentionBackend.kv_cache_shape`.
+    than the equivalent multi-head cache. A backend that wants another view of the same
+    bytes says so in `AttentionBackend.kv_cache_shape`. LINEAR layers keep states, not
+    per-token pages (`RecurrentStateSpec`).
     """
     if spec.kind == AttentionKind.MLA:
         return (num_blocks, spec.block_size, spec.head_size)
     if spec.kind in (AttentionKind.FULL, AttentionKind.SLIDING_WINDOW):
         return (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
     raise ValueError(f"attention kind {spec.kind.value!r} keeps no paged KV cache")
+
+
+@dataclass(slots=True)
+class RecurrentStateMetadata:
+    """Where each sequence's recurrent state lives in one step, for one KV group of LINEAR
+    layers (core/kv/recurrent.py). Block ids name pages of the arena, as block tables do;
+    a layer reads and writes them through `tokenmill.kv.state` (`read_states`,
+    `write_states`) on its own state cache.
+
+    Per sequence, in batch order:
+    - `state_block_ids[i]`: the sequence's own state slot; after the step it must hold
+      the state after the sequence's last computed token.
+    - `source_block_ids[i]`: where the state before the query's first token is read:
+      the slot itself, a prefix-cache checkpoint (the first step after a hit: read only,
+      never written; the new state goes to the slot: copy on extend), or None for a
+      sequence that starts at token 0 (zero state; the pages may hold anything).
+    - `checkpoints[i]`: (n, block ids) pairs, n ascending in [1, query_len]: write the
+      state after the query's first n tokens into those pages (prefix-cache checkpoints
+      at block boundaries; n == query_len is the state after the step).
+    """
+
+    state_block_ids: list[list[int]]
+    source_block_ids: list[list[int] | None]
+    checkpoints: list[list[tuple[int, list[int]]]]
 
 
 @dataclass(slots=True)
@@ -139,6 +226,9 @@ class AttentionMetadata:
     # Backends may stash per-step precomputed state here (keyed by backend name) in
     # `AttentionBackend.prepare`; the core never reads it.
     backend_state: dict[str, object] = field(default_factory=dict)
+    # a KV group of LINEAR layers: where its sequences' states are (None for attention;
+    # block_tables then hold the state slots and slot_mapping is empty)
+    recurrent: RecurrentStateMetadata | None = None
 
     @classmethod
     def build(
@@ -172,6 +262,37 @@ class AttentionMetadata:
             max_seq_len=max(seq_lens),
             block_size=block_size,
         )
+
+
+def recurrent_metadata(
+    query_lens: list[int],
+    seq_lens: list[int],
+    recurrent: RecurrentStateMetadata,
+    block_size: int,
+    device: torch.device | str | None = None,
+) -> AttentionMetadata:
+    """Metadata for a KV group of LINEAR layers: the step's shape as `AttentionMetadata.build`
+    gives it, block tables = the state slots, no slot mapping (states are not per token)."""
+    slots = [list(ids) or [0] for ids in recurrent.state_block_ids]
+    tables = torch.zeros((len(slots), max(len(ids) for ids in slots)), dtype=torch.int32)
+    for i, ids in enumerate(slots):
+        tables[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+    query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    query_start_loc[1:] = torch.tensor(query_lens).cumsum(0)
+    return AttentionMetadata(
+        num_tokens=sum(query_lens),
+        num_seqs=len(query_lens),
+        query_start_loc=query_start_loc.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=tables.to(device),
+        slot_mapping=torch.empty(0, dtype=torch.int64, device=device),
+        query_lens_cpu=list(query_lens),
+        seq_lens_cpu=list(seq_lens),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        block_size=block_size,
+        recurrent=recurrent,
+    )
 
 
 def token_positions(
@@ -210,8 +331,8 @@ class AttentionBackend(ABC):
     def kv_cache_shape(self, spec: AttentionSpec, num_blocks: int) -> tuple[int, ...]:
         """The shape the arena views one layer's pages as (`kv_cache` in `forward`); the
         core's standard layout (`kv_cache_shape`) unless overridden. Must not depend on
-        anything but `spec` and `num_blocks`, and every layer of a model must need the
-        same bytes per block."""
+        anything but `spec` and `num_blocks`, and must hold exactly the standard layout's
+        bytes (the arena checks)."""
         return kv_cache_shape(spec, num_blocks)
 
     @abstractmethod
@@ -240,6 +361,42 @@ class AttentionBackend(ABC):
         kv_lora_rank] and `w_uv` [num_heads, v_head_dim, kv_lora_rank]. Returns
         [num_tokens, num_heads, v_head_dim]. A backend may decompress the latents (prefill)
         or fold `w_uk` into the query and apply `w_uv` after (decode); both are exact.
+        """
+
+
+class LinearAttentionBackend(AttentionBackend):
+    """Recurrent layers (kind LINEAR): a chunked scan for prefill, the recurrence for
+    decode, over per-sequence states that live in the KV arena.
+
+    Dispatches on `spec.state.variant`: `variants` lists those it runs. Each variant's
+    inputs are a dataclass defined beside its pure-PyTorch reference in
+    `tokenmill.ops.linear_attention` (`REFERENCE_VARIANTS`), e.g. `GatedDeltaInputs`;
+    the model layer builds them (projections stay in the model) and gets the layer's
+    output back. `forward` replaces the attention signature for this kind; `prepare` is
+    as for attention.
+    """
+
+    kind: AttentionKind = AttentionKind.LINEAR
+    variants: frozenset[str] = frozenset()
+
+    def supports(self, spec: AttentionSpec) -> bool:
+        return spec.kind == AttentionKind.LINEAR and spec.state.variant in self.variants
+
+    @abstractmethod
+    def forward(  # type: ignore[override]
+        self,
+        spec: AttentionSpec,
+        inputs: Any,  # the variant's inputs dataclass, tokens flattened as in metadata
+        state_cache: torch.Tensor,  # uint8 [2, num_blocks, page_bytes // 2]: the layer's pages
+        metadata: AttentionMetadata,  # with `recurrent` set
+    ) -> torch.Tensor:
+        """Run the layer's recurrence over the step's tokens, sequence by sequence.
+
+        For sequence i: start from the state in `recurrent.source_block_ids[i]` (zeros when
+        None), process its query tokens, write the states `recurrent.checkpoints[i]` asks
+        for, and leave the final state in `recurrent.state_block_ids[i]`. Never writes a
+        source that is not the sequence's own slot. Returns the variant's output
+        ([num_tokens, ...], see the variant's reference).
         """
 
 
@@ -353,6 +510,21 @@ class Allocator(ABC):
     @abstractmethod
     def bytes_limit(self) -> int:
         """The most this allocator will hand out in total."""
+
+    def sleep(self, keep_contents: bool) -> int:
+        """Sleep mode (called only on platforms that declare `capabilities.sleep_mode`,
+        by `LLM.sleep`): free the memory of every live buffer while the buffer tensors and
+        their views stay valid objects; with `keep_contents` their bytes are kept in host
+        memory for `wake`. Returns the bytes freed. Sleeping twice is an error;
+        `allocate` while asleep is an error. `tokenmill.platforms.sleep.BufferSleep`
+        implements the mechanics."""
+        raise NotImplementedError(f"{type(self).__name__} has no sleep mode")
+
+    def wake(self) -> None:
+        """Give every buffer its memory back (same tensors and views, possibly new
+        addresses): kept contents restored, the others zeroed. Waking an awake allocator
+        is an error."""
+        raise NotImplementedError(f"{type(self).__name__} has no sleep mode")
 
 
 @dataclass(frozen=True, slots=True)

@@ -66,7 +66,7 @@ def _serve(args: argparse.Namespace) -> int:
     from tokenmill.async_engine import AsyncLLM
     from tokenmill.config import EngineArgs
     from tokenmill.server.app import build_app
-    from tokenmill.server.protocol import MAX_HTTP_HEAD_BYTES
+    from tokenmill.server.http_server import uvicorn_options
     from tokenmill.server.reasoning import reasoning_parser_names
     from tokenmill.server.tool_parsers import tool_parser_names
 
@@ -99,6 +99,7 @@ def _serve(args: argparse.Namespace) -> int:
         "enable_sequence_parallelism": args.enable_sequence_parallelism or None,
         "decode_context_parallel_size": args.decode_context_parallel_size,
         "prefill_context_parallel_size": args.prefill_context_parallel_size,
+        "data_parallel_size": args.data_parallel_size,
         "memory_utilization": args.memory_utilization,
         "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
         "generation_config": args.generation_config,
@@ -127,8 +128,7 @@ def _serve(args: argparse.Namespace) -> int:
             app,
             host=args.host,
             port=args.port,
-            http="h11",  # its header-size limit is configurable
-            h11_max_incomplete_event_size=MAX_HTTP_HEAD_BYTES,
+            **uvicorn_options(),  # httptools + uvloop
             timeout_graceful_shutdown=args.shutdown_timeout,
             log_level=args.log_level,
         ))
@@ -179,6 +179,10 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE models: split the experts over the tensor parallel ranks "
                         "(all-to-all dispatch) instead of each expert's intermediate dim")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=None,
+                   help="engine replicas behind this server (default 1), each in its own "
+                        "process with tp x pp ranks; requests go to the replica that served "
+                        "their prefix, else the least loaded")
     p.add_argument("--memory-utilization", type=float, default=None,
                    help="share of the device memory the engine may use, KV cache included "
                         "(default 0.9; like vLLM's --gpu-memory-utilization)")

@@ -75,7 +75,7 @@ def test_mla_page_is_latent_rows_and_plans_its_own_group():
     spec = mla_spec(torch.bfloat16, 16, num_heads=128, dims=MLADims(512, 128, 64, 128))
     assert kv_cache_shape(spec, 10) == (10, 16, 576)
     assert KVArena.page_bytes_for(spec) == 16 * 576 * 2  # vs 16 x 2 x 128 x 192 x 2 for MHA
-    full = AttentionSpec(AttentionKind.FULL, 4, 1, 576, torch.bfloat16, 16)
+    full = AttentionSpec(AttentionKind.FULL, 4, 1, 288, torch.bfloat16, 16)  # same page bytes
     layout = plan_groups([spec, spec, spec, spec])
     assert [(g.kind, g.layers) for g in layout.groups] == [(AttentionKind.MLA, (0, 1, 2, 3))]
     mixed = plan_groups([full, spec, full, spec])

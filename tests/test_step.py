@@ -13,8 +13,10 @@ from tokenmill.kv_connector.messages import (
     ConnectorStepMeta,
     LoadJob,
     LoadResult,
+    TierChange,
     WorkerReport,
 )
+from tokenmill.kv_connector.tier import TierStats
 from tokenmill.request import Request
 from tokenmill.runner_state import RequestStateTable, StepProtocolError
 from tokenmill.sampling_params import SamplingParams
@@ -23,6 +25,7 @@ from tokenmill.step import (
     CachedRequest,
     Logprobs,
     NewRequest,
+    RecurrentStateOps,
     SamplingSpec,
     StepDescription,
     StepResult,
@@ -61,6 +64,7 @@ def full_step() -> StepDescription:
             saves=[BlockTransfer(1, b"s" * 32)],
             prefetch=[b"p" * 32],
         ),
+        recurrent_state={"a": [RecurrentStateOps(1, [20, 21], [(4, [22, 23])])]},
     )
 
 
@@ -73,6 +77,8 @@ def full_result() -> StepResult:
         kv_connector=WorkerReport(
             loads=[LoadResult("g", 1, 2, ["host"])], saved_keys=[b"s" * 32],
             failed_save_keys=[b"t" * 32], num_prefetched=1,
+            tier_changes=[TierChange("host", b"s" * 32, True)],
+            tier_stats={"host": TierStats(hits=1, bytes_written=64)},
         ),
     )
 
@@ -95,6 +101,7 @@ def test_every_field_of_the_step_round_trips():
     _non_default_fields(step.new_requests[0])
     _non_default_fields(step.new_requests[0].sampling)
     _non_default_fields(step.cached_requests[0])
+    _non_default_fields(step.recurrent_state["a"][0])
     decoded = decode_step(encode(step))
     assert decoded == step
     assert decoded.prompt_logprob_ranges["a"] == (2, 4)  # tuples come back as tuples

@@ -36,6 +36,7 @@ from tokenmill.platforms.interfaces import (
 )
 from tokenmill.platforms.registry import ActivePlatform, PlatformRegistry, load_platform
 from tokenmill.runner import ModelRunner
+from tokenmill.sleep_mode import check_level
 from tokenmill.step import StepDescription, StepResult
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class Worker:
         self._memory_at_start: MemoryInfo | None = None
         self._owns_parallel_state = False
         self.kv_offload: WorkerOffload | None = None  # KV offload's worker half, if configured
+        self._sleep_level: int | None = None  # set while asleep
 
     # ---- set-up, in the executor's order -----------------------------------------------
     def init_device(self) -> None:
@@ -84,6 +86,7 @@ class Worker:
             logger.info("rank %d: platform %r brings its own model runner %s", self.rank,
                         platform.name, type(self.runner).__name__)
             return
+        sleepy = platform.platform.capabilities.sleep_mode
         model = build_model(
             self.hf_config,
             self.context.weights(),
@@ -92,6 +95,7 @@ class Worker:
             ops=platform.ops,
             attention_backend=platform.attention_backend,
             block_size=self.config.block_size,
+            weights_allocator=platform.allocator(AllocatorPurpose.WEIGHTS) if sleepy else None,
         )
         self.runner = ModelRunner(
             model,
@@ -208,6 +212,49 @@ class Worker:
     def kv_offload_drain(self) -> bytes:
         """Wait for every KV load and save in flight; their msgpack `WorkerReport`."""
         return msgspec.msgpack.encode(self._offload.worker_side.drain())
+
+    # ---- sleep mode (tokenmill.sleep_mode) ----------------------------------------------
+    def sleep(self, level: int) -> int:
+        """Free this rank's KV cache (contents discarded) and weights (kept in host memory
+        at level 1, discarded at 2) through the platform's allocators; returns the bytes
+        freed. The engine calls it only while no request is in flight."""
+        level = check_level(level)
+        runner = self._sleep_runner()
+        if self._sleep_level is not None:
+            raise RuntimeError(f"rank {self.rank} is already asleep (level {self._sleep_level})")
+        platform = self._platform
+        freed = runner.kv_allocator.sleep(keep_contents=False)
+        freed += platform.allocator(AllocatorPurpose.WEIGHTS).sleep(keep_contents=level == 1)
+        self._sleep_level = level
+        logger.info("rank %d asleep (level %d): %.1f MiB freed", self.rank, level, freed / (1 << 20))
+        return freed
+
+    def wake_up(self) -> None:
+        """Give the weights and the KV cache their memory back: weights restored (level 1)
+        or read again from the checkpoint (level 2), the KV cache zeroed; decode graphs,
+        whose addresses moved, are captured again."""
+        runner = self._sleep_runner()
+        if self._sleep_level is None:
+            raise RuntimeError(f"rank {self.rank} is not asleep")
+        self._platform.allocator(AllocatorPurpose.WEIGHTS).wake()
+        runner.kv_allocator.wake()
+        if self._sleep_level == 2:
+            runner.model.load_weights(self.context.weights())
+            runner.model.prepack()
+        if runner.decode_graphs is not None:
+            runner.decode_graphs.capture()
+        self._sleep_level = None
+        logger.info("rank %d awake", self.rank)
+
+    def _sleep_runner(self) -> ModelRunner:
+        platform = self._platform
+        if not platform.platform.capabilities.sleep_mode:
+            raise RuntimeError(f"platform {platform.name!r} declares no sleep mode "
+                               "(capabilities.sleep_mode)")
+        if not isinstance(self._runner, ModelRunner):
+            raise RuntimeError(f"sleep mode needs the core's model runner; platform "
+                               f"{platform.name!r} brings {type(self._runner).__name__}")
+        return self._runner
 
     # ---- steps -------------------------------------------------------------------------
     def execute(self, step: StepDescription) -> StepResult | None:

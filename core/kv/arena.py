@@ -10,6 +10,11 @@ id names one page in each slot: allocating block b to a group gives the request 
 block in every layer of the group. Groups of other attention types (sliding windows) map
 their layers onto the same slots, so that all types draw block ids from one free list and
 the split between them moves with the workload.
+
+Recurrent (LINEAR) layers see their slot's region as bytes, [2, num_blocks, page_bytes
+// 2] uint8: the same two halves per block id as attention pages, so a block id names the
+same bytes whichever group holds it. A state spanning several pages is packed over them
+in table order (tokenmill.kv.state).
 """
 
 from __future__ import annotations
@@ -20,9 +25,11 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.kv.groups import page_bytes_of
 from tokenmill.platforms.interfaces import (
     Allocator,
     AttentionBackend,
+    AttentionKind,
     AttentionSpec,
     kv_cache_shape,
 )
@@ -33,35 +40,47 @@ class KVArena:
     buffer: torch.Tensor  # uint8, from the platform's KV allocator
     num_blocks: int
     page_bytes: int  # bytes of one block in one layer slot
-    layer_caches: list[torch.Tensor]  # per layer: in its backend's kv_cache_shape
+    # per layer: in its backend's kv_cache_shape (attention), or uint8 [2, num_blocks,
+    # page_bytes // 2] (a recurrent layer's state pages)
+    layer_caches: list[torch.Tensor]
 
     @staticmethod
     def cache_shape(
         spec: AttentionSpec, num_blocks: int, backend: AttentionBackend | None = None
     ) -> tuple[int, ...]:
-        """One layer's cache shape: its backend's declared layout, else the standard one."""
+        """One attention layer's cache shape: its backend's declared layout, else the
+        standard one (`tokenmill.platforms.interfaces.kv_cache_shape`)."""
         if backend is None:
             return kv_cache_shape(spec, num_blocks)
         return tuple(backend.kv_cache_shape(spec, num_blocks))
 
     @classmethod
     def page_bytes_for(cls, spec: AttentionSpec, backend: AttentionBackend | None = None) -> int:
-        """Bytes of one block of one layer."""
-        itemsize = torch.empty((), dtype=spec.dtype).element_size()
-        return math.prod(cls.cache_shape(spec, 1, backend)) * itemsize
+        """Bytes of one block of one attention layer."""
+        return math.prod(cls.cache_shape(spec, 1, backend)) * spec.dtype.itemsize
 
     @classmethod
     def page_bytes_of(
         cls, specs: list[AttentionSpec], backends: Sequence[AttentionBackend] | None = None
     ) -> int:
-        """The one page size of `specs` (every layer must agree)."""
+        """The one page size of `specs` (every attention layer must agree; see
+        `tokenmill.kv.groups.page_bytes_of`), with each layer's backend's declared layout
+        when `backends` are given."""
         if not specs:
             raise ValueError("the model declares no attention layers; nothing to cache")
-        layer_backends = backends if backends is not None else [None] * len(specs)
-        page_bytes = {cls.page_bytes_for(s, b) for s, b in zip(specs, layer_backends, strict=True)}
-        if len(page_bytes) != 1:
-            raise ValueError(f"layers need different KV page sizes {sorted(page_bytes)}")
-        return page_bytes.pop()
+        page = page_bytes_of(specs)
+        if backends is not None:
+            declared = {
+                cls.page_bytes_for(s, b)
+                for s, b in zip(specs, backends, strict=True)
+                if s.kind != AttentionKind.LINEAR
+            }
+            if declared - {page}:
+                raise ValueError(
+                    f"attention backends declare pages of {sorted(declared)} bytes; the "
+                    f"layers' specs need {page}: a declared layout must hold the same bytes"
+                )
+        return page
 
     @classmethod
     def block_bytes_for(
@@ -106,6 +125,9 @@ class KVArena:
         layer_backends = backends if backends is not None else [None] * len(specs)
         for slot, spec, backend in zip(layer_slots, specs, layer_backends, strict=True):
             region = buffer[slot * num_blocks * page : (slot + 1) * num_blocks * page]
+            if spec.kind == AttentionKind.LINEAR:
+                caches.append(region.view(2, num_blocks, page // 2))
+                continue
             shape = cls.cache_shape(spec, num_blocks, backend)
             caches.append(region.view(spec.dtype).view(*shape))
         return cls(buffer=buffer, num_blocks=num_blocks, page_bytes=page, layer_caches=caches)

@@ -91,11 +91,14 @@ class BlockPool:
                 del self._free[block.block_id]
             block.ref_cnt += 1
 
-    def free(self, blocks: Iterable[KVBlock]) -> None:
+    def free(self, blocks: Iterable[KVBlock], reuse_first: bool = False) -> None:
         """Drop a reference on each block; unreferenced blocks join the free queue tail.
 
         Pass a request's blocks tail first, so that the ends of sequences are reused
-        before the shared prefixes they hang from.
+        before the shared prefixes they hang from. `reuse_first`: unreferenced blocks
+        that hold nothing cached go to the head instead, to be reused before any cached
+        content is evicted (a recurrent state slot: its bytes are worth nothing once its
+        sequence is gone).
         """
         for block in blocks:
             if block.ref_cnt <= 0:
@@ -103,6 +106,14 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
+                if reuse_first and block.block_hash is None:
+                    self._free.move_to_end(block.block_id, last=False)
+
+    def uncache(self, blocks: Iterable[KVBlock]) -> None:
+        """Make blocks unfindable by hash (their content is no longer wanted); references
+        and the free queue are unchanged."""
+        for block in blocks:
+            self._evict(block)
 
     def cache(self, block: KVBlock, block_hash: BlockHash) -> None:
         """Make a full block findable by its hash. The first block with a hash wins."""

@@ -20,6 +20,7 @@ from tokenmill.kv.allocators import FullAttentionAllocator, SlidingWindowAllocat
 from tokenmill.kv.block_pool import NULL_BLOCK, BlockPool, KVBlock
 from tokenmill.kv.groups import KVGroup
 from tokenmill.kv.hashing import hash_blocks
+from tokenmill.kv.recurrent import CheckpointPolicy, RecurrentStateAllocator
 from tokenmill.platforms.interfaces import AttentionKind
 from tokenmill.request import Request
 
@@ -37,8 +38,8 @@ class PrefixHit:
     num_tokens: int = 0
     tables: list[list[KVBlock]] = field(default_factory=list)  # per group; NULL_BLOCK holes
 
-    def __len__(self) -> int:  # blocks per table (the hit's length in blocks)
-        return max((len(t) for t in self.tables), default=0)
+    def __len__(self) -> int:  # the hit's length in blocks
+        return max((len(t) for t in self.tables), default=0) if self.tables else 0
 
     def blocks(self) -> list[KVBlock]:
         """The distinct real blocks of the hit."""
@@ -50,6 +51,10 @@ class KVCacheManager:
     """The scheduler's view of KV memory. Pure Python; never touches tensors.
 
     `groups` (from `plan_groups`) defaults to one full-attention group: a plain model.
+    Groups of LINEAR layers get a `RecurrentStateAllocator` (core/kv/recurrent.py) whose
+    checkpoints follow `checkpoint_policy`; None: `CheckpointPolicy.for_budget` with
+    `checkpoint_ratio` (kept checkpoints take at most that share of the attention KV of
+    the same tokens).
     """
 
     def __init__(
@@ -58,20 +63,40 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         groups: tuple[KVGroup, ...] | None = None,
+        checkpoint_policy: CheckpointPolicy | None = None,
+        checkpoint_ratio: float = 0.5,
     ):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         groups = groups or (KVGroup(0, AttentionKind.FULL, None, ()),)
         windowed = any(g.kind == AttentionKind.SLIDING_WINDOW for g in groups)
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching, reserve_null=windowed)
-        self.allocators: list[FullAttentionAllocator] = [
-            SlidingWindowAllocator(self.pool, block_size, g)
-            if g.kind == AttentionKind.SLIDING_WINDOW
-            else FullAttentionAllocator(self.pool, block_size, g)
-            for g in groups
+        recurrent = [g for g in groups if g.kind == AttentionKind.LINEAR]
+        if checkpoint_policy is None and recurrent:
+            checkpoint_policy = CheckpointPolicy.for_budget(
+                sum(g.state_pages for g in recurrent), len(groups) - len(recurrent),
+                checkpoint_ratio,
+            )
+        self.checkpoint_policy = checkpoint_policy
+        self.allocators: list[FullAttentionAllocator | RecurrentStateAllocator] = [
+            self._allocator(g, block_size) for g in groups
         ]
         self.groups = groups
         self.stats = PrefixCacheStats()
+
+    def _allocator(
+        self, group: KVGroup, block_size: int
+    ) -> FullAttentionAllocator | RecurrentStateAllocator:
+        if group.kind == AttentionKind.SLIDING_WINDOW:
+            return SlidingWindowAllocator(self.pool, block_size, group)
+        if group.kind == AttentionKind.LINEAR:
+            return RecurrentStateAllocator(self.pool, block_size, group, self.checkpoint_policy)
+        return FullAttentionAllocator(self.pool, block_size, group)
+
+    @property
+    def recurrent_group_ids(self) -> list[int]:
+        """The groups of LINEAR layers (state slots and checkpoints)."""
+        return [i for i, a in enumerate(self.allocators) if isinstance(a, RecurrentStateAllocator)]
 
     @property
     def usage(self) -> float:
@@ -100,8 +125,9 @@ class KVCacheManager:
 
         Full-attention groups bound it by their leading run of cached blocks; from there
         the length steps down a block at a time until each sliding-window group has the
-        blocks its next query reads. At least one token is always left to compute, since
-        the step that computes it produces the logits to sample from.
+        blocks its next query reads and each recurrent group has a checkpoint exactly at
+        that boundary. At least one token is always left to compute, since the step that
+        computes it produces the logits to sample from.
         """
         empty = PrefixHit(0, [[] for _ in self.allocators])
         if not self.enable_prefix_caching:
@@ -110,9 +136,10 @@ class KVCacheManager:
         if request.sampling_params.prompt_logprobs is not None:
             return empty, 0  # every prompt position must be computed to score it
         max_blocks = (request.num_tokens - 1) // self.block_size
-        cached: dict[int, list[KVBlock | None]] = {}
-        for i, alloc in enumerate(self.allocators):  # full attention bounds the windows' scan
-            if not isinstance(alloc, SlidingWindowAllocator):
+        cached: dict[int, list] = {}
+        recurrent = self.recurrent_group_ids
+        for i, alloc in enumerate(self.allocators):  # full attention bounds the others' scan
+            if type(alloc) is FullAttentionAllocator:
                 cached[i] = alloc.cached_blocks(request, max_blocks)
                 max_blocks = min(max_blocks, len(cached[i]))
         misses: dict[int, list[int]] = {}  # per window group: misses among its first j blocks
@@ -120,10 +147,14 @@ class KVCacheManager:
             if isinstance(alloc, SlidingWindowAllocator):
                 cached[i] = alloc.cached_blocks(request, max_blocks)
                 misses[i] = list(itertools.accumulate((b is None for b in cached[i]), initial=0))
+            elif i in recurrent:
+                cached[i] = alloc.cached_blocks(request, max_blocks)
         for num_blocks in range(max_blocks, 0, -1):
             first = {i: self.allocators[i].first_needed_block(num_blocks * self.block_size)
                      for i in misses}
-            if all(m[num_blocks] == m[first[i]] for i, m in misses.items()):
+            if all(m[num_blocks] == m[first[i]] for i, m in misses.items()) and all(
+                cached[i][num_blocks - 1] is not None for i in recurrent
+            ):
                 tables = [a.hit_table(cached[i], num_blocks) for i, a in enumerate(self.allocators)]
                 return PrefixHit(num_blocks * self.block_size, tables), num_blocks * self.block_size
         return empty, 0
@@ -160,11 +191,15 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + num_hit
         total = num_computed + num_new_tokens
         tables = hits.tables if hits is not None and hits.tables else [[] for _ in self.allocators]
+        recurrent = self.recurrent_group_ids
+        if recurrent and publish:
+            self.update_block_hashes(request)  # checkpoints are keyed by the blocks they end
         for alloc in self.allocators:
             alloc.release_outside_window(request, num_computed)
         need = sum(
-            alloc.num_blocks_needed(request, total, table)
-            for alloc, table in zip(self.allocators, tables, strict=True)
+            alloc.num_blocks_needed(request, total, table, num_computed)
+            if i in recurrent else alloc.num_blocks_needed(request, total, table)
+            for i, (alloc, table) in enumerate(zip(self.allocators, tables, strict=True))
         )
         # Cached hits sitting in the free queue stop being allocatable once touched.
         num_hits_free = sum(1 for b in (hits.blocks() if hits else ()) if b.ref_cnt == 0)
@@ -172,8 +207,11 @@ class KVCacheManager:
             return False
         for alloc, table in zip(self.allocators, tables, strict=True):
             alloc.take_hits(request, table)
-        for alloc in self.allocators:
-            alloc.allocate(request, total)
+        for i, alloc in enumerate(self.allocators):
+            if i in recurrent:
+                alloc.allocate(request, total, num_computed)
+            else:
+                alloc.allocate(request, total)
         if self.enable_prefix_caching and publish:
             self.update_block_hashes(request)
             for alloc in self.allocators:
@@ -196,7 +234,15 @@ class KVCacheManager:
                 f"request {request.request_id!r} already holds KV: prefix-cache hits only "
                 "start a request"
             )
+        num_blocks = hits.num_tokens // self.block_size
         for alloc, table in zip(self.allocators, hits.tables, strict=True):
+            if isinstance(alloc, RecurrentStateAllocator):
+                if not alloc.hit_is_fresh(request, table, num_blocks):
+                    raise RuntimeError(
+                        f"stale prefix-cache hits for request {request.request_id!r}: look "
+                        "them up again (find_cached_prefix) right before allocate_slots"
+                    )
+                continue
             if len(table) > len(request.block_hashes) or any(
                 b is not NULL_BLOCK and alloc.pool.get_cached_block(alloc.key(h)) is not b
                 for b, h in zip(table, request.block_hashes)
@@ -225,11 +271,35 @@ class KVCacheManager:
 
     def blocks_in_use_per_group(self) -> list[int]:
         """Real blocks held by live requests, per group (a block shared by several
-        requests counts once)."""
+        requests counts once; a recurrent group counts slots, restore sources and the
+        checkpoints being written)."""
         out = []
         for alloc in self.allocators:
-            ids = {b.block_id for t in alloc.req_to_blocks.values() for b in t if b is not NULL_BLOCK}
+            if isinstance(alloc, RecurrentStateAllocator):
+                ids = {b.block_id for rid in alloc.seqs for b in alloc.held_blocks(rid)}
+            else:
+                ids = {b.block_id for t in alloc.req_to_blocks.values()
+                       for b in t if b is not NULL_BLOCK}
             out.append(len(ids))
+        return out
+
+    def blocks_in_use_by_type(self) -> dict[str, int]:
+        """Block ids held by live requests, per attention type ("full", "sliding_window",
+        "linear"): the arena's live split between the types (a metric)."""
+        out: dict[str, int] = {}
+        for group, n in zip(self.groups, self.blocks_in_use_per_group(), strict=True):
+            out[group.kind.value] = out.get(group.kind.value, 0) + n
+        return out
+
+    def recurrent_step_ops(self, request: Request) -> list[tuple[int, list[int], list[tuple[int, list[int]]]]]:
+        """Per recurrent group, what the workers do with the request's state in the step
+        just allocated: (group id, checkpoint block ids to restore from (empty: none),
+        checkpoints to write as (token count, block ids))."""
+        out = []
+        for i in self.recurrent_group_ids:
+            restore, checkpoints = self.allocators[i].step_ops(request)
+            if restore or checkpoints:
+                out.append((i, restore, checkpoints))
         return out
 
     def blocks_for_one_request(self, num_tokens: int, max_chunk: int) -> int:
@@ -238,6 +308,13 @@ class KVCacheManager:
         total = 0
         for alloc in self.allocators:
             blocks = -(-num_tokens // self.block_size)
+            if isinstance(alloc, RecurrentStateAllocator):
+                # the slot, a restore source, and the checkpoints one chunk writes: the
+                # interval ones it crosses, the prompt end's and the rolling one
+                interval = alloc.policy.interval_blocks * self.block_size
+                num_ckpts = min(blocks, max_chunk // interval + 1) + 2
+                total += alloc.state_pages * (2 + num_ckpts)
+                continue
             if isinstance(alloc, SlidingWindowAllocator):
                 blocks = min(blocks, -(-(alloc.window - 1 + max_chunk) // self.block_size) + 1)
             total += blocks

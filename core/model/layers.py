@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.ops import Ops
+from tokenmill.ops.linear_attention import ReferenceLinearAttentionBackend
 from tokenmill.ops.mla import ReferenceMLABackend
 from tokenmill.ops.reference import ReferenceAttentionBackend
 from tokenmill.platforms.interfaces import (
@@ -362,6 +363,7 @@ def resolve_backends(specs: Sequence[AttentionSpec], choice: BackendChoice) -> l
     reference = ReferenceAttentionBackend()
     reference_mla = ReferenceMLABackend()
     backends, fallbacks, mla_fallbacks = [], [], []
+    linear_reference = None
     for i, spec in enumerate(specs):
         backend = supported(spec)
         if backend is None and spec.sinks and supported(dataclasses.replace(spec, sinks=False)):
@@ -370,6 +372,14 @@ def resolve_backends(specs: Sequence[AttentionSpec], choice: BackendChoice) -> l
         if backend is None and spec.kind == AttentionKind.MLA:
             backend = reference_mla
             mla_fallbacks.append(i)
+        if backend is None and spec.kind == AttentionKind.LINEAR:
+            # the core's reference recurrence (slow) when the platform has none
+            linear_reference = linear_reference or ReferenceLinearAttentionBackend()
+            if linear_reference.supports(spec):
+                backend = linear_reference
+                logger.warning("the platform has no linear-attention backend for layer %d "
+                               "(variant %r): it runs the core's reference", i,
+                               spec.state.variant)
         if backend is None:
             raise ValueError(f"no attention backend supports layer {i}'s spec {spec}")
         backends.append(backend)

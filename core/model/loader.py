@@ -20,7 +20,8 @@ from torch import nn
 
 from tokenmill.model.registry import model_class_for
 from tokenmill.ops import Ops
-from tokenmill.platforms.interfaces import AttentionBackend, AttentionSpec
+from tokenmill.platforms.interfaces import Allocator, AttentionBackend, AttentionSpec
+from tokenmill.sleep_mode import adopt_weights
 
 logger = logging.getLogger(__name__)
 
@@ -130,9 +131,11 @@ def build_model(
     ops: Ops,
     attention_backend: AttentionBackend | Callable[[AttentionSpec], AttentionBackend],
     block_size: int,
+    weights_allocator: Allocator | None = None,
 ) -> nn.Module:
     """The model class for `hf_config` on `device` in `dtype`, `weights` loaded, prepacked
-    for the platform's ops and in eval mode."""
+    for the platform's ops and in eval mode. With `weights_allocator` (a platform with sleep
+    mode) the parameters live in its buffers (`tokenmill.sleep_mode.adopt_weights`)."""
     model_cls = model_class_for(hf_config)
     with torch.device(device):
         lm = model_cls(
@@ -140,6 +143,8 @@ def build_model(
             block_size=block_size,
         )
     lm.load_weights(weights)
+    if weights_allocator is not None:
+        adopt_weights(lm, weights_allocator)
     lm.prepack()
     lm.eval()
     return lm

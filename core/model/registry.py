@@ -7,11 +7,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenmill.model.deepseek_v3 import DeepseekV3ForCausalLM
 from tokenmill.model.gemma3 import Gemma3ForCausalLM
 from tokenmill.model.gpt_oss import GptOssForCausalLM
 from tokenmill.model.llama import CausalLM
 from tokenmill.model.mixtral import MixtralForCausalLM
 from tokenmill.model.qwen3_moe import Qwen3MoeForCausalLM
+from tokenmill.model.qwen3_next import Qwen3NextForCausalLM
 from tokenmill.platforms.interfaces import AttentionSpec
 
 # HF `model_type` -> class. One class covers the llama family; its module docstring says how
@@ -25,6 +27,8 @@ _MODEL_TYPES: dict[str, type[nn.Module]] = {
     "gpt_oss": GptOssForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
     "mixtral": MixtralForCausalLM,
+    "deepseek_v3": DeepseekV3ForCausalLM,
+    "qwen3_next": Qwen3NextForCausalLM,
 }
 
 

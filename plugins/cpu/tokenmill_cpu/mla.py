@@ -9,13 +9,14 @@ rope_dim]: one latent row (c_kv | k_pe) per token. Per layer (`forward`):
   matmul against its cached latent rows, which double as the values (their c_kv part);
   the latent output goes through W_UV once. Rows are bucketed by context length (a
   bucket takes rows while their length is at least 3/4 of its longest) so padding stays
-  small; padding keys are masked and their gathered rows zeroed (unwritten memory may
-  hold NaN, and 0 * NaN is NaN);
+  small; padding positions read the row's own first latent (written memory: unwritten
+  memory may hold NaN, and 0 * NaN is NaN) and are masked out of the softmax;
 - prefill and chunk rows one sequence at a time, decompressed: the sequence's cached
   latents are expanded through W_UK / W_UV into per-head keys and values (a prompt's
   queries share them), then one SDPA call with a bottom-right causal mask.
 
-Matmuls run in the model dtype, softmax in float32. The per-step plan (buckets, masks,
+All math is float32 (CPU float32 GEMMs on strided operands beat bf16 ones here; the
+cache stays in the model dtype). The per-step plan (buckets, masks,
 gather indices) is built by the first layer and reused by the others through
 `metadata.backend_state`.
 """
@@ -42,8 +43,9 @@ _BUCKET_FILL = 0.75
 @dataclass(slots=True)
 class _Bucket:
     rows: torch.Tensor  # int64 [b]: the decode rows' positions in the step's flat batch
-    slots: torch.Tensor  # int64 [b, n]: cache slot of each key position (0 for padding)
+    slots: torch.Tensor  # int64 [b, n]: cache slot of each key position (padding: the first)
     valid: torch.Tensor  # bool [b, n]: key position inside the row's context
+    bias: torch.Tensor  # float32 [b, 1, n]: 0 inside the context, -inf for padding
 
 
 @dataclass(slots=True)
@@ -80,7 +82,11 @@ def _build_plan(metadata: AttentionMetadata) -> _Plan:
         slots = (tables[seqs, :num_blocks, None] * block_size + offsets).flatten(1)[:, :longest]
         valid = torch.arange(longest, device=tables.device) < lens[:, None]
         rows = torch.tensor([starts[i] for i, _ in take], device=tables.device)
-        buckets.append(_Bucket(rows, slots.masked_fill(~valid, 0), valid))
+        # padding reads the row's own first slot (written, so finite) and is masked
+        bias = torch.zeros(valid.shape, dtype=torch.float32).masked_fill(~valid, float("-inf"))
+        buckets.append(
+            _Bucket(rows, torch.where(valid, slots, slots[:, :1]), valid, bias[:, None, :])
+        )
     return _Plan(buckets, prefill)
 
 
@@ -113,35 +119,39 @@ class CpuMLAAttention(AttentionBackend):
         plan = self._plan(metadata)
         flat = kv_cache.view(-1, kv_cache.shape[-1])
         out = torch.empty(query.shape[0], spec.num_heads, dims.v_head_dim, dtype=query.dtype)
-        w_uk, w_uv = w_uk.to(query.dtype), w_uv.to(query.dtype)
         for bucket in plan.decode:
-            out[bucket.rows] = self._decode(query[bucket.rows], flat, bucket, dims, scale, w_uk, w_uv)
+            o = self._decode(query[bucket.rows], flat, bucket, dims, scale, w_uk, w_uv)
+            out[bucket.rows] = o.to(out.dtype)
         for first, q_len, slots in plan.prefill:
             q = query[first : first + q_len]
-            out[first : first + q_len] = self._prefill(q, flat[slots], dims, scale, w_uk, w_uv)
+            o = self._prefill(q, flat[slots], dims, scale, w_uk, w_uv)
+            out[first : first + q_len] = o.to(out.dtype)
         return out
 
     @staticmethod
     def _decode(q, flat, bucket: _Bucket, dims, scale, w_uk, w_uv) -> torch.Tensor:
-        """Absorbed form for b decode rows: q [b, H, nope + rope] -> [b, H, v]."""
+        """Absorbed form for b decode rows: q [b, H, nope + rope] -> [b, H, v], in float32
+        (CPU float32 GEMMs with strided operands are faster than bf16 ones here)."""
         rank, nope = dims.kv_lora_rank, dims.qk_nope_head_dim
-        latent = flat[bucket.slots].to(q.dtype)  # [b, n, rank + rope]
-        latent = latent.masked_fill(~bucket.valid[..., None], 0)
-        q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w_uk).transpose(0, 1)  # [b, H, rank]
-        q_full = torch.cat((q_lat, q[..., nope:]), dim=-1)  # [b, H, rank + rope]
-        scores = torch.bmm(q_full, latent.transpose(1, 2)).float() * scale  # [b, H, n]
-        scores = scores.masked_fill(~bucket.valid[:, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1).to(q.dtype)
+        latent = flat[bucket.slots].float()  # [b, n, rank + rope]; padding masked below
+        q = q.float()
+        q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w_uk.float())  # [H, b, rank]
+        q_full = torch.cat((q_lat.transpose(0, 1), q[..., nope:]), dim=-1)  # [b, H, rank+rope]
+        scores = torch.baddbmm(
+            bucket.bias, q_full, latent.transpose(1, 2), alpha=scale
+        )  # [b, H, n]
+        probs = scores.softmax(dim=-1)
         o_lat = torch.bmm(probs, latent[..., :rank])  # [b, H, rank]
         # W_UV after: [H, b, rank] @ [H, rank, v]
-        return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        out = torch.bmm(o_lat.transpose(0, 1), w_uv.float().transpose(1, 2))
+        return out.transpose(0, 1)
 
     @staticmethod
     def _prefill(q, latent, dims, scale, w_uk, w_uv) -> torch.Tensor:
         """Decompressed form for one sequence: q [q_len, H, nope + rope] over its context's
         latent rows [seq_len, rank + rope] -> [q_len, H, v]."""
         rank = dims.kv_lora_rank
-        latent = latent.to(q.dtype)
+        q, latent, w_uk, w_uv = q.float(), latent.float(), w_uk.float(), w_uv.float()
         c_kv, k_pe = latent[:, :rank], latent[:, rank:]
         heads, seq_len, q_len = q.shape[1], latent.shape[0], q.shape[0]
         k_nope = torch.matmul(c_kv, w_uk.transpose(1, 2))  # [H, seq, nope]

@@ -32,7 +32,7 @@ from tokenmill.platforms.interfaces import (
 )
 from tokenmill_triton.configs import KernelConfigs, interpreter_mode
 
-KINDS = frozenset({AttentionKind.FULL, AttentionKind.SLIDING_WINDOW})
+KINDS = frozenset({AttentionKind.FULL, AttentionKind.SLIDING_WINDOW, AttentionKind.MLA})
 GPU_CAPABILITIES = Capabilities(
     attention_kinds=KINDS,
     dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
@@ -161,9 +161,12 @@ class GpuPlugin:
 
     def attention_backends(self, platform: Platform) -> list[AttentionBackend]:
         from tokenmill_triton.attention import TritonPagedAttention
+        from tokenmill_triton.mla import TritonMLAAttention
 
         configs = self.configs(platform)
-        return [TritonPagedAttention(kind, configs, self.name) for kind in sorted(KINDS, key=str)]
+        paged = sorted(KINDS - {AttentionKind.MLA}, key=str)
+        return [TritonPagedAttention(kind, configs, self.name) for kind in paged] + [
+            TritonMLAAttention(configs, self.name)]
 
     def communicator(self, platform: Platform, group: object | None) -> Communicator:
         from tokenmill_triton.distributed import make_communicator
