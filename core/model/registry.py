@@ -10,6 +10,7 @@ from torch import nn
 from tokenmill.model.deepseek_v3 import DeepseekV3ForCausalLM
 from tokenmill.model.gemma3 import Gemma3ForCausalLM
 from tokenmill.model.gpt_oss import GptOssForCausalLM
+from tokenmill.model.kimi_linear import KimiLinearForCausalLM
 from tokenmill.model.llama import CausalLM
 from tokenmill.model.mixtral import MixtralForCausalLM
 from tokenmill.model.qwen3_moe import Qwen3MoeForCausalLM
@@ -29,6 +30,7 @@ _MODEL_TYPES: dict[str, type[nn.Module]] = {
     "mixtral": MixtralForCausalLM,
     "deepseek_v3": DeepseekV3ForCausalLM,
     "qwen3_next": Qwen3NextForCausalLM,
+    "kimi_linear": KimiLinearForCausalLM,
 }
 
 
