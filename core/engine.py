@@ -27,13 +27,15 @@ from tokenmill.kv_connector.engine_setup import (
     remote_engine_offload,
 )
 from tokenmill.kv_connector.messages import TierIndex, WorkerReport
+from tokenmill.model.context_parallel import check_decode_context_parallel
 from tokenmill.model.generation_config import describe, load_generation_defaults
 from tokenmill.model.loader import ModelInfo, default_model_path, load_model_info
-from tokenmill.model.parallel import local_config
+from tokenmill.model.parallel import check_sequence_parallel, local_config
 from tokenmill.model.pipeline import check_pipeline
 from tokenmill.model.registry import attention_specs_for
 from tokenmill.output_processor import CoreOutputProcessor, OutputProcessor, check_prompt
 from tokenmill.outputs import EngineCoreOutput, EngineCoreRequest, RequestOutput, SchedulerStats
+from tokenmill.platforms.interfaces import AttentionKind
 from tokenmill.platforms.registry import ActivePlatform, PlatformRegistry, load_platform
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
@@ -108,9 +110,16 @@ class LLMEngine:
         # KV groups: one block table per group of layers of one attention type, where the
         # runner keeps them (the core's); a plugin's own runner gets one table for all layers
         groups = None
+        specs = attention_specs_for(self.loaded.hf_config, self.dtype, args.block_size)
         if all(self.executor.collective_rpc("uses_kv_groups")):
-            specs = attention_specs_for(self.loaded.hf_config, self.dtype, args.block_size)
             groups = plan_groups(specs).groups
+        elif any(s.kind == AttentionKind.LINEAR for s in specs):
+            self.executor.shutdown()
+            raise ValueError(
+                "this model has recurrent (linear attention) layers, whose state only the "
+                "core's model runner keeps in the KV arena; the platform's own runner "
+                "gets one block table per request: run it on a platform without one"
+            )
         self.kv = KVCacheManager(
             self.num_kv_blocks, args.block_size, args.enable_prefix_caching, groups
         )
@@ -166,6 +175,8 @@ class LLMEngine:
     def _start_workers(self, in_process_registry: bool) -> Executor:
         """The executor for args.distributed_executor_backend, its workers not yet set up."""
         args = self.args
+        tp, dcp = args.tensor_parallel_size, args.decode_context_parallel_size
+        pcp = args.prefill_context_parallel_size
         config = WorkerConfig(
             model_path=self.loaded.model_path,
             platform=self.platform.name,
@@ -180,20 +191,30 @@ class LLMEngine:
             memory_utilization=args.memory_utilization,
             distributed_executor_backend=args.distributed_executor_backend,
             world_size=args.world_size,
-            tensor_parallel_size=args.tensor_parallel_size,
+            tensor_parallel_size=tp,
             pipeline_parallel_size=args.pipeline_parallel_size,
+            enable_expert_parallel=args.enable_expert_parallel,
+            enable_sequence_parallelism=args.enable_sequence_parallelism,
+            decode_context_parallel_size=dcp,
+            prefill_context_parallel_size=pcp,
             dist_init_method=_rendezvous() if args.world_size > 1 else None,
             kv_offload=offload_config(args),
         )
         if args.world_size > 1:  # a bad size fails here, before any process starts
             if not self.platform.platform.capabilities.collectives:
                 raise ValueError(
-                    f"tensor_parallel_size={args.tensor_parallel_size} x pipeline_parallel_size="
-                    f"{args.pipeline_parallel_size} needs collectives; platform "
+                    f"{args.world_size} ranks (tensor_parallel_size={tp} x pipeline_parallel_"
+                    f"size={args.pipeline_parallel_size} x decode_context_parallel_size={dcp} "
+                    f"x prefill_context_parallel_size={pcp}) need collectives; platform "
                     f"{self.platform.name!r} declares none (capabilities.collectives)"
                 )
-        if args.tensor_parallel_size > 1:
-            local_config(self.loaded.hf_config, args.tensor_parallel_size)
+        if tp > 1:
+            local_config(self.loaded.hf_config, tp, args.enable_expert_parallel)
+            if args.enable_sequence_parallelism:
+                check_sequence_parallel(self.loaded.hf_config)
+        if dcp > 1:
+            specs = attention_specs_for(self.loaded.hf_config, self.dtype, args.block_size)
+            check_decode_context_parallel(specs, args.block_size, dcp)
         if args.pipeline_parallel_size > 1:
             check_pipeline(self.loaded.hf_config, args.pipeline_parallel_size)
         return make_executor(
@@ -373,6 +394,8 @@ class LLMEngine:
             prefix_cache_queries=self.kv.stats.queries,
             prefix_cache_hits=self.kv.stats.hits,
             kv_tiers=self.offload.snapshot() if self.offload is not None else {},
+            kv_blocks_by_type=self.kv.blocks_in_use_by_type(),
+            kv_blocks_usable=self.kv.pool.num_usable_blocks,
         )
 
     # ---- the step --------------------------------------------------------------------
@@ -407,7 +430,7 @@ class LLMEngine:
         while not queue.full:
             share = -(-len(self.scheduler.requests) // queue.depth)
             plan = self.scheduler.schedule(max_num_scheduled=max(1, share))
-            if plan.step is None:
+            if plan.is_empty:  # every request waits for a step in flight (or for KV)
                 break
             plan.step.structured = self._structured_masks(plan)
             self.scheduler.update_computed(plan)

@@ -127,6 +127,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, frozen=True):
     prefix_cache_hits: int = 0  # of those, tokens found
     # KV offload: tier name -> its counters, in stack order; empty without offload
     kv_tiers: dict[str, TierStats] = msgspec.field(default_factory=dict)
+    # attention type ("full", "sliding_window", "linear") -> KV blocks live requests hold:
+    # the arena's split between the types, which moves with the workload
+    kv_blocks_by_type: dict[str, int] = msgspec.field(default_factory=dict)
+    kv_blocks_usable: int = 0  # blocks the pool can hand out
 
 
 class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True, gc=False):

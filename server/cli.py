@@ -95,6 +95,10 @@ def _serve(args: argparse.Namespace) -> int:
         "distributed_executor_backend": args.distributed_executor_backend,
         "tensor_parallel_size": args.tensor_parallel_size,
         "pipeline_parallel_size": args.pipeline_parallel_size,
+        "enable_expert_parallel": args.enable_expert_parallel or None,
+        "enable_sequence_parallelism": args.enable_sequence_parallelism or None,
+        "decode_context_parallel_size": args.decode_context_parallel_size,
+        "prefill_context_parallel_size": args.prefill_context_parallel_size,
         "data_parallel_size": args.data_parallel_size,
         "memory_utilization": args.memory_utilization,
         "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
@@ -163,6 +167,18 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None,
                    help="stages the model's layers are split over (default 1), each of "
                         "--tensor-parallel-size ranks; > 1 runs the mp backend")
+    p.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=None,
+                   help="ranks each sequence's KV cache is spread over (x the tensor "
+                        "parallel ones; default 1)")
+    p.add_argument("--prefill-context-parallel-size", "-pcp", type=int, default=None,
+                   help="ranks each prefill step's tokens are split over (x the tensor "
+                        "parallel ones; default 1)")
+    p.add_argument("--enable-sequence-parallelism", action="store_true",
+                   help="with -tp > 1: activations split along the tokens between tensor "
+                        "parallel regions (reduce-scatter + all-gather, not all-reduce)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE models: split the experts over the tensor parallel ranks "
+                        "(all-to-all dispatch) instead of each expert's intermediate dim")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=None,
                    help="engine replicas behind this server (default 1), each in its own "
                         "process with tp x pp ranks; requests go to the replica that served "

@@ -129,3 +129,28 @@ def test_cpu_platform_picks_its_own_mla_backend():
     active = load_platform("cpu")
     spec = mla_spec(torch.bfloat16, 16, dims=DIMS)
     assert isinstance(active.attention_backend(spec), CpuMLAAttention)
+
+
+def test_state_pages_beside_mla_pages_name_the_same_bytes():
+    """A block id must name the same bytes in every layer view of one arena slot: a
+    recurrent layer's state view beside MLA layers is block-major like their latent
+    pages (with keys-then-values halves it would scribble over other blocks' latents)."""
+    from tokenmill.ops.linear_attention import kda_state_spec
+    from tokenmill.platforms.interfaces import AllocatorPurpose
+    from tokenmill_cpu.allocator import HostAllocator
+
+    mla = mla_spec(torch.float32, 4, dims=DIMS)
+    linear = AttentionSpec(AttentionKind.LINEAR, 2, 2, 16, torch.float32, 4,
+                           state=kda_state_spec(2, 16, 4, torch.float32))
+    allocator = HostAllocator(AllocatorPurpose.KV_ARENA, 1 << 24, "test")
+    arena = KVArena.create(allocator, [linear, mla], num_blocks=6, device=torch.device("cpu"),
+                           layer_slots=[0, 0])
+    arena.buffer.zero_()  # arenas are not zeroed
+    state_view, latent_view = arena.layer_caches
+    assert state_view.shape == (2, 6, arena.page_bytes // 2)
+    state_view[:, 3] = 0xFF  # all of block 3, as the state view sees it
+    assert torch.isnan(latent_view[3]).all()  # every byte of block 3's latent page
+    assert not torch.isnan(latent_view[[0, 1, 2, 4, 5]]).any()
+    full = AttentionSpec(AttentionKind.FULL, 4, 1, 20, torch.float32, 4)
+    with pytest.raises(ValueError, match="mixes MLA layers"):
+        KVArena.create(allocator, [full, mla], num_blocks=2, device=torch.device("cpu"))

@@ -261,26 +261,38 @@ def worker_main(
     decoder = msgspec.msgpack.Decoder(Request)
     worker = Worker(config, rank)
     try:
-        while True:
-            if not inbox.poll(int(_PARENT_CHECK_S * 1000)):
-                if os.getppid() != parent_pid:
-                    logger.error("the engine process %d is gone; worker %d exits", parent_pid, rank)
-                    return
-                continue
-            message = decoder.decode(inbox.recv())
-            if isinstance(message, ShutdownCall):
-                return
-            reply = _answer(worker, rank, message)
-            if message.reply_rank is None or message.reply_rank == rank:
-                outbox.send(encoder.encode(reply))
-            elif isinstance(reply, ErrorReply):
-                # nobody reads this rank's answer: dying is how it reports (the engine's
-                # monitor sees the exit code), rather than going on out of step
-                logger.error("worker %d failed in %s:\n%s", rank, reply.method, reply.error)
-                raise SystemExit(1)
+        _serve(worker, rank, inbox, outbox, encoder, decoder, parent_pid)
     finally:
         worker.shutdown()
         context.destroy(linger=0)  # every reply was read: the engine waits for them
+    # Everything is released and every reply sent; the interpreter's own teardown hung
+    # for seconds in native code (torch / gloo destructors) and the engine then killed
+    # the worker after _JOIN_S, so a clean stop exits at once.
+    logging.shutdown()
+    os._exit(0)
+
+
+def _serve(worker: Any, rank: int, inbox: zmq.Socket, outbox: zmq.Socket,
+           encoder: msgspec.msgpack.Encoder, decoder: msgspec.msgpack.Decoder,
+           parent_pid: int) -> None:
+    """Answer calls until shutdown or until the engine process is gone."""
+    while True:
+        if not inbox.poll(int(_PARENT_CHECK_S * 1000)):
+            if os.getppid() != parent_pid:
+                logger.error("the engine process %d is gone; worker %d exits", parent_pid, rank)
+                return
+            continue
+        message = decoder.decode(inbox.recv())
+        if isinstance(message, ShutdownCall):
+            return
+        reply = _answer(worker, rank, message)
+        if message.reply_rank is None or message.reply_rank == rank:
+            outbox.send(encoder.encode(reply))
+        elif isinstance(reply, ErrorReply):
+            # nobody reads this rank's answer: dying is how it reports (the engine's
+            # monitor sees the exit code), rather than going on out of step
+            logger.error("worker %d failed in %s:\n%s", rank, reply.method, reply.error)
+            raise SystemExit(1)
 
 
 def _answer(worker: Any, rank: int, message: Call | ExecuteCall) -> Response:

@@ -70,7 +70,7 @@ class Worker:
         if self.hf_config is None:
             self.hf_config = load_model_info(self.config.model_path, load_tokenizer=False).hf_config
         torch.manual_seed(self.config.seed)
-        if self.config.tensor_parallel_size * self.config.pipeline_parallel_size > 1:
+        if self.config.world_size > 1:
             self._init_parallel_state()
         # before any weights: the KV cache is sized from what the engine adds to this
         self._memory_at_start = self.platform.platform.memory_info()
@@ -168,6 +168,12 @@ class Worker:
     def communicated_bytes(self, dim: str) -> int:
         """Payload bytes this rank has passed through dimension `dim`'s communicator."""
         return get_parallel_state().communicated_bytes().get(dim, 0)
+
+    def communicated_op_bytes(self, dim: str, op: str) -> int:
+        """Payload bytes this rank has passed through collective `op` (a Communicator
+        method name) of dimension `dim`'s communicator; 0 when it has none."""
+        group = get_parallel_state().groups.get(dim)
+        return 0 if group is None or group.communicator is None else group.communicator.bytes.get(op, 0)
 
     def uses_kv_groups(self) -> bool:
         """Whether this rank's runner keeps one block table per KV group (the core's runner
@@ -284,18 +290,26 @@ class Worker:
             self._owns_parallel_state = False
 
     def _init_parallel_state(self) -> None:
-        """Join the pp x tp grid of all `world_size` ranks
-        (tokenmill.distributed.parallel_state)."""
+        """Join the (pp, pcp, dcp, tp) grid of all `world_size` ranks
+        (tokenmill.distributed.parallel_state): TP groups contiguous, the context parallel
+        ones strided by tp, pipeline stages outermost."""
         config = self.config
-        tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
-        if config.world_size != tp * pp or config.dist_init_method is None:
+        layout = ParallelLayout.of(
+            ("pp", "pcp", "dcp", "tp"), pp=config.pipeline_parallel_size,
+            pcp=config.prefill_context_parallel_size, dcp=config.decode_context_parallel_size,
+            tp=config.tensor_parallel_size,
+        )
+        if config.world_size != layout.world_size or config.dist_init_method is None:
             raise ValueError(
-                f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} needs world_size "
-                f"equal to their product (got {config.world_size}) and a dist_init_method "
-                f"(got {config.dist_init_method!r})"
+                f"the layout {dict(zip(layout.dims, layout.sizes))} needs world_size "
+                f"{layout.world_size} (got {config.world_size}) and a dist_init_method (got "
+                f"{config.dist_init_method!r})"
             )
-        layout = ParallelLayout.of(pp=pp, tp=tp)
-        init_parallel_state(layout, self.rank, self._platform, config.dist_init_method)
+        init_parallel_state(
+            layout, self.rank, self._platform, config.dist_init_method,
+            expert_parallel=config.enable_expert_parallel,
+            sequence_parallel=config.enable_sequence_parallelism,
+        )
         self._owns_parallel_state = True
         logger.info("rank %d: joined the grid %s", self.rank, layout.coords(self.rank))
 
@@ -347,6 +361,10 @@ class Worker:
                 distributed_executor_backend=config.distributed_executor_backend,
                 tensor_parallel_size=config.tensor_parallel_size,
                 pipeline_parallel_size=config.pipeline_parallel_size,
+                enable_expert_parallel=config.enable_expert_parallel,
+                enable_sequence_parallelism=config.enable_sequence_parallelism,
+                decode_context_parallel_size=config.decode_context_parallel_size,
+                prefill_context_parallel_size=config.prefill_context_parallel_size,
             ),
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,

@@ -13,7 +13,9 @@ the split between them moves with the workload.
 
 Recurrent (LINEAR) layers see their slot's region as bytes, [2, num_blocks, page_bytes
 // 2] uint8: the same two halves per block id as attention pages, so a block id names the
-same bytes whichever group holds it. A state spanning several pages is packed over them
+same bytes whichever group holds it. Beside MLA layers, whose pages are block-major
+(block b's latent rows contiguous), that view is a transposed one of [num_blocks, 2,
+half], for the same reason. A state spanning several pages is packed over them
 in table order (tokenmill.kv.state).
 """
 
@@ -122,12 +124,31 @@ class KVArena:
         # which conformance tier T1 checks with NaN-filled caches.
         buffer = allocator.allocate(num_blocks * page * num_slots)
         caches = []
+        block_major = _block_major(specs)
         layer_backends = backends if backends is not None else [None] * len(specs)
         for slot, spec, backend in zip(layer_slots, specs, layer_backends, strict=True):
             region = buffer[slot * num_blocks * page : (slot + 1) * num_blocks * page]
             if spec.kind == AttentionKind.LINEAR:
-                caches.append(region.view(2, num_blocks, page // 2))
+                if block_major:  # same [2, num_blocks, half] shape, block b's bytes contiguous
+                    caches.append(region.view(num_blocks, 2, page // 2).transpose(0, 1))
+                else:
+                    caches.append(region.view(2, num_blocks, page // 2))
                 continue
             shape = cls.cache_shape(spec, num_blocks, backend)
             caches.append(region.view(spec.dtype).view(*shape))
         return cls(buffer=buffer, num_blocks=num_blocks, page_bytes=page, layer_caches=caches)
+
+
+def _block_major(specs: list[AttentionSpec]) -> bool:
+    """Whether block b's page is contiguous in each slot (MLA's latent rows: [num_blocks,
+    block_size, latent]) rather than two halves far apart (multi-head keys then values:
+    [2, num_blocks, ...]). A block id must name the same bytes for every group that may
+    hold it, so recurrent layers' state views follow the attention layers' convention,
+    and the two attention conventions cannot share an arena."""
+    kinds = {s.kind for s in specs}
+    if AttentionKind.MLA in kinds and kinds & {AttentionKind.FULL, AttentionKind.SLIDING_WINDOW}:
+        raise ValueError(
+            "the model mixes MLA layers (block-major latent pages) with multi-head attention "
+            "layers (keys-then-values pages) in one KV arena; that is not supported"
+        )
+    return AttentionKind.MLA in kinds

@@ -283,6 +283,14 @@ class KVCacheManager:
             out.append(len(ids))
         return out
 
+    def blocks_in_use_by_type(self) -> dict[str, int]:
+        """Block ids held by live requests, per attention type ("full", "sliding_window",
+        "linear"): the arena's live split between the types (a metric)."""
+        out: dict[str, int] = {}
+        for group, n in zip(self.groups, self.blocks_in_use_per_group(), strict=True):
+            out[group.kind.value] = out.get(group.kind.value, 0) + n
+        return out
+
     def recurrent_step_ops(self, request: Request) -> list[tuple[int, list[int], list[tuple[int, list[int]]]]]:
         """Per recurrent group, what the workers do with the request's state in the step
         just allocated: (group id, checkpoint block ids to restore from (empty: none),

@@ -172,4 +172,9 @@ class DeepseekV3ForCausalLM(CausalLM):
         if name is not None:
             yield name, None, tensor
             return
+        if hf_name.endswith(".self_attn.q_proj.weight") and not hasattr(
+            self.get_submodule(hf_name.rsplit(".", 2)[0]), "qkv_proj"
+        ):
+            yield hf_name, None, tensor  # MLA's q_proj is not fused with k and v
+            return
         yield from super()._convert(hf_name, tensor)

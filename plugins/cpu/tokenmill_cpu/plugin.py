@@ -31,7 +31,8 @@ hookimpl = pluggy.HookimplMarker("tokenmill")
 
 CAPABILITIES = Capabilities(
     attention_kinds=frozenset(
-        {AttentionKind.FULL, AttentionKind.SLIDING_WINDOW, AttentionKind.MLA}
+        {AttentionKind.FULL, AttentionKind.SLIDING_WINDOW, AttentionKind.LINEAR,
+         AttentionKind.MLA}
     ),
     dtypes=frozenset({torch.float32, torch.bfloat16}),
     block_sizes=frozenset({8, 16, 32, 64, 128}),
@@ -48,7 +49,9 @@ def memory_info() -> MemoryInfo:
 
 @hookimpl
 def tokenmill_api_version() -> str:
-    return "1.1"  # the plugin API this plugin was written against (1.1: apply_token_bitmask)
+    # the plugin API this plugin was written against (1.1: apply_token_bitmask; 1.3: a
+    # LINEAR backend over recurrent state)
+    return "1.3"
 
 
 @hookimpl
@@ -81,11 +84,13 @@ def tokenmill_platform() -> Platform:
 @hookimpl
 def tokenmill_attention_backends(platform: Platform) -> list[AttentionBackend]:
     from tokenmill_cpu.attention import CpuPagedAttention
+    from tokenmill_cpu.linear_attention import CpuLinearAttention
     from tokenmill_cpu.mla import CpuMLAAttention
 
     return [
         CpuPagedAttention(AttentionKind.FULL),
         CpuPagedAttention(AttentionKind.SLIDING_WINDOW),
+        CpuLinearAttention(),
         CpuMLAAttention(),
     ]
 
