@@ -18,6 +18,7 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
+    Qwen3NextConfig,
 )
 
 CORPUS = [
@@ -100,6 +101,15 @@ def make_config(arch: str, vocab_size: int):
                 "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150000.0,
             },
         )
+    if arch == "qwen3_next":
+        # a Gated DeltaNet layer (recurrent state in the KV arena) then a gated full
+        # attention one; 4 experts, top 2, with a shared expert
+        return Qwen3NextConfig(
+            **common, head_dim=16, layer_types=["linear_attention", "full_attention"],
+            linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+            linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        )
     raise ValueError(arch)
 
 
@@ -127,4 +137,5 @@ VARIANTS = {
     "qwen3": ("qwen3",),
     "gemma3_text": ("gemma3",),
     "gpt_oss": ("gpt_oss",),
+    "qwen3_next": ("qwen3_next",),
 }
