@@ -82,7 +82,17 @@ class EngineCoreShutdown(msgspec.Struct, tag="shutdown", array_like=True):
     """Stop the step loop; the engine process exits."""
 
 
-EngineCoreInput = EngineCoreRequest | EngineCoreAbort | EngineCoreSessionHint | EngineCoreShutdown
+class EngineCoreSleep(msgspec.Struct, tag="sleep", array_like=True):
+    """Enter sleep mode at `level` (1 or 2, `LLMEngine.sleep`), or leave it (0: wake up).
+    The core answers with an `EngineCoreSleepState`."""
+
+    level: int
+
+
+EngineCoreInput = (
+    EngineCoreRequest | EngineCoreAbort | EngineCoreSessionHint | EngineCoreShutdown
+    | EngineCoreSleep
+)
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -145,4 +155,12 @@ class EngineCoreDead(msgspec.Struct, tag="dead", array_like=True):
     error: str
 
 
-EngineCoreMessage = EngineCoreOutputs | EngineCoreReady | EngineCoreDead
+class EngineCoreSleepState(msgspec.Struct, tag="sleep_state", array_like=True):
+    """The reply to an `EngineCoreSleep`: the sleep level now (0: awake) and, when the core
+    refused the change (requests in flight, already asleep...), why."""
+
+    level: int
+    error: str | None = None
+
+
+EngineCoreMessage = EngineCoreOutputs | EngineCoreReady | EngineCoreDead | EngineCoreSleepState

@@ -31,12 +31,14 @@ hookimpl = pluggy.HookimplMarker("tokenmill")
 
 CAPABILITIES = Capabilities(
     attention_kinds=frozenset(
-        {AttentionKind.FULL, AttentionKind.SLIDING_WINDOW, AttentionKind.LINEAR}
+        {AttentionKind.FULL, AttentionKind.SLIDING_WINDOW, AttentionKind.LINEAR,
+         AttentionKind.MLA}
     ),
     dtypes=frozenset({torch.float32, torch.bfloat16}),
     block_sizes=frozenset({8, 16, 32, 64, 128}),
     head_sizes=frozenset({32, 64, 80, 96, 128, 256}),
     collectives=True,
+    sleep_mode=True,  # host memory: allocator.py
 )
 
 
@@ -83,11 +85,13 @@ def tokenmill_platform() -> Platform:
 def tokenmill_attention_backends(platform: Platform) -> list[AttentionBackend]:
     from tokenmill_cpu.attention import CpuPagedAttention
     from tokenmill_cpu.linear_attention import CpuLinearAttention
+    from tokenmill_cpu.mla import CpuMLAAttention
 
     return [
         CpuPagedAttention(AttentionKind.FULL),
         CpuPagedAttention(AttentionKind.SLIDING_WINDOW),
         CpuLinearAttention(),
+        CpuMLAAttention(),
     ]
 
 
