@@ -38,8 +38,8 @@ class PrefixHit:
     num_tokens: int = 0
     tables: list[list[KVBlock]] = field(default_factory=list)  # per group; NULL_BLOCK holes
 
-    def __len__(self) -> int:  # the hit's length in blocks
-        return max((len(t) for t in self.tables), default=0) if self.tables else 0
+    def __len__(self) -> int:  # blocks per table (a recurrent group's: its checkpoint's pages)
+        return max((len(t) for t in self.tables), default=0)
 
     def blocks(self) -> list[KVBlock]:
         """The distinct real blocks of the hit."""
