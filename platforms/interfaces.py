@@ -22,7 +22,8 @@ from tokenmill.step import StepDescription, StepResult
 # returns a ModelRunnerBase; tokenmill_graph_capture returns a GraphCapture; ops
 # moe_experts and gelu_tanh_and_mul; AttentionSpec.sinks. 1.3: recurrent state for kind
 # LINEAR (AttentionSpec.state, AttentionMetadata.recurrent, LinearAttentionBackend); the
-# MLA kind (AttentionSpec.mla, MLADims) and AttentionBackend.kv_cache_shape.
+# MLA kind (AttentionSpec.mla, MLADims) and AttentionBackend.kv_cache_shape;
+# Allocator.sleep / wake (optional: platforms that declare capabilities.sleep_mode).
 PLUGIN_API_VERSION = "1.3"
 
 
@@ -426,6 +427,43 @@ class Communicator(ABC):
     def all_to_all(self, tensor: torch.Tensor) -> torch.Tensor:
         """Split dim 0 into world_size chunks; chunk i goes to rank i; concatenate received."""
 
+    def all_to_all_single(
+        self, tensor: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int]
+    ) -> torch.Tensor:
+        """Uneven all-to-all along dim 0: the first `input_split_sizes[0]` rows go to rank 0,
+        the next `input_split_sizes[1]` to rank 1, ...; returns the rows received, rank by
+        rank, `output_split_sizes[i]` of them from rank i (torch's `all_to_all_single`).
+        Every rank's `output_split_sizes[i]` must equal rank i's `input_split_sizes` entry
+        for it (expert parallel exchanges the counts with `all_to_all` first).
+
+        This default composes `all_gather` (of the split sizes, to agree on the largest
+        chunk) and `all_to_all` (chunks zero-padded to it); a platform with a native uneven
+        all-to-all overrides it. Does not modify `tensor`.
+        """
+        world = self.world_size
+        if len(input_split_sizes) != world or len(output_split_sizes) != world:
+            raise ValueError(
+                f"all_to_all_single: {len(input_split_sizes)} input and "
+                f"{len(output_split_sizes)} output split sizes for a world of {world}"
+            )
+        if sum(input_split_sizes) != tensor.shape[0]:
+            raise ValueError(
+                f"all_to_all_single: input split sizes {input_split_sizes} do not add up to "
+                f"the {tensor.shape[0]} rows given"
+            )
+        sizes = torch.tensor(input_split_sizes, dtype=torch.int64, device=tensor.device)
+        chunk = int(self.all_gather(sizes).max().item()) if world > 1 else tensor.shape[0]
+        padded = tensor.new_zeros((world * chunk, *tensor.shape[1:]))
+        start = 0
+        for rank, size in enumerate(input_split_sizes):
+            padded[rank * chunk : rank * chunk + size] = tensor[start : start + size]
+            start += size
+        received = self.all_to_all(padded)
+        return torch.cat([
+            received[rank * chunk : rank * chunk + size]
+            for rank, size in enumerate(output_split_sizes)
+        ])
+
     @abstractmethod
     def send(self, tensor: torch.Tensor, dst: int) -> None: ...
 
@@ -472,6 +510,21 @@ class Allocator(ABC):
     @abstractmethod
     def bytes_limit(self) -> int:
         """The most this allocator will hand out in total."""
+
+    def sleep(self, keep_contents: bool) -> int:
+        """Sleep mode (called only on platforms that declare `capabilities.sleep_mode`,
+        by `LLM.sleep`): free the memory of every live buffer while the buffer tensors and
+        their views stay valid objects; with `keep_contents` their bytes are kept in host
+        memory for `wake`. Returns the bytes freed. Sleeping twice is an error;
+        `allocate` while asleep is an error. `tokenmill.platforms.sleep.BufferSleep`
+        implements the mechanics."""
+        raise NotImplementedError(f"{type(self).__name__} has no sleep mode")
+
+    def wake(self) -> None:
+        """Give every buffer its memory back (same tensors and views, possibly new
+        addresses): kept contents restored, the others zeroed. Waking an awake allocator
+        is an error."""
+        raise NotImplementedError(f"{type(self).__name__} has no sleep mode")
 
 
 @dataclass(frozen=True, slots=True)
@@ -578,6 +631,18 @@ class ParallelConfig:
     # > 1: the ranks form one tensor parallel group (tokenmill.distributed.parallel_state
     # holds its communicator); a runner of the plugin's own must shard its model itself
     tensor_parallel_size: int = 1
+    # > 1: the ranks also form pipeline stages (layout pp x tp, tokenmill.distributed.
+    # parallel_state); the core's runner runs a stage's layers only, results come from
+    # TP rank 0 of the last stage
+    pipeline_parallel_size: int = 1
+    # MoE experts split over the TP group's ranks (vLLM's enable_expert_parallel)
+    enable_expert_parallel: bool = False
+    # activations split along the tokens between TP regions (vLLM's name)
+    enable_sequence_parallelism: bool = False
+    # > 1: a (dcp, tp) grid; each sequence's KV spread token by token over the dcp ranks
+    decode_context_parallel_size: int = 1
+    # > 1: a (pcp, tp) grid; each prefill step's tokens split over the pcp ranks
+    prefill_context_parallel_size: int = 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -143,3 +143,22 @@ def test_prefix_cache_cold_and_warm(tiny, llm):
     assert out.num_cached_tokens > len(prompt)
     _check(hf, llm, [prompt], [cold])
     _check(hf, llm, [turn], [out], 4)
+
+
+def test_live_split_between_attention_types(tiny, llm):
+    """While a request runs, the stats show the blocks each type holds (the /metrics
+    split): full attention grows with the context, the recurrent groups hold their slots
+    (3 groups x 4 pages) plus the checkpoints being written."""
+    engine = llm.engine
+    prompt = llm.get_tokenizer().encode(PROMPTS[1])
+    engine.add_request("split", prompt, _greedy(4))
+    seen = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        stats = engine.scheduler_stats()
+        if engine.scheduler.num_running:
+            seen.append(stats.kv_blocks_by_type)
+            per_group = engine.kv.blocks_in_use_per_group()
+            assert stats.kv_blocks_by_type == {"linear": sum(per_group[:3]), "full": per_group[3]}
+    assert seen and all(s["full"] >= -(-len(prompt) // 4) and s["linear"] >= 12 for s in seen)
+    assert engine.scheduler_stats().kv_blocks_by_type == {"linear": 0, "full": 0}

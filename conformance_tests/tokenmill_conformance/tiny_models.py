@@ -12,12 +12,16 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV3Config,
     Gemma3TextConfig,
     GptOssConfig,
     LlamaConfig,
+    MixtralConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
+    Qwen3NextConfig,
 )
 
 CORPUS = [
@@ -100,6 +104,36 @@ def make_config(arch: str, vocab_size: int):
                 "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150000.0,
             },
         )
+    if arch == "qwen3_moe":
+        # 4 experts of 32, top 2 renormalised; layer 1 keeps a dense MLP
+        return Qwen3MoeConfig(
+            **common, head_dim=16, moe_intermediate_size=32, num_experts=4,
+            num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
+        )
+    if arch == "mixtral":
+        return MixtralConfig(
+            **{**common, "intermediate_size": 32}, num_local_experts=4, num_experts_per_tok=2,
+        )
+    if arch == "deepseek_v3":
+        # MLA (latent KV, a q LoRA, a decoupled rope key), one dense layer then MoE with a
+        # shared expert and group-limited sigmoid routing (4 groups of 2, top 2 groups)
+        return DeepseekV3Config(
+            **{**common, "num_hidden_layers": 3, "num_key_value_heads": 4},
+            moe_intermediate_size=32, n_shared_experts=1, n_routed_experts=8, n_group=4,
+            topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1,
+            routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=24,
+            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+        )
+    if arch == "qwen3_next":
+        # Gated DeltaNet layers (recurrent state) then gated full attention, MoE with a
+        # shared expert and one dense layer
+        return Qwen3NextConfig(
+            **{**common, "num_hidden_layers": 4}, head_dim=16,
+            linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+            linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+            mlp_only_layers=[1],
+        )
     raise ValueError(arch)
 
 
@@ -127,4 +161,8 @@ VARIANTS = {
     "qwen3": ("qwen3",),
     "gemma3_text": ("gemma3",),
     "gpt_oss": ("gpt_oss",),
+    "qwen3_moe": ("qwen3_moe",),
+    "mixtral": ("mixtral",),
+    "deepseek_v3": ("deepseek_v3",),
+    "qwen3_next": ("qwen3_next",),
 }

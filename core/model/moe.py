@@ -7,6 +7,23 @@ tensor per projection, in the op's layout: `w13` [E, 2I, H] (each expert's gate 
 then its up rows) and `w2` [E, H, I]. Checkpoints that store experts otherwise (gpt-oss:
 transposed and gate/up interleaved; Qwen/Mixtral: one tensor per expert) are converted
 once at load by the model family's weight mapping.
+
+Over several ranks (tokenmill.distributed.parallel_state) a layer is built at its share:
+
+- tensor parallel (`moe_tp` group of t ranks): every expert's intermediate dim is split,
+  each rank holding rows [r I/t, (r+1) I/t) of its gate and of its up projection and
+  those columns of its down projection; the ranks' partial outputs are all-reduced (the
+  down bias is added by rank 0 alone, so it counts once).
+- expert parallel (`ep` group of n ranks, `enable_expert_parallel`): rank r holds experts
+  [r E/n, (r+1) E/n) whole. The step's tokens, replicated on every rank, are split into
+  n contiguous slices; each rank routes its slice, sends every (token, expert) row to the
+  expert's owner (all-to-all dispatch: the row counts first, then the rows and their
+  local expert ids), runs its experts on what it received, sends the outputs back
+  (all-to-all combine), weights and sums them per token, and the slices are all-gathered
+  so every rank again holds every token's output.
+
+Weights are narrowed to the rank's share as they load (`load_checkpoint_tensor`): a rank
+never copies another rank's experts (or intermediate rows) to its device.
 """
 
 from __future__ import annotations
@@ -15,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.distributed.parallel_state import get_parallel_state
 from tokenmill.model.layers import Linear
 from tokenmill.ops import Ops
 
@@ -92,14 +110,21 @@ def select_experts(
     raise ValueError(f"routing {routing!r} is not one of {ROUTING}")
 
 
+# the parameters split by expert (and by intermediate row under TP)
+_EXPERT_PARAMS = ("w13", "w2", "w13_bias", "w2_bias")
+
+
 class FusedMoE(nn.Module):
     """A router (Linear hidden -> E) and E experts, each a gated MLP hidden -> I -> hidden.
 
-    `forward(x)`: x [T, hidden] -> [T, hidden]. Parameters: `router.weight` [E, H]
-    (+ `router.bias` [E]), `w13` [E, 2I, H], `w2` [E, H, I] (+ `w13_bias`, `w2_bias`).
+    `forward(x)`: x [T, hidden] -> [T, hidden], the same on every rank. Parameters, at this
+    rank's share (E_r experts, I_r intermediate rows; see the module docstring):
+    `router.weight` [E, H] (+ `router.bias` [E]), `w13` [E_r, 2 I_r, H], `w2` [E_r, H, I_r]
+    (+ `w13_bias` [E_r, 2 I_r], `w2_bias` [E_r, H]). Sizes are the model's whole ones.
     With "sigmoid_group_topk" routing the router runs in float32 and the layer has
     `e_score_correction_bias` (float32 [E]). `shared_experts` (DeepSeek, Kimi, Qwen MoE):
-    a module every token goes through beside its routed experts; its output is added.
+    a module every token goes through beside its routed experts; its output is added
+    (whole on every rank: a family that shards it does so itself).
     """
 
     def __init__(
@@ -128,11 +153,19 @@ class FusedMoE(nn.Module):
             raise ValueError(f"routing {routing!r} is not one of {ROUTING}")
         if not 0 < top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
+        state = get_parallel_state()
+        self.__dict__["ep"] = state.ep  # plain attributes, not submodules
+        self.__dict__["tp"] = state.moe_tp
+        check_moe_parallel(num_experts, intermediate_size, self.ep.world_size, self.tp.world_size)
         self.num_experts, self.top_k = num_experts, top_k
         self.routing, self.renormalize, self.activation = routing, renormalize, activation
         self.swiglu_alpha, self.swiglu_limit = swiglu_alpha, swiglu_limit
         self.router = Linear(hidden_size, num_experts, router_bias, dtype)
-        e, h, i = num_experts, hidden_size, intermediate_size
+        e = self.num_local_experts = num_experts // self.ep.world_size
+        self.first_expert = self.ep.rank_in_group * e
+        i = self.local_intermediate = intermediate_size // self.tp.world_size
+        self.intermediate_start = self.tp.rank_in_group * i
+        self.intermediate_size, h = intermediate_size, hidden_size
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype))
         self.w2 = nn.Parameter(torch.empty(e, h, i, dtype=dtype))
         self.w13_bias = nn.Parameter(torch.empty(e, 2 * i, dtype=dtype)) if expert_bias else None
@@ -140,7 +173,9 @@ class FusedMoE(nn.Module):
         self.e_score_correction_bias = None
         if routing == "sigmoid_group_topk":
             # float32 as in the checkpoint: a rounded bias could change which experts win
-            self.e_score_correction_bias = nn.Parameter(torch.empty(e, dtype=torch.float32))
+            self.e_score_correction_bias = nn.Parameter(
+                torch.empty(num_experts, dtype=torch.float32)
+            )
         self.num_groups, self.topk_group = num_groups, topk_group
         self.routed_scaling_factor = routed_scaling_factor
         self.shared_experts = shared_experts
@@ -153,26 +188,150 @@ class FusedMoE(nn.Module):
         return self.router(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts(
+        if self.ep.world_size > 1:
+            routed = self._forward_expert_parallel(x)
+        else:
+            weights, ids = self._route(x)
+            routed = self._experts(x, weights, ids, with_down_bias=self.tp.rank_in_group == 0)
+            if self.tp.world_size > 1:
+                routed = self.tp.communicator.all_reduce(routed)
+        if self.shared_experts is not None:
+            routed = routed + self.shared_experts(x)
+        return routed
+
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return select_experts(
             self.router_logits(x), self.top_k, self.routing, self.renormalize,
             correction_bias=self.e_score_correction_bias, num_groups=self.num_groups,
             topk_group=self.topk_group, routed_scaling_factor=self.routed_scaling_factor,
         )
-        routed = self.ops.moe_experts(
+
+    def _experts(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, with_down_bias: bool
+    ) -> torch.Tensor:
+        """The op over this rank's experts; `ids` are local expert ids."""
+        return self.ops.moe_experts(
             x,
             self.w13,
             self.w2,
             weights,
             ids,
             w13_bias=self.w13_bias,
-            w2_bias=self.w2_bias,
+            w2_bias=self.w2_bias if with_down_bias else None,
             activation=self.activation,
             swiglu_alpha=self.swiglu_alpha,
             swiglu_limit=self.swiglu_limit,
         )
-        if self.shared_experts is not None:
-            routed = routed + self.shared_experts(x)
-        return routed
+
+    def _forward_expert_parallel(self, x: torch.Tensor) -> torch.Tensor:
+        """Dispatch this rank's slice of the tokens to the experts' owners, combine the
+        outputs back, all-gather the slices (the module docstring's steps)."""
+        comm, n = self.ep.communicator, self.ep.world_size
+        num_tokens = x.shape[0]
+        chunk = -(-num_tokens // n)
+        lo = min(self.ep.rank_in_group * chunk, num_tokens)
+        local = x[lo : min(lo + chunk, num_tokens)]
+        weights, ids = self._route(local)
+        flat_ids = ids.flatten()
+        owner = flat_ids // self.num_local_experts
+        order = torch.argsort(owner, stable=True)  # rows grouped by destination rank
+        send_counts = torch.bincount(owner, minlength=n)
+        recv_counts = comm.all_to_all(send_counts)
+        sends, recvs = send_counts.tolist(), recv_counts.tolist()
+        token_of = order // self.top_k
+        rows = comm.all_to_all_single(local[token_of], recvs, sends)
+        local_ids = comm.all_to_all_single(
+            (flat_ids[order] % self.num_local_experts).unsqueeze(1), recvs, sends
+        )
+        # every received row through its one expert, unweighted (the sender weights it)
+        ones = torch.ones(local_ids.shape, dtype=torch.float32, device=x.device)
+        outputs = self._experts(rows, ones, local_ids, with_down_bias=True)
+        returned = comm.all_to_all_single(outputs, sends, recvs)
+        per_pick = torch.empty_like(returned)
+        per_pick[order] = returned  # back in (token, j) order
+        combined = torch.zeros((local.shape[0], x.shape[1]), dtype=torch.float32, device=x.device)
+        picks = per_pick.view(local.shape[0], self.top_k, x.shape[1]).float()
+        for j in range(self.top_k):
+            combined += picks[:, j] * weights[:, j, None]
+        padded = x.new_zeros((chunk, x.shape[1]))
+        padded[: local.shape[0]] = combined.to(x.dtype)
+        return comm.all_gather(padded)[:num_tokens]
+
+    # ---- loading ------------------------------------------------------------------------
+    def checkpoint_shards(self, param_name: str) -> list[int | None]:
+        """The shards of `param_name` this rank must load: per-expert checkpoints give
+        expert e's gate as w13 shard 2e, its up as 2e + 1 and its down as w2 shard e
+        (global expert ids); stacked checkpoints give the whole tensor (shard None),
+        which covers them all."""
+        experts = range(self.first_expert, self.first_expert + self.num_local_experts)
+        if param_name == "w13":
+            return [2 * e + part for e in experts for part in (0, 1)]
+        if param_name == "w2":
+            return list(experts)
+        return [None]
+
+    def load_checkpoint_tensor(
+        self, param_name: str, shard: int | None, tensor: torch.Tensor
+    ) -> list[int | None]:
+        """Copy this rank's share of checkpoint `tensor` (in the op's layout; shard as in
+        `checkpoint_shards`) into `param_name`; returns the shards it filled ([] for
+        another rank's expert). ValueError naming the shapes on a mismatch."""
+        param = getattr(self, param_name)
+        if param_name not in _EXPERT_PARAMS:  # whole on every rank (the correction bias)
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"{param_name} expects {tuple(param.shape)}, got {tuple(tensor.shape)}"
+                )
+            param.data.copy_(tensor)
+            return [None]
+        e0, ne = self.first_expert, self.num_local_experts
+        i0, ni, full = self.intermediate_start, self.local_intermediate, self.intermediate_size
+        if shard is None:
+            filled = self.checkpoint_shards(param_name)
+            if tensor.shape[0] != self.num_experts:
+                raise ValueError(
+                    f"{param_name} expects {self.num_experts} stacked experts, got a checkpoint "
+                    f"tensor of {tuple(tensor.shape)}"
+                )
+            part = tensor.narrow(0, e0, ne)
+            if param_name in ("w13", "w13_bias"):  # gate rows then up rows, each narrowed
+                part = torch.cat((part.narrow(1, i0, ni), part.narrow(1, full + i0, ni)), dim=1)
+            elif param_name == "w2":
+                part = part.narrow(2, i0, ni)
+            target = param.data
+        else:
+            expert = shard // 2 if param_name == "w13" else shard
+            if not e0 <= expert < e0 + ne:
+                return []
+            filled = [shard]
+            if param_name == "w13":
+                part = tensor.narrow(0, i0, ni)
+                target = param.data[expert - e0, (shard % 2) * ni : (shard % 2 + 1) * ni]
+            else:
+                part = tensor.narrow(1, i0, ni)
+                target = param.data[expert - e0]
+        if tuple(part.shape) != tuple(target.shape):
+            raise ValueError(
+                f"{param_name} (shard {shard}) expects {tuple(target.shape)} on this rank, got "
+                f"{tuple(part.shape)} from a checkpoint tensor of {tuple(tensor.shape)}"
+            )
+        target.copy_(part)
+        return filled
+
+
+def check_moe_parallel(num_experts: int, intermediate_size: int, ep: int, tp: int) -> None:
+    """ValueError naming the sizes when the experts (EP) or their intermediate dim (TP)
+    do not split evenly."""
+    if num_experts % ep:
+        raise ValueError(
+            f"enable_expert_parallel over {ep} ranks does not divide the model's "
+            f"{num_experts} experts"
+        )
+    if intermediate_size % tp:
+        raise ValueError(
+            f"tensor_parallel_size={tp} does not divide the experts' intermediate size "
+            f"{intermediate_size}; try enable_expert_parallel"
+        )
 
 
 def deinterleave_gate_up(t: torch.Tensor, dim: int) -> torch.Tensor:

@@ -12,6 +12,8 @@ from tokenmill.model.gemma3 import Gemma3ForCausalLM
 from tokenmill.model.gpt_oss import GptOssForCausalLM
 from tokenmill.model.kimi_linear import KimiLinearForCausalLM
 from tokenmill.model.llama import CausalLM
+from tokenmill.model.mixtral import MixtralForCausalLM
+from tokenmill.model.qwen3_moe import Qwen3MoeForCausalLM
 from tokenmill.model.qwen3_next import Qwen3NextForCausalLM
 from tokenmill.platforms.interfaces import AttentionSpec
 
@@ -24,6 +26,8 @@ _MODEL_TYPES: dict[str, type[nn.Module]] = {
     "qwen3": CausalLM,
     "gemma3_text": Gemma3ForCausalLM,
     "gpt_oss": GptOssForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
+    "mixtral": MixtralForCausalLM,
     "deepseek_v3": DeepseekV3ForCausalLM,
     "qwen3_next": Qwen3NextForCausalLM,
     "kimi_linear": KimiLinearForCausalLM,

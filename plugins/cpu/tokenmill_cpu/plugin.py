@@ -38,6 +38,7 @@ CAPABILITIES = Capabilities(
     block_sizes=frozenset({8, 16, 32, 64, 128}),
     head_sizes=frozenset({32, 64, 80, 96, 128, 256}),
     collectives=True,
+    sleep_mode=True,  # host memory: allocator.py
 )
 
 

@@ -1089,6 +1089,54 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cache,
   }
 }
 
+// Mamba2 decode: one token of each of S sequences, the SSM state updated in place in one
+// pass (read and write each state element once, accumulating the output on the way):
+//   state[s,h,p,:] = exp(dt[s,h] A[h]) state[s,h,p,:] + dt[s,h] x[s,h,p] B[s,g(h),:]
+//   y[s,h,p] = state[s,h,p,:] . C[s,g(h),:] + D[h] x[s,h,p]
+// All float32 and contiguous; dt already discretized (softplus, clamp). Returns y [S, H, P].
+torch::Tensor mamba2_state_update(torch::Tensor state, torch::Tensor x, torch::Tensor dt,
+                                  torch::Tensor A, torch::Tensor B, torch::Tensor C,
+                                  torch::Tensor D) {
+  for (const auto* t : {&state, &x, &dt, &A, &B, &C, &D}) {
+    TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous(),
+                "mamba2_state_update takes contiguous float32 tensors");
+  }
+  TORCH_CHECK(state.dim() == 4 && x.dim() == 3 && B.dim() == 3, "bad mamba2 shapes");
+  const int64_t S = state.size(0), H = state.size(1), P = state.size(2), N = state.size(3);
+  const int64_t G = B.size(1);
+  TORCH_CHECK(H % G == 0 && B.size(2) == N && C.sizes() == B.sizes() && x.size(2) == P,
+              "bad mamba2 shapes");
+  auto y = torch::empty({S, H, P}, x.options());
+  float* st = state.data_ptr<float>();
+  const float *xp = x.data_ptr<float>(), *dtp = dt.data_ptr<float>(), *ap = A.data_ptr<float>();
+  const float *bp = B.data_ptr<float>(), *cp = C.data_ptr<float>(), *dp = D.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t per = H / G;
+  at::parallel_for(0, S * H, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t sh = lo; sh < hi; ++sh) {
+      const int64_t s = sh / H, h = sh % H;
+      const float step = dtp[sh];
+      const float decay = std::exp(step * ap[h]);
+      const float* b = bp + (s * G + h / per) * N;
+      const float* c = cp + (s * G + h / per) * N;
+      for (int64_t p = 0; p < P; ++p) {
+        const float xv = xp[sh * P + p];
+        const float dx = step * xv;
+        float* row = st + (sh * P + p) * N;
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t n = 0; n < N; ++n) {
+          const float v = row[n] * decay + dx * b[n];
+          row[n] = v;
+          acc += v * c[n];
+        }
+        yp[sh * P + p] = acc + dp[h] * xv;
+      }
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1103,4 +1151,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_bf16", &paged_attention_bf16);
 #endif
   m.def("write_kv", &write_kv);
+  m.def("mamba2_state_update", &mamba2_state_update);
 }
