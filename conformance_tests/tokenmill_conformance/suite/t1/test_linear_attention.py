@@ -21,8 +21,10 @@ from tokenmill.kv.state import read_states, write_states
 from tokenmill.ops.linear_attention import (
     REFERENCE_VARIANTS,
     GatedDeltaInputs,
+    KDAInputs,
     ReferenceLinearAttentionBackend,
     gated_delta_state_spec,
+    kda_state_spec,
 )
 from tokenmill.platforms.interfaces import (
     AttentionKind,
@@ -52,9 +54,23 @@ def _gated_delta_case(dtype: torch.dtype, num_tokens: int, gen: torch.Generator,
     return spec, inputs
 
 
+def _kda_case(dtype: torch.dtype, num_tokens: int, gen: torch.Generator, device):
+    h, d, k = 2, 16, 4
+    spec = AttentionSpec(AttentionKind.LINEAR, h, h, d, dtype, 16,
+                         state=kda_state_spec(h, d, k, dtype))
+    inputs = KDAInputs(
+        mixed_qkv=torch.randn(num_tokens, 3 * h * d, generator=gen).to(dtype).to(device),
+        g=(-F.softplus(torch.randn(num_tokens, h, d, generator=gen)) * 0.5).to(device),
+        beta=torch.rand(num_tokens, h, generator=gen).to(dtype).to(device),
+        conv_weight=(torch.randn(3 * h * d, k, generator=gen) * 0.5).to(dtype).to(device),
+        num_heads=h, head_dim=d,
+    )
+    return spec, inputs
+
+
 # variant -> a maker of (spec, inputs) for a step of num_tokens tokens; a variant added to
 # the core's REFERENCE_VARIANTS adds its maker here
-CASES = {"gated_delta": _gated_delta_case}
+CASES = {"gated_delta": _gated_delta_case, "kda": _kda_case}
 
 # (tokens already computed, query length, restore from a checkpoint, checkpoints at n)
 STEP = [(0, 37, False, [16, 32]), (20, 1, False, []), (48, 1, False, [1]), (0, 1, False, []),
