@@ -15,6 +15,7 @@ from transformers import (
     DeepseekV3Config,
     Gemma3TextConfig,
     GptOssConfig,
+    KimiLinearConfig,
     LlamaConfig,
     MixtralConfig,
     PreTrainedTokenizerFast,
@@ -134,6 +135,18 @@ def make_config(arch: str, vocab_size: int):
             num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
             mlp_only_layers=[1],
         )
+    if arch == "kimi_linear":
+        # Kimi Delta Attention (recurrent state) and MLA layers interleaved, one dense layer
+        # then MoE with a shared expert
+        return KimiLinearConfig(
+            **{**common, "num_hidden_layers": 4, "num_key_value_heads": 4},
+            moe_intermediate_size=32, n_shared_experts=1, num_local_experts=8, n_group=1,
+            topk_group=1, num_experts_per_tok=2, kv_lora_rank=32, q_lora_rank=None,
+            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+            linear_attn_config={"head_dim": 16, "num_heads": 2, "short_conv_kernel_size": 4},
+            layer_types=["linear_attention", "full_attention"] * 2,
+            mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+        )
     raise ValueError(arch)
 
 
@@ -165,4 +178,5 @@ VARIANTS = {
     "mixtral": ("mixtral",),
     "deepseek_v3": ("deepseek_v3",),
     "qwen3_next": ("qwen3_next",),
+    "kimi_linear": ("kimi_linear",),
 }
