@@ -32,7 +32,8 @@ from tokenmill.platforms.interfaces import (
 )
 from tokenmill_triton.configs import KernelConfigs, interpreter_mode
 
-KINDS = frozenset({AttentionKind.FULL, AttentionKind.SLIDING_WINDOW, AttentionKind.MLA})
+KINDS = frozenset({AttentionKind.FULL, AttentionKind.SLIDING_WINDOW, AttentionKind.LINEAR,
+                   AttentionKind.MLA})
 GPU_CAPABILITIES = Capabilities(
     attention_kinds=KINDS,
     dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
@@ -161,12 +162,13 @@ class GpuPlugin:
 
     def attention_backends(self, platform: Platform) -> list[AttentionBackend]:
         from tokenmill_triton.attention import TritonPagedAttention
+        from tokenmill_triton.linear_attention import TritonLinearAttention
         from tokenmill_triton.mla import TritonMLAAttention
 
         configs = self.configs(platform)
-        paged = sorted(KINDS - {AttentionKind.MLA}, key=str)
+        paged = sorted(KINDS - {AttentionKind.MLA, AttentionKind.LINEAR}, key=str)
         return [TritonPagedAttention(kind, configs, self.name) for kind in paged] + [
-            TritonMLAAttention(configs, self.name)]
+            TritonLinearAttention(configs, self.name), TritonMLAAttention(configs, self.name)]
 
     def communicator(self, platform: Platform, group: object | None) -> Communicator:
         from tokenmill_triton.distributed import make_communicator
