@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenmill.model.bamba import BambaForCausalLM
 from tokenmill.model.gemma3 import Gemma3ForCausalLM
 from tokenmill.model.gpt_oss import GptOssForCausalLM
 from tokenmill.model.llama import CausalLM
@@ -21,6 +22,7 @@ _MODEL_TYPES: dict[str, type[nn.Module]] = {
     "qwen3": CausalLM,
     "gemma3_text": Gemma3ForCausalLM,
     "gpt_oss": GptOssForCausalLM,
+    "bamba": BambaForCausalLM,
 }
 
 

@@ -29,6 +29,7 @@ from tokenmill.ops.gated_delta import (
     gated_delta_rule_chunked,
     gated_delta_rule_recurrent,
 )
+from tokenmill.ops.mamba2 import Mamba2
 from tokenmill.platforms.interfaces import (
     AttentionMetadata,
     AttentionSpec,
@@ -125,7 +126,9 @@ def split_qkv(
     )
 
 
-REFERENCE_VARIANTS: Mapping[str, LinearVariant] = MappingProxyType({"gated_delta": GatedDelta()})
+REFERENCE_VARIANTS: Mapping[str, LinearVariant] = MappingProxyType(
+    {"gated_delta": GatedDelta(), "mamba2": Mamba2()}
+)
 
 
 # ---- the backend --------------------------------------------------------------------

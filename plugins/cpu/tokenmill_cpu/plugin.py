@@ -30,7 +30,9 @@ from tokenmill.platforms.interfaces import (
 hookimpl = pluggy.HookimplMarker("tokenmill")
 
 CAPABILITIES = Capabilities(
-    attention_kinds=frozenset({AttentionKind.FULL, AttentionKind.SLIDING_WINDOW}),
+    attention_kinds=frozenset(
+        {AttentionKind.FULL, AttentionKind.SLIDING_WINDOW, AttentionKind.LINEAR}
+    ),
     dtypes=frozenset({torch.float32, torch.bfloat16}),
     block_sizes=frozenset({8, 16, 32, 64, 128}),
     head_sizes=frozenset({32, 64, 80, 96, 128, 256}),
@@ -45,7 +47,9 @@ def memory_info() -> MemoryInfo:
 
 @hookimpl
 def tokenmill_api_version() -> str:
-    return "1.1"  # the plugin API this plugin was written against (1.1: apply_token_bitmask)
+    # the plugin API this plugin was written against (1.1: apply_token_bitmask; 1.3: kind
+    # LINEAR, its Mamba2 backend)
+    return "1.3"
 
 
 @hookimpl
@@ -78,8 +82,13 @@ def tokenmill_platform() -> Platform:
 @hookimpl
 def tokenmill_attention_backends(platform: Platform) -> list[AttentionBackend]:
     from tokenmill_cpu.attention import CpuPagedAttention
+    from tokenmill_cpu.mamba2 import CpuMamba2Attention
 
-    return [CpuPagedAttention(AttentionKind.FULL), CpuPagedAttention(AttentionKind.SLIDING_WINDOW)]
+    return [
+        CpuPagedAttention(AttentionKind.FULL),
+        CpuPagedAttention(AttentionKind.SLIDING_WINDOW),
+        CpuMamba2Attention(),  # kind LINEAR, variant mamba2
+    ]
 
 
 @hookimpl
