@@ -118,6 +118,8 @@ def test_attention_backends_cover_the_declared_kinds(active):
     assert all(isinstance(b.name, str) and b.name for b in backends)
     for dtype in caps.dtypes:
         for kind in caps.attention_kinds:
+            if kind is AttentionKind.LINEAR:
+                continue  # specs need a variant's state: t1/test_linear_attention.py
             window = 8 if kind is AttentionKind.SLIDING_WINDOW else None
             head = min(caps.head_sizes)
             block = min(caps.block_sizes)
