@@ -141,16 +141,14 @@ def _decode(
     """`decode_step` for the single-token sequences `seqs`; writes their slots and any
     checkpoint they take (after one token: the same state). Returns their y rows."""
     device = inputs.xbc.device
-    conv, ssm = zero_states(spec.state, len(seqs), device)
     have = [j for j, i in enumerate(seqs) if rec.source_block_ids[i] is not None]
-    if have:
-        read_conv, read_ssm = read_states(
-            state_cache, spec.state, [rec.source_block_ids[seqs[j]] for j in have]
-        )
-        if len(have) == len(seqs):
-            conv, ssm = read_conv, read_ssm
-        else:
-            conv[have], ssm[have] = read_conv, read_ssm
+    sources = [rec.source_block_ids[seqs[j]] for j in have]
+    if len(have) == len(seqs):  # the usual decode step: every state from its pages
+        conv, ssm = read_states(state_cache, spec.state, sources)
+    else:  # one-token prompts start from zeros
+        conv, ssm = zero_states(spec.state, len(seqs), device)
+        if have:
+            conv[have], ssm[have] = read_states(state_cache, spec.state, sources)
     rows = torch.tensor([starts[i] for i in seqs], device=device)
     y, conv, ssm = decode_step(inputs.xbc[rows], inputs.dt[rows], conv, ssm, inputs.weights,
                                inputs.dims)
