@@ -12,6 +12,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    BambaConfig,
     Gemma3TextConfig,
     GptOssConfig,
     LlamaConfig,
@@ -100,6 +101,12 @@ def make_config(arch: str, vocab_size: int):
                 "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150000.0,
             },
         )
+    if arch == "bamba":
+        # a Mamba2 layer then a full-attention one; SSD chunks of 8, so prompts span several
+        return BambaConfig(
+            **common, attn_layer_indices=[1], mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16,
+            mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8,
+        )
     raise ValueError(arch)
 
 
@@ -127,4 +134,5 @@ VARIANTS = {
     "qwen3": ("qwen3",),
     "gemma3_text": ("gemma3",),
     "gpt_oss": ("gpt_oss",),
+    "bamba": ("bamba",),
 }
