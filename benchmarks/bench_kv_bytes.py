@@ -1,7 +1,13 @@
 """KV bytes one request holds at long context: sliding-window models vs the same model with
-every layer on full attention.
+every layer on full attention; MLA vs the equivalent multi-head cache.
 
-    python benchmarks/bench_kv_bytes.py [--contexts 4096 32768 131072] [--engine]
+    python benchmarks/bench_kv_bytes.py [--contexts 4096 32768 131072] [--engine] [--mla]
+
+`--mla` adds the bytes per token of DeepSeek-V3's and Kimi Linear's MLA layers (the
+arena's page for their AttentionSpec, core/kv/arena.py) against the multi-head cache
+the same layers would need with their keys and values decompressed (per head: a key of
+qk_nope + qk_rope values and a value of v_head_dim values, as transformers' cache holds
+them after expand_kv).
 
 Part 1 runs the real KV manager (core/kv: groups, the sliding-window allocator, the shared
 pool) on the layer layouts of Gemma 3 27B and gpt-oss-120b (bf16, blocks of 16): a request
@@ -135,13 +141,39 @@ def engine_table(contexts: list[int]) -> None:
             )
 
 
+def mla_table(contexts: list[int]) -> None:
+    from transformers import DeepseekV3Config, KimiLinearConfig
+
+    from tokenmill.model.mla import mla_spec
+    from tokenmill.model.registry import attention_specs_for
+
+    kimi = KimiLinearConfig()  # Kimi-Linear-48B-A3B sizes; its default layer_types: 6 MLA of 27
+    kimi_mla = [mla_spec(kimi, torch.bfloat16, BLOCK, 1.0)] * kimi.layer_types.count(
+        "full_attention"
+    )
+    print("| model | MLA layers | MLA bytes / token | equivalent MHA bytes / token | ratio "
+          "| MLA at " + " | MLA at ".join(f"{c:,}" for c in contexts) + " |")
+    print("|---|---:|---:|---:|---:|" + "---:|" * len(contexts))
+    deepseek = attention_specs_for(DeepseekV3Config(), torch.bfloat16, BLOCK)
+    for name, specs in (("DeepSeek-V3", deepseek), ("Kimi Linear 48B", kimi_mla)):
+        mla = sum(KVArena.page_bytes_for(s) for s in specs) // BLOCK
+        dims, heads = specs[0].mla, specs[0].num_heads
+        mha = len(specs) * heads * (dims.qk_head_dim + dims.v_head_dim) * 2
+        at = " | ".join(f"{mla * c / GIB:.2f} GiB" for c in contexts)
+        print(f"| {name} | {len(specs)} | {mla:,} | {mha:,} | {mha / mla:.1f}x | {at} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 131072])
     parser.add_argument("--engine", action="store_true", help="also run the tiny engine check")
     parser.add_argument("--engine-contexts", type=int, nargs="+", default=[256, 1024, 2048])
+    parser.add_argument("--mla", action="store_true", help="also print MLA vs MHA bytes")
     args = parser.parse_args()
     allocator_table(args.contexts)
+    if args.mla:
+        print()
+        mla_table(args.contexts)
     if args.engine:
         print()
         engine_table(args.engine_contexts)

@@ -58,16 +58,20 @@ class StaticSplitKV(KVCacheManager):
         num_computed = request.num_computed_tokens + num_hit
         total = num_computed + num_new_tokens
         tables = hits.tables if hits is not None and hits.tables else [[] for _ in self.allocators]
+        recurrent = self.recurrent_group_ids
+        self.update_block_hashes(request)
         for alloc in self.allocators:
             alloc.release_outside_window(request, num_computed)
-        for alloc, table in zip(self.allocators, tables, strict=True):
+        for i, (alloc, table) in enumerate(zip(self.allocators, tables, strict=True)):
             free_hits = sum(1 for b in table if b.ref_cnt == 0 and b.block_id)
-            if alloc.num_blocks_needed(request, total, table) + free_hits > alloc.pool.num_free_blocks:
+            extra = (num_computed,) if i in recurrent else ()
+            need = alloc.num_blocks_needed(request, total, table, *extra)
+            if need + free_hits > alloc.pool.num_free_blocks:
                 return False
         for alloc, table in zip(self.allocators, tables, strict=True):
             alloc.take_hits(request, table)
-        for alloc in self.allocators:
-            alloc.allocate(request, total)
+        for i, alloc in enumerate(self.allocators):
+            alloc.allocate(request, total, *((num_computed,) if i in recurrent else ()))
         self.update_block_hashes(request)
         for alloc in self.allocators:
             alloc.cache_full_blocks(request, total)
@@ -126,7 +130,15 @@ def run(kv: KVCacheManager, workload: list[list[tuple[int, int]]]) -> list[Phase
     return results
 
 
-def _layout():
+def _layout(model: str = "gemma3"):
+    if model == "qwen3_next":
+        from transformers import Qwen3NextConfig
+
+        from tokenmill.model.qwen3_next import qwen3_next_specs
+
+        specs = qwen3_next_specs(Qwen3NextConfig(), torch.bfloat16, BLOCK)
+        layout = plan_groups(specs)
+        return layout, layout.page_bytes
     config = Gemma3TextConfig(
         hidden_size=5376, num_hidden_layers=62, num_attention_heads=32, num_key_value_heads=16,
         head_dim=128, sliding_window=1024, max_position_embeddings=131072,
@@ -160,10 +172,13 @@ def request_cost(kv_factory, prompt: int, block_bytes: int) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--pool-gib", type=float, default=8.0)
+    parser.add_argument("--model", choices=["gemma3", "qwen3_next"], default="gemma3",
+                        help="the layer layout: Gemma 3 27B, or Qwen3-Next-80B-A3B (36 Gated "
+                        "DeltaNet layers with float32 state, 12 full attention)")
     parser.add_argument("--splits", type=float, nargs="+",
                         default=[0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8])
     args = parser.parse_args()
-    layout, page = _layout()
+    layout, page = _layout(args.model)
     block_bytes = layout.num_slots * page
     num_blocks = int(args.pool_gib * GIB) // block_bytes
     workload = phases()
@@ -175,7 +190,8 @@ def main() -> None:
             rows[f"static {f:.0%} full"] = run(kv, workload)
         except RuntimeError:
             rows[f"static {f:.0%} full"] = None  # a long request does not fit its share
-    print(f"Gemma 3 27B layout, {args.pool_gib:g} GiB pool = {num_blocks} blocks of "
+    title = {"gemma3": "Gemma 3 27B", "qwen3_next": "Qwen3-Next-80B-A3B"}[args.model]
+    print(f"{title} layout, {args.pool_gib:g} GiB pool = {num_blocks} blocks of "
           f"{block_bytes // 1024} KiB ({len(layout.groups)} groups)\n")
     print("| arena | " + " | ".join(f"{n}: max running / steps / preemptions" for n in names) + " |")
     print("|---|" + "---:|" * len(names))
@@ -190,6 +206,8 @@ def main() -> None:
     for prompt in (12, 2000):
         ours = request_cost(lambda: KVCacheManager(4096, BLOCK, True, layout.groups), prompt, block_bytes)
         print(f"| {prompt:,} tokens | {ours / 1024:,.0f} KiB | {vllm_cost(layout, page, prompt) / 1024:,.0f} KiB |")
+    if args.model == "qwen3_next":
+        return
     print("\nQwen3-Next-80B-A3B (36 Gated DeltaNet + 12 attention layers, bf16 state), arithmetic:")
     print("| request | vLLM page unification | byte-exact (blocks of 16, one state per layer) |")
     print("|---|---:|---:|")
@@ -201,9 +219,19 @@ def main() -> None:
 def vllm_cost(layout, page: int, prompt: int) -> int:
     """vLLM's hybrid allocator: every layer's page is unified to the largest page (here all
     attention pages are equal, so block_size stays 16), one block table per group, the
-    window's blocks outside it freed: the same count of blocks as ours."""
+    window's blocks outside it freed: the same count of blocks as ours. With recurrent
+    groups the attention block grows until one layer's page holds a state, and each
+    recurrent layer holds one such page."""
     total = 0
     tokens = prompt + 1
+    states = [g.state.num_bytes for g in layout.groups if g.state is not None]
+    if states:
+        per_token = page // BLOCK
+        block = BLOCK * -(-max(states) // (BLOCK * per_token))
+        for g in layout.groups:
+            blocks = 1 if g.state is not None else -(-tokens // block)
+            total += blocks * len(g.layers) * block * per_token
+        return total
     for g in layout.groups:
         blocks = -(-tokens // BLOCK)
         if g.sliding_window is not None:

@@ -35,11 +35,12 @@ from typing import Any, Protocol
 import jinja2
 
 from tokenmill.config import EngineArgs
-from tokenmill.engine import EngineDeadError, LLMEngine
+from tokenmill.engine import EngineDeadError, EngineSleepingError, LLMEngine
 from tokenmill.engine_core_client import EngineCoreProcClient, InprocClient
 from tokenmill.output_processor import OutputProcessor, check_prompt
 from tokenmill.outputs import EngineCoreOutputs, RequestOutput, SchedulerStats
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.sleep_mode import check_level
 from tokenmill.tokenizing import apply_chat_template
 
 logger = logging.getLogger(__name__)
@@ -97,13 +98,25 @@ class AsyncLLM:
                 "installed plugins; it takes no LLMEngine and no registry"
             )
         self.engine: LLMEngine | None = None
+        dp = args is not None and args.data_parallel_size > 1
         if engine_process:
-            self._client = EngineCoreProcClient(args)
+            if dp:  # an engine process per replica (tokenmill.distributed.data_parallel)
+                from tokenmill.distributed.data_parallel import DataParallelClient
+
+                self._client = DataParallelClient.in_processes(args)
+            else:
+                self._client = EngineCoreProcClient(args)
             self._init_frontend_for_process(args, self._client)
         else:
-            self.engine = engine if engine is not None else LLMEngine(args, registry)
-            self._client = InprocClient(self.engine)
-            self.args = self.engine.args
+            if dp:  # an engine thread per replica; self.engine is the first replica
+                from tokenmill.distributed.data_parallel import DataParallelClient
+
+                self._client = DataParallelClient.in_threads(args, registry)
+                self.engine = self._client.engines[0]
+            else:
+                self.engine = engine if engine is not None else LLMEngine(args, registry)
+                self._client = InprocClient(self.engine)
+            self.args = args if dp else self.engine.args
             self.tokenizer = self.engine.tokenizer
             self.max_model_len = self.engine.max_model_len
             self.vocab_size = self.engine.loaded.hf_config.vocab_size
@@ -119,6 +132,7 @@ class AsyncLLM:
         self._closed = False
         self._started = False
         self._next_id = 0
+        self.sleep_level = 0  # sleep mode: 0 awake, else the level (set before the core acts)
 
     def _init_frontend_for_process(self, args: EngineArgs, client: EngineCoreProcClient) -> None:
         from tokenmill.model.loader import default_model_path, load_model_info
@@ -207,6 +221,9 @@ class AsyncLLM:
         When the consumer falls behind, intermediate outputs are skipped: each one holds
         everything before it, so only the newest matters.
         """
+        if self.sleep_level:
+            raise EngineSleepingError(
+                f"the engine is asleep (sleep level {self.sleep_level}): POST /wake_up first")
         check_prompt(prompt_token_ids, params, self.vocab_size, self.max_model_len)
         if params.structured_outputs is not None:
             # compile (or fail) off the event loop and off the engine core; the in-process
@@ -242,6 +259,30 @@ class AsyncLLM:
     def hint_session(self, session_id: str) -> None:
         """`session_id`'s turn ended in a tool call (LLMEngine.hint_session); thread-safe."""
         self._client.hint_session(session_id)
+
+    # ---- sleep mode (LLMEngine.sleep) ----------------------------------------------------
+    async def sleep(self, level: int = 1) -> None:
+        """Put the engine core to sleep (1: weights to host memory, KV discarded; 2: both
+        discarded). New requests raise EngineSleepingError until `wake_up`. Raises
+        ValueError for a bad level and RuntimeError when the core refuses (requests in
+        flight, already asleep, no sleep mode on the platform)."""
+        await self._sleep_control(check_level(level))
+
+    async def wake_up(self) -> None:
+        """Leave sleep mode; RuntimeError when the engine is not asleep."""
+        await self._sleep_control(0)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.sleep_level != 0
+
+    async def _sleep_control(self, level: int) -> None:
+        if level != 0:
+            self.sleep_level = level  # new requests are refused from now on
+        reply = await asyncio.to_thread(self._client.sleep_control, level)
+        self.sleep_level = reply.level
+        if reply.error is not None:
+            raise RuntimeError(reply.error)
 
     def _abort(self, request_id: str) -> None:
         with self._lock:

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# the parallel sizes whose product is the number of ranks (worker processes)
+WORLD_SIZES = (
+    "tensor_parallel_size", "pipeline_parallel_size", "decode_context_parallel_size",
+    "prefill_context_parallel_size",
+)
 
 DType = Literal["auto", "bfloat16", "bf16", "float32", "fp32", "float16", "fp16"]
 
@@ -40,13 +47,47 @@ class EngineArgs(BaseModel):
         "engine may use, weights and activations included; the KV cache gets what is left "
         "(vLLM's gpu_memory_utilization)",
     )
-    distributed_executor_backend: Literal["uni", "mp"] = Field(
+    distributed_executor_backend: Literal["uni", "mp", "ray"] = Field(
         "uni",
         description="uni: the worker runs in the engine's process; mp: a process per rank "
-        "(the default when tensor_parallel_size > 1)",
+        "on this host (the default when tensor_parallel_size x pipeline_parallel_size > 1); "
+        "ray: a Ray actor per rank, on the nodes of a Ray cluster",
     )
     tensor_parallel_size: int = Field(
         1, ge=1, description="ranks the model's heads, MLP and vocab are split over"
+    )
+    pipeline_parallel_size: int = Field(
+        1, ge=1, description="stages the model's layers are split over (each with "
+        "tensor_parallel_size ranks)",
+    )
+    data_parallel_size: int = Field(
+        1, ge=1, description="whole engine replicas (each of tensor_parallel_size x "
+        "pipeline_parallel_size ranks) behind one front; requests go to the replica that "
+        "served their prefix, else the least loaded (tokenmill.distributed.dp_router)",
+    )
+    decode_context_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="ranks (beside the tensor parallel ones) each sequence's KV cache is "
+        "spread over, token by token; attention merges their parts (full attention only)",
+    )
+    prefill_context_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="ranks (beside the tensor parallel ones) a step's prompt tokens are split "
+        "over, keys and values all-gathered in every layer",
+    )
+    enable_expert_parallel: bool = Field(
+        False,
+        description="MoE models: split the experts over the tensor parallel ranks (each "
+        "expert whole on one rank, tokens dispatched to them all-to-all) instead of "
+        "splitting every expert's intermediate dim",
+    )
+    enable_sequence_parallelism: bool = Field(
+        False,
+        description="with tensor_parallel_size > 1: between TP regions split the activations "
+        "along the tokens (reduce-scatter after row-parallel layers, all-gather before "
+        "column-parallel ones) instead of all-reducing them; llama, qwen2, qwen3",
     )
     num_kv_blocks: int | None = Field(None, ge=1, description="override the KV pool size")
     seed: int = 0
@@ -68,18 +109,30 @@ class EngineArgs(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _tp_backend(cls, data: Any) -> Any:
-        """tensor_parallel_size > 1 needs a process per rank: 'mp' unless another is named."""
-        if not isinstance(data, dict) or (data.get("tensor_parallel_size") or 1) <= 1:
+        """More than one rank (the product of WORLD_SIZES) needs a process per rank: 'mp'
+        unless another is named."""
+        if not isinstance(data, dict):
             return data
+        sizes = {k: data.get(k) or 1 for k in WORLD_SIZES}
+        if not all(isinstance(v, int) for v in sizes.values()) or math.prod(sizes.values()) <= 1:
+            return data  # the fields' own checks report bad values
         backend = data.get("distributed_executor_backend")
         if backend is None:
             return {**data, "distributed_executor_backend": "mp"}
         if backend == "uni":
+            named = " x ".join(
+                f"{k}={v}" for k, v in sizes.items() if v > 1 or k == "tensor_parallel_size"
+            )
             raise ValueError(
-                f"tensor_parallel_size={data['tensor_parallel_size']} needs a process per rank: "
-                "distributed_executor_backend='uni' runs one; use 'mp'"
+                f"{named} needs a process per rank: distributed_executor_backend='uni' runs "
+                "one; use 'mp' or 'ray'"
             )
         return data
+
+    @property
+    def world_size(self) -> int:
+        """Worker ranks of one engine: the product of WORLD_SIZES."""
+        return math.prod(getattr(self, k) for k in WORLD_SIZES)
 
     # KV offload (core/kv_connector/, docs/kv-offload.md): each set tier joins the stack
     kv_offload_host_bytes: int | None = Field(
@@ -99,15 +152,32 @@ class EngineArgs(BaseModel):
         return None if v is None else parse_size(v, info.field_name)
 
     @model_validator(mode="after")
+    def _one_context_parallel(self) -> EngineArgs:
+        if self.decode_context_parallel_size > 1 and self.prefill_context_parallel_size > 1:
+            raise ValueError(
+                f"decode_context_parallel_size={self.decode_context_parallel_size} and "
+                f"prefill_context_parallel_size={self.prefill_context_parallel_size}: one "
+                "of them at a time for now"
+            )
+        if self.pipeline_parallel_size > 1 and (
+            self.prefill_context_parallel_size > 1 or self.enable_sequence_parallelism
+        ):
+            raise ValueError(
+                f"pipeline_parallel_size={self.pipeline_parallel_size} does not combine with "
+                "prefill_context_parallel_size > 1 or enable_sequence_parallelism yet"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _offload_tiers(self) -> EngineArgs:
         from tokenmill.kv_connector.engine_setup import offload_config
 
         # raises ValueError naming a bad combination
-        if offload_config(self) is not None and self.distributed_executor_backend != "uni":
+        if offload_config(self) is not None and self.world_size > 1:
             raise ValueError(
-                "KV offload runs with distributed_executor_backend='uni' for now (its "
-                "scheduler side looks the worker's tiers up in-process); got "
-                f"{self.distributed_executor_backend!r}"
+                "KV offload runs with tensor_parallel_size=1 and pipeline_parallel_size=1 for "
+                "now (each rank would save and load its own shard of every block); got "
+                f"{self.tensor_parallel_size} x {self.pipeline_parallel_size}"
             )
         return self
 

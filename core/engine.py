@@ -10,25 +10,37 @@ import itertools
 import logging
 import socket
 
+import msgspec
 import torch
 
 from tokenmill.config import EngineArgs
 from tokenmill.distributed.config import WorkerConfig
 from tokenmill.distributed.errors import ExecutorError
 from tokenmill.distributed.executor import Executor, UniExecutor, make_executor
+from tokenmill.distributed.in_flight import InFlightSteps
 from tokenmill.kv.groups import plan_groups
 from tokenmill.kv.manager import KVCacheManager
-from tokenmill.kv_connector.engine_setup import Offload, engine_offload, offload_config
+from tokenmill.kv_connector.engine_setup import (
+    Offload,
+    engine_offload,
+    offload_config,
+    remote_engine_offload,
+)
+from tokenmill.kv_connector.messages import TierIndex, WorkerReport
+from tokenmill.model.context_parallel import check_decode_context_parallel
 from tokenmill.model.generation_config import describe, load_generation_defaults
 from tokenmill.model.loader import ModelInfo, default_model_path, load_model_info
-from tokenmill.model.parallel import local_config
+from tokenmill.model.parallel import check_sequence_parallel, local_config
+from tokenmill.model.pipeline import check_pipeline
 from tokenmill.model.registry import attention_specs_for
 from tokenmill.output_processor import CoreOutputProcessor, OutputProcessor, check_prompt
 from tokenmill.outputs import EngineCoreOutput, EngineCoreRequest, RequestOutput, SchedulerStats
+from tokenmill.platforms.interfaces import AttentionKind
 from tokenmill.platforms.registry import ActivePlatform, PlatformRegistry, load_platform
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from tokenmill.sleep_mode import check_level
 from tokenmill.step import StructuredMasks
 from tokenmill.structured.manager import StructuredOutputManager
 
@@ -52,6 +64,10 @@ def resolve_dtype(name: str, platform: ActivePlatform) -> torch.dtype:
     return dtype
 
 
+class EngineSleepingError(RuntimeError):
+    """A request reached an engine in sleep mode (`LLMEngine.sleep`); `wake_up` it first."""
+
+
 class EngineDeadError(RuntimeError):
     """The engine's workers failed; it takes no more requests. Says why."""
 
@@ -67,6 +83,11 @@ class LLMEngine:
     def __init__(self, args: EngineArgs, registry: PlatformRegistry | None = None) -> None:
         """`registry`: where to find `args.platform`; None discovers installed plugins
         (entry points). Pass one to run in-process plugins (tests, the conformance suite)."""
+        if args.data_parallel_size > 1:
+            raise ValueError(
+                f"data_parallel_size={args.data_parallel_size}: an LLMEngine is one replica; "
+                "LLM and AsyncLLM build the replicas (tokenmill.distributed.data_parallel)"
+            )
         self.args = args
         self.platform = load_platform(args.platform, registry)
         self.device = self.platform.platform.device
@@ -89,9 +110,16 @@ class LLMEngine:
         # KV groups: one block table per group of layers of one attention type, where the
         # runner keeps them (the core's); a plugin's own runner gets one table for all layers
         groups = None
+        specs = attention_specs_for(self.loaded.hf_config, self.dtype, args.block_size)
         if all(self.executor.collective_rpc("uses_kv_groups")):
-            specs = attention_specs_for(self.loaded.hf_config, self.dtype, args.block_size)
             groups = plan_groups(specs).groups
+        elif any(s.kind == AttentionKind.LINEAR for s in specs):
+            self.executor.shutdown()
+            raise ValueError(
+                "this model has recurrent (linear attention) layers, whose state only the "
+                "core's model runner keeps in the KV arena; the platform's own runner "
+                "gets one block table per request: run it on a platform without one"
+            )
         self.kv = KVCacheManager(
             self.num_kv_blocks, args.block_size, args.enable_prefix_caching, groups
         )
@@ -111,6 +139,7 @@ class LLMEngine:
             self.max_model_len = capacity
         self.offload = self._connect_offload()
         self.failure: ExecutorError | None = None  # set when the workers cannot go on
+        self._sleep_level: int | None = None  # set while asleep (sleep mode)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len, threshold
@@ -130,6 +159,8 @@ class LLMEngine:
         # by `add_request` / `step`; an engine process runs only the core's)
         self.core_outputs = CoreOutputProcessor(self.scheduler, self.max_model_len, self.structured)
         self.outputs = OutputProcessor(self.tokenizer)
+        # pipeline parallel: steps submitted to the executor, not yet collected
+        self.in_flight = InFlightSteps(self.executor.max_concurrent_batches)
         self._ids = itertools.count()
         logger.info(
             "engine ready: platform=%s dtype=%s executor=%s kv_blocks=%d (%d tokens) "
@@ -144,6 +175,8 @@ class LLMEngine:
     def _start_workers(self, in_process_registry: bool) -> Executor:
         """The executor for args.distributed_executor_backend, its workers not yet set up."""
         args = self.args
+        tp, dcp = args.tensor_parallel_size, args.decode_context_parallel_size
+        pcp = args.prefill_context_parallel_size
         config = WorkerConfig(
             model_path=self.loaded.model_path,
             platform=self.platform.name,
@@ -157,46 +190,111 @@ class LLMEngine:
             kv_cache_memory_bytes=args.kv_cache_memory_bytes,
             memory_utilization=args.memory_utilization,
             distributed_executor_backend=args.distributed_executor_backend,
-            world_size=args.tensor_parallel_size,
-            tensor_parallel_size=args.tensor_parallel_size,
-            dist_init_method=_rendezvous() if args.tensor_parallel_size > 1 else None,
+            world_size=args.world_size,
+            tensor_parallel_size=tp,
+            pipeline_parallel_size=args.pipeline_parallel_size,
+            enable_expert_parallel=args.enable_expert_parallel,
+            enable_sequence_parallelism=args.enable_sequence_parallelism,
+            decode_context_parallel_size=dcp,
+            prefill_context_parallel_size=pcp,
+            dist_init_method=_rendezvous() if args.world_size > 1 else None,
             kv_offload=offload_config(args),
         )
-        if args.tensor_parallel_size > 1:  # a bad size fails here, before any process starts
+        if args.world_size > 1:  # a bad size fails here, before any process starts
             if not self.platform.platform.capabilities.collectives:
                 raise ValueError(
-                    f"tensor_parallel_size={args.tensor_parallel_size} needs collectives; "
-                    f"platform {self.platform.name!r} declares none (capabilities.collectives)"
+                    f"{args.world_size} ranks (tensor_parallel_size={tp} x pipeline_parallel_"
+                    f"size={args.pipeline_parallel_size} x decode_context_parallel_size={dcp} "
+                    f"x prefill_context_parallel_size={pcp}) need collectives; platform "
+                    f"{self.platform.name!r} declares none (capabilities.collectives)"
                 )
-            local_config(self.loaded.hf_config, args.tensor_parallel_size)
+        if tp > 1:
+            local_config(self.loaded.hf_config, tp, args.enable_expert_parallel)
+            if args.enable_sequence_parallelism:
+                check_sequence_parallel(self.loaded.hf_config)
+        if dcp > 1:
+            specs = attention_specs_for(self.loaded.hf_config, self.dtype, args.block_size)
+            check_decode_context_parallel(specs, args.block_size, dcp)
+        if args.pipeline_parallel_size > 1:
+            check_pipeline(self.loaded.hf_config, args.pipeline_parallel_size)
         return make_executor(
             args.distributed_executor_backend, config, self.platform, self.loaded.hf_config,
             in_process_registry,
         )
 
     def _connect_offload(self) -> Offload | None:
-        """KV offload's engine side over the worker's tier stack, or None without tiers.
-        The scheduler side looks the tiers up in-process, so offload runs with the "uni"
-        executor for now (docs/kv-offload.md)."""
+        """KV offload's engine side, or None without tiers: over the worker's own tier
+        stack with the in-process executor; over a mirror of rank 0's stack, seeded from
+        its index and kept up to date by its step reports, with worker processes."""
         if offload_config(self.args) is None:
             return None
-        if not isinstance(self.executor, UniExecutor):  # EngineArgs refuse it already
-            self.executor.shutdown()
-            raise ValueError("KV offload needs the in-process ('uni') executor")
-        if self.kv.num_groups > 1:
-            # the connector saves and loads one block table (group 0's) per request
-            self.executor.shutdown()
-            kinds = ", ".join(g.kind.name.lower() for g in self.kv.groups)
-            raise ValueError(
-                f"KV offload supports models with one KV group; this model has "
-                f"{self.kv.num_groups} ({kinds}): unset the kv_offload_* settings "
-                "(docs/kv-offload.md)"
+        if isinstance(self.executor, UniExecutor):
+            return engine_offload(
+                self.executor.worker.kv_offload, self.args.block_size, self.kv.groups
             )
-        return engine_offload(self.executor.worker.kv_offload, self.args.block_size)
+        (data,) = self.executor.collective_rpc("kv_offload_index", unique_reply_rank=0)
+        return remote_engine_offload(msgspec.msgpack.decode(data, type=TierIndex), self.kv.groups)
+
+    def drain_kv_offload(self) -> None:
+        """Wait for every KV load and save in flight and apply their report (tests and
+        benchmarks read settled counters after it). No-op without offload."""
+        if self.offload is None:
+            return
+        if self.offload.worker_side is not None:
+            report = self.offload.worker_side.drain()
+        else:
+            (data,) = self.executor.collective_rpc("kv_offload_drain", unique_reply_rank=0)
+            report = msgspec.msgpack.decode(data, type=WorkerReport)
+        self.scheduler.update_from_connector(report)
 
     def shutdown(self) -> None:
         """Stop the workers (their processes, for "mp"); idempotent."""
         self.executor.shutdown()
+
+    # ---- sleep mode (tokenmill.sleep_mode) ----------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Free the device memory of every worker: level 1 keeps the weights in host memory
+        and discards the KV cache, level 2 discards both (wake reads the checkpoint again).
+        Only an idle engine sleeps (RuntimeError naming the requests in flight otherwise);
+        the prefix cache is dropped with the KV it indexed. Requests while asleep raise
+        EngineSleepingError; sleeping twice is an error."""
+        level = check_level(level)
+        self.check_health()
+        if self._sleep_level is not None:
+            raise RuntimeError(f"the engine is already asleep (level {self._sleep_level})")
+        if self.has_unfinished_requests():
+            raise RuntimeError(
+                f"cannot sleep with {len(self.scheduler.requests)} requests in flight; let "
+                "them finish or abort them first")
+        freed = sum(self.executor.collective_rpc("sleep", args=(level,)))
+        self.kv.reset_prefix_cache()
+        self._sleep_level = level
+        logger.info("engine asleep (level %d): %.1f MiB freed on its workers", level,
+                    freed / (1 << 20))
+
+    def wake_up(self) -> None:
+        """Give the workers their weights and KV cache back; greedy outputs are those of
+        before the sleep. Waking an awake engine is an error."""
+        self.check_health()
+        if self._sleep_level is None:
+            raise RuntimeError("the engine is not asleep")
+        self.executor.collective_rpc("wake_up")
+        self._sleep_level = None
+        logger.info("engine awake")
+
+    def is_sleeping(self) -> bool:
+        return self._sleep_level is not None
+
+    @property
+    def sleep_level(self) -> int:
+        """The sleep level now; 0 when awake."""
+        return self._sleep_level or 0
+
+    def _check_awake(self) -> None:
+        if self._sleep_level is not None:
+            raise EngineSleepingError(
+                f"the engine is asleep (sleep level {self._sleep_level}): call wake_up() "
+                "before adding requests")
 
     # ---- requests --------------------------------------------------------------------
     def next_request_id(self) -> str:
@@ -214,8 +312,9 @@ class LLMEngine:
         """Queue a request (all its n sequences). Raises ValueError naming the problem if it
         can never run, and its subclass StructuredOutputError if its structured output
         constraint is invalid or takes too long to compile; nothing is queued then. Raises
-        EngineDeadError once the workers have failed."""
+        EngineDeadError once the workers have failed, EngineSleepingError in sleep mode."""
         self.check_health()
+        self._check_awake()
         if request_id in self.outputs.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         check_prompt(prompt_token_ids, params, self.loaded.hf_config.vocab_size, self.max_model_len)
@@ -235,6 +334,7 @@ class LLMEngine:
         looked at). Raises ValueError / StructuredOutputError / EngineDeadError as
         `add_request` does."""
         self.check_health()
+        self._check_awake()
         if request.request_id in self.scheduler.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         # the model's generation defaults for what the request left unset (a no-op when the
@@ -294,6 +394,8 @@ class LLMEngine:
             prefix_cache_queries=self.kv.stats.queries,
             prefix_cache_hits=self.kv.stats.hits,
             kv_tiers=self.offload.snapshot() if self.offload is not None else {},
+            kv_blocks_by_type=self.kv.blocks_in_use_by_type(),
+            kv_blocks_usable=self.kv.pool.num_usable_blocks,
         )
 
     # ---- the step --------------------------------------------------------------------
@@ -305,6 +407,8 @@ class LLMEngine:
 
     def core_step(self) -> list[EngineCoreOutput]:
         """One step of the engine core: schedule, execute, and the per-sequence deltas."""
+        if self.in_flight.depth > 1:
+            return self._pipelined_step()
         plan = self.scheduler.schedule()
         if plan.step is None:
             return []
@@ -316,6 +420,35 @@ class LLMEngine:
         self.scheduler.update_computed(plan)
         self.scheduler.update_from_connector(result.kv_connector)
         return self.core_outputs.process(result)
+
+    def _pipelined_step(self) -> list[EngineCoreOutput]:
+        """Pipeline parallel: fill the pipeline with up to `depth` micro-batches (each
+        about 1 / depth of the unfinished requests), then collect the oldest. A request's
+        tokens count as computed once its step is submitted, so the next micro-batch
+        holds other requests, or the next chunk of a prompt in flight."""
+        queue = self.in_flight
+        while not queue.full:
+            share = -(-len(self.scheduler.requests) // queue.depth)
+            plan = self.scheduler.schedule(max_num_scheduled=max(1, share))
+            if plan.is_empty:  # every request waits for a step in flight (or for KV)
+                break
+            plan.step.structured = self._structured_masks(plan)
+            self.scheduler.update_computed(plan)
+            try:
+                handle = self.executor.submit(plan.step)
+            except ExecutorError as e:
+                queue.clear()
+                return self._fail(e)
+            queue.push(plan, handle, self.scheduler.requests)
+        if not queue:
+            return []
+        entry = queue.pop()
+        try:
+            result = self.executor.collect(entry.handle)
+        except ExecutorError as e:
+            queue.clear()
+            return self._fail(e)
+        return self.core_outputs.process(entry.current(result, self.scheduler.requests))
 
     # ---- health ----------------------------------------------------------------------
     def check_health(self) -> None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
+from tokenmill.engine import EngineSleepingError
 from tokenmill.output_processor import add_error_kind
 from tokenmill.outputs import (
     EngineCoreAbort,
@@ -37,6 +38,8 @@ from tokenmill.outputs import (
     EngineCoreRequest,
     EngineCoreSessionHint,
     EngineCoreShutdown,
+    EngineCoreSleep,
+    EngineCoreSleepState,
 )
 
 logger = logging.getLogger(__name__)
@@ -105,6 +108,19 @@ def check_failed(engine) -> None:
     just failed in the last deltas): the core cannot serve anything more."""
     if engine.failure is not None:
         engine.check_health()
+
+
+def apply_sleep(engine, message: EngineCoreSleep) -> EngineCoreSleepState:
+    """Carry out a sleep-mode change on the engine; the reply names the refusal, if any
+    (the engine keeps serving either way)."""
+    try:
+        if message.level == 0:
+            engine.wake_up()
+        else:
+            engine.sleep(message.level)
+    except (ValueError, RuntimeError) as e:
+        return EngineCoreSleepState(engine.sleep_level, str(e))
+    return EngineCoreSleepState(engine.sleep_level)
 
 
 class _Orphaned(Exception):
@@ -195,6 +211,8 @@ class EngineCoreLoop:
                 self.engine.abort_core_requests(message.request_ids)
             elif isinstance(message, EngineCoreSessionHint):
                 self.engine.hint_session(message.session_id)
+            elif isinstance(message, EngineCoreSleep):
+                self._send_bytes(self.encoder.encode(apply_sleep(self.engine, message)))
             elif isinstance(message, EngineCoreShutdown):
                 self._stopping = True
                 return
@@ -202,7 +220,7 @@ class EngineCoreLoop:
     def _add(self, request: EngineCoreRequest) -> None:
         try:
             self.engine.add_core_request(request)
-        except ValueError as e:  # this request only: the frontend answers it with a 400
+        except (ValueError, EngineSleepingError) as e:  # this request only: a 400 / 503
             self._pending.append(EngineCoreOutput(
                 request.request_id, finish_reason="error", stop_reason=str(e),
                 add_error=add_error_kind(e),

@@ -23,12 +23,19 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
 
 import msgspec
 import zmq
 
-from tokenmill.engine import EngineDeadError
-from tokenmill.engine_core import EngineCoreAddresses, check_failed, run_engine_core
+from tokenmill.engine import EngineDeadError, EngineSleepingError
+from tokenmill.engine_core import (
+    EngineCoreAddresses,
+    apply_sleep,
+    check_failed,
+    run_engine_core,
+)
 from tokenmill.output_processor import add_error_kind
 from tokenmill.outputs import (
     EngineCoreAbort,
@@ -41,6 +48,8 @@ from tokenmill.outputs import (
     EngineCoreRequest,
     EngineCoreSessionHint,
     EngineCoreShutdown,
+    EngineCoreSleep,
+    EngineCoreSleepState,
 )
 
 logger = logging.getLogger(__name__)
@@ -52,6 +61,14 @@ OnDead = Callable[[BaseException], None]
 _IDLE_WAIT_S = 0.05
 # How long the busy engine thread waits for new requests after a step with no output.
 _NO_OUTPUT_WAIT_S = 0.001
+
+
+@dataclass(slots=True)
+class _SleepCall:
+    """A sleep-mode change for the engine thread, and where its reply goes."""
+
+    message: EngineCoreSleep
+    reply: Future
 
 
 class InprocClient:
@@ -91,6 +108,16 @@ class InprocClient:
     def hint_session(self, session_id: str) -> None:
         """The session's turn ended in a tool call (LLMEngine.hint_session)."""
         self._inbox.put(EngineCoreSessionHint(session_id))
+
+    def sleep_control(self, level: int, timeout_s: float = 600.0) -> EngineCoreSleepState:
+        """Sleep at `level` (0: wake up) between two steps of the engine thread; blocks
+        until it is done and returns the core's reply."""
+        call = _SleepCall(EngineCoreSleep(level), Future())
+        with self._lock:
+            if self._closed:
+                raise EngineDeadError("the engine is dead")
+            self._inbox.put(call)
+        return call.reply.result(timeout_s)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         self._inbox.put(EngineCoreShutdown())
@@ -136,7 +163,7 @@ class InprocClient:
             if isinstance(item, EngineCoreRequest):
                 try:
                     self.engine.add_core_request(item)
-                except ValueError as e:
+                except (ValueError, EngineSleepingError) as e:
                     pending.append(EngineCoreOutput(
                         item.request_id, finish_reason="error", stop_reason=str(e),
                         add_error=add_error_kind(e),
@@ -145,6 +172,8 @@ class InprocClient:
                 self.engine.abort_core_requests(item.request_ids)
             elif isinstance(item, EngineCoreSessionHint):
                 self.engine.hint_session(item.session_id)
+            elif isinstance(item, _SleepCall):
+                item.reply.set_result(apply_sleep(self.engine, item.message))
             else:
                 return False
             try:
@@ -178,6 +207,8 @@ class EngineCoreProcClient:
         self._decoder = msgspec.msgpack.Decoder(EngineCoreMessage)
         self._stopping = threading.Event()
         self._dead = threading.Event()
+        self._sleep_lock = threading.Lock()  # one sleep-mode change at a time
+        self._sleep_replies: queue.Queue[EngineCoreSleepState] = queue.Queue()
         self._reader: threading.Thread | None = None
         spawn = multiprocessing.get_context("spawn")
         self.proc = spawn.Process(
@@ -244,6 +275,22 @@ class EngineCoreProcClient:
                 self._send(EngineCoreSessionHint(session_id))
             except EngineDeadError:
                 pass
+
+    def sleep_control(self, level: int, timeout_s: float = 600.0) -> EngineCoreSleepState:
+        """Sleep at `level` (0: wake up) in the engine process; blocks until it replies."""
+        with self._sleep_lock:
+            self._send(EngineCoreSleep(level))
+            deadline = timeout_s
+            while True:
+                try:
+                    return self._sleep_replies.get(timeout=min(deadline, 0.5))
+                except queue.Empty:
+                    deadline -= 0.5
+                    if self.is_dead:
+                        raise EngineDeadError("the engine process died during a sleep-mode "
+                                              "change") from None
+                    if deadline <= 0:
+                        raise TimeoutError(f"no sleep-mode reply within {timeout_s:.0f} s") from None
 
     def _send(self, *messages) -> None:
         """Send without ever blocking on a dead engine: a PUSH socket whose peer is gone
@@ -336,6 +383,8 @@ class EngineCoreProcClient:
             message = self._decoder.decode(raw.buffer)
             if isinstance(message, EngineCoreOutputs):
                 on_outputs(message)
+            elif isinstance(message, EngineCoreSleepState):
+                self._sleep_replies.put(message)
             elif isinstance(message, EngineCoreDead):
                 logger.error("the engine process reported: %s", message.error)
                 return EngineDeadError(message.error)

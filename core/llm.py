@@ -28,10 +28,29 @@ class LLM:
     def __init__(
         self, model: str | None = None, dtype: str = "auto", registry=None, **engine_args: Any
     ) -> None:
-        self.engine = LLMEngine(EngineArgs(model=model, dtype=dtype, **engine_args), registry)
+        args = EngineArgs(model=model, dtype=dtype, **engine_args)
+        if args.data_parallel_size > 1:
+            from tokenmill.distributed.data_parallel import DataParallelEngine
+
+            self.engine = DataParallelEngine(args, registry)
+        else:
+            self.engine = LLMEngine(args, registry)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def sleep(self, level: int = 1) -> None:
+        """Sleep mode (vLLM's): free the device memory; level 1 keeps the weights in host
+        memory and discards the KV cache, level 2 discards both. `generate` / `chat` raise
+        EngineSleepingError until `wake_up()`. Needs a platform that declares sleep_mode."""
+        self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        """Back from `sleep`: same weights, an empty KV cache, the same greedy outputs."""
+        self.engine.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping()
 
     def generate(
         self,

@@ -82,7 +82,17 @@ class EngineCoreShutdown(msgspec.Struct, tag="shutdown", array_like=True):
     """Stop the step loop; the engine process exits."""
 
 
-EngineCoreInput = EngineCoreRequest | EngineCoreAbort | EngineCoreSessionHint | EngineCoreShutdown
+class EngineCoreSleep(msgspec.Struct, tag="sleep", array_like=True):
+    """Enter sleep mode at `level` (1 or 2, `LLMEngine.sleep`), or leave it (0: wake up).
+    The core answers with an `EngineCoreSleepState`."""
+
+    level: int
+
+
+EngineCoreInput = (
+    EngineCoreRequest | EngineCoreAbort | EngineCoreSessionHint | EngineCoreShutdown
+    | EngineCoreSleep
+)
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -117,6 +127,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, frozen=True):
     prefix_cache_hits: int = 0  # of those, tokens found
     # KV offload: tier name -> its counters, in stack order; empty without offload
     kv_tiers: dict[str, TierStats] = msgspec.field(default_factory=dict)
+    # attention type ("full", "sliding_window", "linear") -> KV blocks live requests hold:
+    # the arena's split between the types, which moves with the workload
+    kv_blocks_by_type: dict[str, int] = msgspec.field(default_factory=dict)
+    kv_blocks_usable: int = 0  # blocks the pool can hand out
 
 
 class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True, gc=False):
@@ -141,4 +155,12 @@ class EngineCoreDead(msgspec.Struct, tag="dead", array_like=True):
     error: str
 
 
-EngineCoreMessage = EngineCoreOutputs | EngineCoreReady | EngineCoreDead
+class EngineCoreSleepState(msgspec.Struct, tag="sleep_state", array_like=True):
+    """The reply to an `EngineCoreSleep`: the sleep level now (0: awake) and, when the core
+    refused the change (requests in flight, already asleep...), why."""
+
+    level: int
+    error: str | None = None
+
+
+EngineCoreMessage = EngineCoreOutputs | EngineCoreReady | EngineCoreDead | EngineCoreSleepState

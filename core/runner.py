@@ -68,7 +68,9 @@ class ModelRunner(ModelRunnerBase):
 
     # ---- ModelRunnerBase -------------------------------------------------------------
     def kv_block_bytes(self) -> int:
-        return KVArena.block_bytes_for(self.model.attention_specs, self.model.kv_layout.layer_slot)
+        return KVArena.block_bytes_for(
+            self.model.attention_specs, self.model.kv_layout.layer_slot, self.model.layer_backends
+        )
 
     @property
     def num_reserved_blocks(self) -> int:
@@ -81,7 +83,7 @@ class ModelRunner(ModelRunnerBase):
         self.arena = KVArena.create(
             self.kv_allocator, self.model.attention_specs,
             num_blocks=num_blocks + self.num_reserved_blocks, device=self.device,
-            layer_slots=self.model.kv_layout.layer_slot,
+            layer_slots=self.model.kv_layout.layer_slot, backends=self.model.layer_backends,
         )
         self.kv_caches = self.arena.layer_caches
         if self.graphs is not None and len(self.model.kv_layout.groups) > 1:
@@ -114,6 +116,7 @@ class ModelRunner(ModelRunnerBase):
             self.kv_allocator, self.model.attention_specs,
             num_blocks=max(sum(per_seq), state_pages),
             device=self.device, layer_slots=layout.layer_slot,
+            backends=self.model.layer_backends,
         )
         try:
             first = [sum(per_seq[:i]) for i in range(num_seqs)]
@@ -135,8 +138,9 @@ class ModelRunner(ModelRunnerBase):
             _, positions = token_positions(lens, lens)
             input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
             hidden = self.model(input_ids, positions.to(self.device), scratch.layer_caches, metadata)
-            last = torch.tensor(lens, device=self.device).cumsum(0) - 1
-            self.model.compute_logits(hidden[last])
+            if hidden is not None:  # None: a pipeline stage before the last
+                last = torch.tensor(lens, device=self.device).cumsum(0) - 1
+                self.model.compute_logits(hidden[last])
         finally:
             self.kv_allocator.free(scratch.buffer)
 
@@ -158,6 +162,8 @@ class ModelRunner(ModelRunnerBase):
             return out
         inputs = self._prepare_inputs(batch, step)
         hidden = self._forward(batch, inputs)
+        if hidden is None:  # a pipeline stage before the last: its activations went on
+            return out
         if inputs.sample_rows:
             self._sample(hidden, inputs.sample_rows, inputs.sample_indices, step, out)
         for rid, (indices, (lo, hi)) in inputs.prompt_logprob_rows.items():
@@ -169,9 +175,10 @@ class ModelRunner(ModelRunnerBase):
             out.prompt_logprobs[rid] = (lo, prompt_logprobs(logits, next_ids, k))
         return out
 
-    def _forward(self, batch: list[ScheduledRow], inputs: _StepInputs) -> torch.Tensor:
+    def _forward(self, batch: list[ScheduledRow], inputs: _StepInputs) -> torch.Tensor | None:
         """Hidden states of every token of the step: by graph replay for a decode-only
-        step that fits a captured bucket, eagerly otherwise."""
+        step that fits a captured bucket, eagerly otherwise. None on a pipeline stage
+        before the last (tokenmill.model.pipeline)."""
         if self.decode_graphs is not None:
             bucket = self.decode_graphs.bucket_for(batch)
             if bucket is not None:

@@ -19,6 +19,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
+from tokenmill.kv.block_pool import NULL_BLOCK
 from tokenmill.kv.manager import KVCacheManager, PrefixHit
 from tokenmill.kv_connector.messages import WorkerReport
 from tokenmill.kv_connector.scheduler_side import KVConnectorScheduler
@@ -105,6 +106,7 @@ class Scheduler:
         self.connector: KVConnectorScheduler | None = None
         self.loading: dict[str, Request] = {}  # WAITING_FOR_KV: their loads in flight
         self.parked: dict[str, Request] = {}  # finished while loading: blocks freed on report
+        self._max_scheduled = config.max_num_seqs  # this schedule() call's request cap
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests or request.request_id in self.parked:
@@ -118,12 +120,20 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.loading or self.parked)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, max_num_scheduled: int | None = None) -> SchedulerOutput:
+        """The next step. `max_num_scheduled`: the most requests it holds (pipeline
+        parallel splits the running requests into micro-batches this way).
+
+        With steps in flight (pipeline parallel: the engine advances `num_computed_tokens`
+        when it submits a step, `update_computed`), a request whose every known token is
+        computed or in flight waits for its sampled token and is not scheduled; the next
+        chunk of a prompt is, so one prompt's chunks flow through the stages together."""
         out = SchedulerOutput()
+        self._max_scheduled = max_num_scheduled or self.config.max_num_seqs
         while True:
             scheduled = self._schedule_decodes(out)
             scheduled += self._schedule_prompts(out, scheduled)
-            if scheduled or not self.running:
+            if scheduled or not any(r.num_tokens > r.num_computed_tokens for r in self.running):
                 break
             # Every running request is mid-prompt and none can grow (chunks of several
             # prompts fill the pool): nothing would ever finish. The newest gives its
@@ -144,7 +154,8 @@ class Scheduler:
                     ]
             if self.connector is not None:
                 out.step.kv_connector = self.connector.build_step_meta(
-                    [(r, self.kv.block_ids(r), r.num_computed_tokens, n) for r, n in scheduled]
+                    [(r, self.kv.group_block_ids(r), r.num_computed_tokens, n)
+                     for r, n in scheduled]
                 )
         return out
 
@@ -152,11 +163,15 @@ class Scheduler:
         """Decoding requests, one token each, in admission order; KV shortage preempts the
         most recently admitted running request."""
         scheduled: list[tuple[Request, int]] = []
+        most = min(self.config.max_num_batched_tokens, self._max_scheduled)
         i = 0
-        while i < len(self.running) and len(scheduled) < self.config.max_num_batched_tokens:
+        while i < len(self.running) and len(scheduled) < most:
             request = self.running[i]
-            if request.num_tokens - request.num_computed_tokens > 1:
-                i += 1  # a prompt chunk: _schedule_prompts' business
+            remaining = request.num_tokens - request.num_computed_tokens
+            if remaining != 1:
+                # > 1: a prompt chunk, _schedule_prompts' business; 0: its step is in
+                # flight, its next token not known yet (pipeline parallel)
+                i += 1
                 continue
             while not self.kv.allocate_slots(request, 1):
                 victim = self.running.pop()
@@ -195,7 +210,7 @@ class Scheduler:
         chunk_cap = self.config.long_prefill_token_threshold or budget
         scheduled: list[tuple[Request, int]] = []
         for _, remaining, request in candidates:
-            if budget <= 0:
+            if budget <= 0 or len(decodes) + len(scheduled) >= self._max_scheduled:
                 break
             if request.status == RequestStatus.RUNNING:
                 num_new = min(remaining, budget, chunk_cap)
@@ -232,17 +247,27 @@ class Scheduler:
         them (unpublished until loaded) and start the load. False: nothing to load, or no
         KV for it now (the caller then tries the ordinary admission)."""
         num_external = self.connector.num_external_tokens(request, num_hit)
-        if not num_external or not self.kv.allocate_slots(
-            request, num_external, hits, publish=False
-        ):
+        if not num_external:
             return False
+        # a sliding window needs no block before the one its window reads after the load:
+        # the null block stands in for them, so the load allocates only what it fills
+        end = num_hit + num_external
+        padded = PrefixHit(num_hit, [
+            table + [NULL_BLOCK] * (alloc.first_needed_block(end) - len(table))
+            for alloc, table in zip(self.kv.allocators, hits.tables, strict=True)
+        ])
+        if not self.kv.allocate_slots(request, num_external, padded, publish=False):
+            return False
+        # and the device hit's window blocks that no query after the load reads go back
+        for alloc in self.kv.allocators:
+            alloc.release_outside_window(request, end)
         self.waiting.remove(request)
         if request.num_cached_tokens < 0:
             self.kv.record_lookup(request.num_tokens, num_hit)
         request.num_computed_tokens = num_hit
         request.status = RequestStatus.WAITING_FOR_KV
         self.loading[request.request_id] = request
-        self.connector.start_load(request, self.kv.block_ids(request), num_hit, num_external)
+        self.connector.start_load(request, self.kv.group_block_ids(request), num_hit, num_external)
         return True
 
     def update_from_connector(self, report: WorkerReport | None) -> None:
@@ -257,6 +282,14 @@ class Scheduler:
                 self.kv.free(parked)
                 continue
             request = self.loading.pop(outcome.request_id)
+            if outcome.restart:
+                # several KV groups, a failed load: no prefix of it is whole in every
+                # group; admitted again, it computes what its device hit lacks
+                self.kv.free(request)
+                request.num_computed_tokens = 0
+                request.status = RequestStatus.WAITING
+                self.waiting.appendleft(request)
+                continue
             request.num_computed_tokens = outcome.num_computed_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = outcome.num_computed_tokens

@@ -95,6 +95,22 @@ class TorchDistributedCommunicator(Communicator):
         dist.all_to_all_single(output, source, group=self._group)
         return output
 
+    def all_to_all_single(
+        self, tensor: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int]
+    ) -> torch.Tensor:
+        """One native uneven all-to-all (gloo's alltoallv); see `Communicator`."""
+        if sum(input_split_sizes) != tensor.shape[0]:
+            raise ValueError(
+                f"all_to_all_single: input split sizes {input_split_sizes} do not add up to "
+                f"the {tensor.shape[0]} rows given"
+            )
+        source = tensor.contiguous()
+        output = source.new_empty((sum(output_split_sizes), *source.shape[1:]))
+        dist.all_to_all_single(
+            output, source, list(output_split_sizes), list(input_split_sizes), group=self._group
+        )
+        return output
+
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         dist.send(tensor.contiguous(), self._global_rank(dst), group=self._group)
 
@@ -141,6 +157,11 @@ class SingleProcessCommunicator(Communicator):
         return tensor.clone()
 
     def all_to_all(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.clone()
+
+    def all_to_all_single(
+        self, tensor: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int]
+    ) -> torch.Tensor:
         return tensor.clone()
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:

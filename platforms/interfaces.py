@@ -21,7 +21,9 @@ from tokenmill.step import StepDescription, StepResult
 # 1.1: op apply_token_bitmask. 1.2: tokenmill_model_runner gets a ModelRunnerContext and
 # returns a ModelRunnerBase; tokenmill_graph_capture returns a GraphCapture; ops
 # moe_experts and gelu_tanh_and_mul; AttentionSpec.sinks. 1.3: recurrent state for kind
-# LINEAR (AttentionSpec.state, AttentionMetadata.recurrent, LinearAttentionBackend).
+# LINEAR (AttentionSpec.state, AttentionMetadata.recurrent, LinearAttentionBackend); the
+# MLA kind (AttentionSpec.mla, MLADims) and AttentionBackend.kv_cache_shape;
+# Allocator.sleep / wake (optional: platforms that declare capabilities.sleep_mode).
 PLUGIN_API_VERSION = "1.3"
 
 
@@ -84,12 +86,44 @@ class RecurrentStateSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class MLADims:
+    """The shapes of a multi-head latent attention layer (DeepSeek-V2/V3, Kimi).
+
+    Per token the cache keeps one latent row of `kv_lora_rank + qk_rope_head_dim`
+    values: the normalised compressed KV `c_kv` (kv_lora_rank), then the rotary key
+    `k_pe` (qk_rope_head_dim) shared by every head. Head h's key is
+    `cat(W_UK[h] @ c_kv, k_pe)` and its value `W_UV[h] @ c_kv`, with the up-projections
+    `w_uk` [num_heads, qk_nope_head_dim, kv_lora_rank] and `w_uv` [num_heads, v_head_dim,
+    kv_lora_rank] (rows of the checkpoint's `kv_b_proj`).
+    """
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def latent_size(self) -> int:
+        """Values cached per token per layer."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True, slots=True)
 class AttentionSpec:
     """What one attention layer needs from a backend.
 
     A LINEAR layer (recurrent: Gated DeltaNet, Mamba2, KDA) sets `state` and uses
     num_heads / num_kv_heads / head_size for its value heads, key heads and key head size
-    (informative only: the state's shapes are in `state`)."""
+    (informative only: the state's shapes are in `state`).
+
+    For `AttentionKind.MLA`, `mla` holds the layer's dimensions; `num_kv_heads` is 1 and
+    `head_size` is `mla.latent_size` (what the cache holds per token), and `scale` is set
+    (the model's softmax scale over the qk_head_dim-wide dot products).
+    """
 
     kind: AttentionKind
     num_heads: int
@@ -107,6 +141,7 @@ class AttentionSpec:
     sinks: bool = False
     # kind LINEAR only: the per-sequence state the layer keeps (None for attention kinds)
     state: RecurrentStateSpec | None = None
+    mla: MLADims | None = None  # exactly for AttentionKind.MLA
 
     def __post_init__(self) -> None:
         if (self.kind == AttentionKind.LINEAR) != (self.state is not None):
@@ -114,6 +149,34 @@ class AttentionSpec:
                 f"an AttentionSpec of kind {self.kind.value!r} with state={self.state}: a "
                 "LINEAR layer declares its state (RecurrentStateSpec), other kinds do not"
             )
+        if (self.kind == AttentionKind.MLA) != (self.mla is not None):
+            raise ValueError(f"attention kind {self.kind.value!r} with mla={self.mla}: MLA "
+                             "layers, and only they, carry MLADims")
+        if self.mla is not None and (
+            self.num_kv_heads != 1 or self.head_size != self.mla.latent_size
+        ):
+            raise ValueError(
+                f"an MLA spec caches one latent row per token: num_kv_heads must be 1 (got "
+                f"{self.num_kv_heads}) and head_size kv_lora_rank + qk_rope_head_dim = "
+                f"{self.mla.latent_size} (got {self.head_size})"
+            )
+
+
+def kv_cache_shape(spec: AttentionSpec, num_blocks: int) -> tuple[int, ...]:
+    """The standard layout of one layer's paged cache of `num_blocks` blocks.
+
+    FULL and SLIDING_WINDOW: [2, num_blocks, block_size, num_kv_heads, head_size] (keys,
+    then values). MLA: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim] (each
+    token's latent row: c_kv then k_pe), about (2 * heads * head) / latent times smaller
+    than the equivalent multi-head cache. A backend that wants another view of the same
+    bytes says so in `AttentionBackend.kv_cache_shape`. LINEAR layers keep states, not
+    per-token pages (`RecurrentStateSpec`).
+    """
+    if spec.kind == AttentionKind.MLA:
+        return (num_blocks, spec.block_size, spec.head_size)
+    if spec.kind in (AttentionKind.FULL, AttentionKind.SLIDING_WINDOW):
+        return (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+    raise ValueError(f"attention kind {spec.kind.value!r} keeps no paged KV cache")
 
 
 @dataclass(slots=True)
@@ -265,6 +328,13 @@ class AttentionBackend(ABC):
     def prepare(self, metadata: AttentionMetadata) -> None:  # noqa: B027 - optional hook
         """Precompute per-step state (gather indices, masks) into `metadata.backend_state`."""
 
+    def kv_cache_shape(self, spec: AttentionSpec, num_blocks: int) -> tuple[int, ...]:
+        """The shape the arena views one layer's pages as (`kv_cache` in `forward`); the
+        core's standard layout (`kv_cache_shape`) unless overridden. Must not depend on
+        anything but `spec` and `num_blocks`, and must hold exactly the standard layout's
+        bytes (the arena checks)."""
+        return kv_cache_shape(spec, num_blocks)
+
     @abstractmethod
     def forward(
         self,
@@ -281,6 +351,16 @@ class AttentionBackend(ABC):
         step's tokens up to and including itself). Returns [num_tokens, num_heads, head_size].
         With `spec.sinks` the core adds the keyword `sinks` (float32 [num_heads]); only a
         backend with `supports_sinks` gets such a spec.
+
+        MLA (`spec.kind == AttentionKind.MLA`, see `MLADims`; reference:
+        `tokenmill.ops.mla.mla_attention`) reads the arguments as: `query` [num_tokens,
+        num_heads, qk_nope_head_dim + qk_rope_head_dim] (q_nope | roped q_pe); `key`
+        [num_tokens, 1, kv_lora_rank + qk_rope_head_dim], the latent row to cache (c_kv |
+        roped k_pe); `value` None; `kv_cache` [num_blocks, block_size, kv_lora_rank +
+        qk_rope_head_dim]; and the keywords `w_uk` [num_heads, qk_nope_head_dim,
+        kv_lora_rank] and `w_uv` [num_heads, v_head_dim, kv_lora_rank]. Returns
+        [num_tokens, num_heads, v_head_dim]. A backend may decompress the latents (prefill)
+        or fold `w_uk` into the query and apply `w_uv` after (decode); both are exact.
         """
 
 
@@ -347,6 +427,43 @@ class Communicator(ABC):
     def all_to_all(self, tensor: torch.Tensor) -> torch.Tensor:
         """Split dim 0 into world_size chunks; chunk i goes to rank i; concatenate received."""
 
+    def all_to_all_single(
+        self, tensor: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int]
+    ) -> torch.Tensor:
+        """Uneven all-to-all along dim 0: the first `input_split_sizes[0]` rows go to rank 0,
+        the next `input_split_sizes[1]` to rank 1, ...; returns the rows received, rank by
+        rank, `output_split_sizes[i]` of them from rank i (torch's `all_to_all_single`).
+        Every rank's `output_split_sizes[i]` must equal rank i's `input_split_sizes` entry
+        for it (expert parallel exchanges the counts with `all_to_all` first).
+
+        This default composes `all_gather` (of the split sizes, to agree on the largest
+        chunk) and `all_to_all` (chunks zero-padded to it); a platform with a native uneven
+        all-to-all overrides it. Does not modify `tensor`.
+        """
+        world = self.world_size
+        if len(input_split_sizes) != world or len(output_split_sizes) != world:
+            raise ValueError(
+                f"all_to_all_single: {len(input_split_sizes)} input and "
+                f"{len(output_split_sizes)} output split sizes for a world of {world}"
+            )
+        if sum(input_split_sizes) != tensor.shape[0]:
+            raise ValueError(
+                f"all_to_all_single: input split sizes {input_split_sizes} do not add up to "
+                f"the {tensor.shape[0]} rows given"
+            )
+        sizes = torch.tensor(input_split_sizes, dtype=torch.int64, device=tensor.device)
+        chunk = int(self.all_gather(sizes).max().item()) if world > 1 else tensor.shape[0]
+        padded = tensor.new_zeros((world * chunk, *tensor.shape[1:]))
+        start = 0
+        for rank, size in enumerate(input_split_sizes):
+            padded[rank * chunk : rank * chunk + size] = tensor[start : start + size]
+            start += size
+        received = self.all_to_all(padded)
+        return torch.cat([
+            received[rank * chunk : rank * chunk + size]
+            for rank, size in enumerate(output_split_sizes)
+        ])
+
     @abstractmethod
     def send(self, tensor: torch.Tensor, dst: int) -> None: ...
 
@@ -393,6 +510,21 @@ class Allocator(ABC):
     @abstractmethod
     def bytes_limit(self) -> int:
         """The most this allocator will hand out in total."""
+
+    def sleep(self, keep_contents: bool) -> int:
+        """Sleep mode (called only on platforms that declare `capabilities.sleep_mode`,
+        by `LLM.sleep`): free the memory of every live buffer while the buffer tensors and
+        their views stay valid objects; with `keep_contents` their bytes are kept in host
+        memory for `wake`. Returns the bytes freed. Sleeping twice is an error;
+        `allocate` while asleep is an error. `tokenmill.platforms.sleep.BufferSleep`
+        implements the mechanics."""
+        raise NotImplementedError(f"{type(self).__name__} has no sleep mode")
+
+    def wake(self) -> None:
+        """Give every buffer its memory back (same tensors and views, possibly new
+        addresses): kept contents restored, the others zeroed. Waking an awake allocator
+        is an error."""
+        raise NotImplementedError(f"{type(self).__name__} has no sleep mode")
 
 
 @dataclass(frozen=True, slots=True)
@@ -499,6 +631,18 @@ class ParallelConfig:
     # > 1: the ranks form one tensor parallel group (tokenmill.distributed.parallel_state
     # holds its communicator); a runner of the plugin's own must shard its model itself
     tensor_parallel_size: int = 1
+    # > 1: the ranks also form pipeline stages (layout pp x tp, tokenmill.distributed.
+    # parallel_state); the core's runner runs a stage's layers only, results come from
+    # TP rank 0 of the last stage
+    pipeline_parallel_size: int = 1
+    # MoE experts split over the TP group's ranks (vLLM's enable_expert_parallel)
+    enable_expert_parallel: bool = False
+    # activations split along the tokens between TP regions (vLLM's name)
+    enable_sequence_parallelism: bool = False
+    # > 1: a (dcp, tp) grid; each sequence's KV spread token by token over the dcp ranks
+    decode_context_parallel_size: int = 1
+    # > 1: a (pcp, tp) grid; each prefill step's tokens split over the pcp ranks
+    prefill_context_parallel_size: int = 1
 
 
 @dataclass(frozen=True, slots=True)

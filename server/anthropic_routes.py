@@ -150,7 +150,7 @@ class _Blocks:
         self.index = -1
         self.open: str | None = None  # "thinking", "text" or "tool_use"
 
-    def start(self, block: dict[str, Any]) -> list[str]:
+    def start(self, block: dict[str, Any]) -> list[bytes]:
         events = self.stop()
         self.index += 1
         self.open = block["type"]
@@ -158,14 +158,14 @@ class _Blocks:
                            "content_block": block}, "content_block_start"))
         return events
 
-    def stop(self) -> list[str]:
+    def stop(self) -> list[bytes]:
         if self.open is None:
             return []
         self.open = None
         return [sse({"type": "content_block_stop", "index": self.index}, "content_block_stop")]
 
-    def events(self, event: OutputEvent) -> list[str]:
-        out: list[str] = []
+    def events(self, event: OutputEvent) -> list[bytes]:
+        out: list[bytes] = []
         if isinstance(event, ReasoningDelta):
             if self.open != "thinking":
                 out += self.start({"type": "thinking", "thinking": "", "signature": ""})
@@ -191,7 +191,7 @@ class _Blocks:
 async def _stream(
     started: Started, head: dict[str, Any], max_stop_len: int, tool_events: OutputEvents,
     omit_thinking: bool = False, on_tool_call: Callable[[], None] | None = None,
-) -> AsyncIterator[str]:
+) -> AsyncIterator[bytes]:
     first = started.firsts[0]
     usage = {**_usage(first), "output_tokens": 0}
     message = {**head, "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}

@@ -16,8 +16,8 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tokenmill.async_engine import AsyncLLM, EngineDeadError
-from tokenmill.server import anthropic_routes, openai_routes, responses_routes
+from tokenmill.async_engine import AsyncLLM, EngineDeadError, EngineSleepingError
+from tokenmill.server import anthropic_routes, openai_routes, responses_routes, sleep_routes
 from tokenmill.server.chat import served_template
 from tokenmill.server.metrics import Metrics
 from tokenmill.server.protocol import (
@@ -179,6 +179,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _dead(request: Request, exc: EngineDeadError) -> Response:
         return error_response(request.url.path, 503, str(exc))
 
+    @app.exception_handler(EngineSleepingError)
+    async def _asleep(request: Request, exc: EngineSleepingError) -> Response:
+        return error_response(request.url.path, 503, str(exc))
+
     @app.exception_handler(RequestFailedError)
     async def _failed(request: Request, exc: RequestFailedError) -> Response:
         return error_response(request.url.path, 500, str(exc))
@@ -264,6 +268,7 @@ def build_app(
     app.include_router(openai_routes.router)
     app.include_router(anthropic_routes.router)
     app.include_router(responses_routes.router)
+    app.include_router(sleep_routes.router)
     _add_utility_routes(app)
     app.add_middleware(LimitsMiddleware)
     if api_key:

@@ -66,7 +66,7 @@ def _serve(args: argparse.Namespace) -> int:
     from tokenmill.async_engine import AsyncLLM
     from tokenmill.config import EngineArgs
     from tokenmill.server.app import build_app
-    from tokenmill.server.protocol import MAX_HTTP_HEAD_BYTES
+    from tokenmill.server.http_server import uvicorn_options
     from tokenmill.server.reasoning import reasoning_parser_names
     from tokenmill.server.tool_parsers import tool_parser_names
 
@@ -94,6 +94,12 @@ def _serve(args: argparse.Namespace) -> int:
         "kv_offload_remote": args.kv_offload_remote,
         "distributed_executor_backend": args.distributed_executor_backend,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "pipeline_parallel_size": args.pipeline_parallel_size,
+        "enable_expert_parallel": args.enable_expert_parallel or None,
+        "enable_sequence_parallelism": args.enable_sequence_parallelism or None,
+        "decode_context_parallel_size": args.decode_context_parallel_size,
+        "prefill_context_parallel_size": args.prefill_context_parallel_size,
+        "data_parallel_size": args.data_parallel_size,
         "memory_utilization": args.memory_utilization,
         "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
         "generation_config": args.generation_config,
@@ -122,8 +128,7 @@ def _serve(args: argparse.Namespace) -> int:
             app,
             host=args.host,
             port=args.port,
-            http="h11",  # its header-size limit is configurable
-            h11_max_incomplete_event_size=MAX_HTTP_HEAD_BYTES,
+            **uvicorn_options(),  # httptools + uvloop
             timeout_graceful_shutdown=args.shutdown_timeout,
             log_level=args.log_level,
         ))
@@ -153,11 +158,31 @@ def _add_serve_parser(sub) -> None:
                    help="most prompt tokens one request computes per step (0: no limit; "
                         "default: the platform's choice, 512 on CPU)")
     p.add_argument("--block-size", type=int, default=None)
-    p.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp"],
+    p.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],
                    help="uni (default): the model runs in the engine's process; mp: a worker "
-                        "process per rank")
+                        "process per rank; ray: a Ray actor per rank (joins the Ray cluster "
+                        "RAY_ADDRESS names, or starts a local one)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
                    help="ranks the model is split over (default 1); > 1 runs the mp backend")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None,
+                   help="stages the model's layers are split over (default 1), each of "
+                        "--tensor-parallel-size ranks; > 1 runs the mp backend")
+    p.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=None,
+                   help="ranks each sequence's KV cache is spread over (x the tensor "
+                        "parallel ones; default 1)")
+    p.add_argument("--prefill-context-parallel-size", "-pcp", type=int, default=None,
+                   help="ranks each prefill step's tokens are split over (x the tensor "
+                        "parallel ones; default 1)")
+    p.add_argument("--enable-sequence-parallelism", action="store_true",
+                   help="with -tp > 1: activations split along the tokens between tensor "
+                        "parallel regions (reduce-scatter + all-gather, not all-reduce)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE models: split the experts over the tensor parallel ranks "
+                        "(all-to-all dispatch) instead of each expert's intermediate dim")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=None,
+                   help="engine replicas behind this server (default 1), each in its own "
+                        "process with tp x pp ranks; requests go to the replica that served "
+                        "their prefix, else the least loaded")
     p.add_argument("--memory-utilization", type=float, default=None,
                    help="share of the device memory the engine may use, KV cache included "
                         "(default 0.9; like vLLM's --gpu-memory-utilization)")

@@ -53,6 +53,19 @@ class _EngineCollector:
             s.prefix_cache_hits,
         )
         yield from self._kv_tiers(s)
+        yield from self._kv_split(s)
+
+    def _kv_split(self, s: EngineStats):
+        """Blocks in use per attention type: the live split of the one KV pool."""
+        labels = [*self._labels, "attention_type"]
+        g = GaugeMetricFamily("tokenmill:kv_blocks_in_use",
+                              "KV blocks held by live requests, per attention type.",
+                              labels=labels)
+        for kind, n in sorted(s.kv_blocks_by_type.items()):
+            g.add_metric([*self._labels.values(), kind], n)
+        yield g
+        yield self._gauge("tokenmill:kv_blocks_usable", "KV blocks the pool can hand out.",
+                          s.kv_blocks_usable)
 
     # metric suffix -> (TierStats field, help); one series per tier (label `tier`)
     _TIER_COUNTERS = {

@@ -195,7 +195,7 @@ async def create_completion(body: CompletionRequest, request: Request):
 async def _stream_completion(
     started: Started, head: dict, n: int, logprobs: int | None, max_stop_len: int,
     include_usage: bool,
-) -> AsyncIterator[str]:
+) -> AsyncIterator[bytes]:
     streams = _streams(started, max_stop_len)
     finals: dict[int, RequestOutput] = {}
     async for i, out in started.merged():
@@ -344,7 +344,7 @@ def _session_hint(state, session_id: str | None) -> Callable[[], None] | None:
 async def _stream_chat(
     started: Started, head: dict, top_k: int | None, max_stop_len: int, include_usage: bool,
     new_events: Callable[[], OutputEvents], on_tool_call: Callable[[], None] | None = None,
-) -> AsyncIterator[str]:
+) -> AsyncIterator[bytes]:
     streams = _streams(started, max_stop_len)
     tool_events: dict[int, OutputEvents] = {}
     extra = {"usage": None} if include_usage else {}

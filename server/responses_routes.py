@@ -283,7 +283,7 @@ class _Events:
         self.open: dict[str, Any] | None = None  # the item being streamed
         self.text = ""  # its text (or arguments) so far
 
-    def _event(self, kind: str, **fields: Any) -> str:
+    def _event(self, kind: str, **fields: Any) -> bytes:
         data = {"type": kind, "sequence_number": self.seq, **fields}
         self.seq += 1
         return sse(data, kind)
@@ -294,7 +294,7 @@ class _Events:
             return {"type": "reasoning_text", "text": self.text}
         return {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
 
-    def _open(self, item: dict[str, Any]) -> list[str]:
+    def _open(self, item: dict[str, Any]) -> list[bytes]:
         out = self._close("completed")
         self.open, self.text = item, ""
         index = len(self.items)
@@ -304,7 +304,7 @@ class _Events:
                                    item_id=item["id"], content_index=0, part=self._part(item)))
         return out
 
-    def _close(self, status: str) -> list[str]:
+    def _close(self, status: str) -> list[bytes]:
         item, self.open = self.open, None
         if item is None:
             return []
@@ -327,8 +327,8 @@ class _Events:
         self.items.append(item)
         return out
 
-    def _on(self, event) -> list[str]:
-        out: list[str] = []
+    def _on(self, event) -> list[bytes]:
+        out: list[bytes] = []
         if isinstance(event, ReasoningDelta):
             if self.open is None or self.open["type"] != "reasoning":
                 out += self._open({"id": _id("rs"), "type": "reasoning", "summary": [],
@@ -355,7 +355,7 @@ class _Events:
         extra = {"logprobs": []} if kind == "response.output_text.delta" else {}
         return out + [self._event(kind, **ref, delta=event.text, **extra)]
 
-    async def run(self) -> AsyncIterator[str]:
+    async def run(self) -> AsyncIterator[bytes]:
         yield self._event("response.created", response=dict(self.response))
         yield self._event("response.in_progress", response=dict(self.response))
         final = self.started.firsts[0]

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import msgspec
 from fastapi import Request
 from starlette.responses import Response, StreamingResponse
 
@@ -99,11 +100,19 @@ def error_response(path: str, status: int, message: str, param: str | None = Non
     return Response(body, status_code=status, media_type="application/json")
 
 
-def sse(data: dict[str, Any] | str, event: str | None = None) -> str:
-    """One server-sent event; OpenAI streams have no `event:` line, Anthropic's do."""
-    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
-    head = f"event: {event}\n" if event else ""
-    return f"{head}data: {payload}\n\n"
+_SSE_JSON = msgspec.json.Encoder()
+
+
+def sse(data: dict[str, Any] | str, event: str | None = None) -> bytes:
+    """One server-sent event, encoded; OpenAI streams have no `event:` line, Anthropic's do.
+
+    msgspec writes the JSON (compact, keys in insertion order, non-ASCII as UTF-8) in a
+    fraction of `json.dumps`'s time: one event per streamed token makes this a hot path.
+    """
+    payload = data.encode() if isinstance(data, str) else _SSE_JSON.encode(data)
+    if event:
+        return b"event: " + event.encode() + b"\ndata: " + payload + b"\n\n"
+    return b"data: " + payload + b"\n\n"
 
 
 class RequestFailedError(RuntimeError):
@@ -119,11 +128,11 @@ def check_failed(out: RequestOutput) -> RequestOutput:
     return out
 
 
-def event_stream(events: AsyncIterator[str], path: str) -> StreamingResponse:
+def event_stream(events: AsyncIterator[bytes], path: str) -> StreamingResponse:
     """An SSE response; if the engine dies or fails the request mid-stream, the stream ends
     with an error event in the route's shape instead of a cut connection."""
 
-    async def guarded() -> AsyncIterator[str]:
+    async def guarded() -> AsyncIterator[bytes]:
         try:
             async for event in events:
                 yield event

@@ -46,9 +46,10 @@ class PagedHarness:
         self.backend = backend
         specs = model.attention_specs
         self.block_size = specs[0].block_size
+        # each layer's cache in the layout its backend declares (MLA: latent rows)
         self.kv_caches = [
-            torch.zeros(2, num_blocks, self.block_size, s.num_kv_heads, s.head_size, dtype=s.dtype)
-            for s in specs
+            torch.zeros(b.kv_cache_shape(s, num_blocks), dtype=s.dtype)
+            for s, b in zip(specs, model.layer_backends, strict=True)
         ]
         # Hand out blocks in a shuffled order so no sequence's pages are contiguous.
         self.free_block_ids = list(range(1, num_blocks))

@@ -14,6 +14,7 @@ from tokenmill.platforms.interfaces import (
     AllocatorPurpose,
     AttentionKind,
     AttentionSpec,
+    Communicator,
     OutOfMemoryError,
 )
 from tokenmill.platforms.registry import load_platform
@@ -298,6 +299,15 @@ def _check_collectives(comm, rank: int) -> None:
     assert torch.equal(
         comm.all_to_all(x), torch.tensor([2.0 * rank, 2 * rank + 1, 10 + 2 * rank, 11 + 2 * rank])
     )
+
+    # uneven: rank 0 sends 1 row to itself and 3 to rank 1; rank 1 sends 2 and 0
+    sends = [[1, 3], [2, 0]][rank]
+    recvs = [[1, 2], [3, 0]][rank]
+    x = torch.arange(4.0 if rank == 0 else 2.0).unsqueeze(1) + 10 * rank
+    want = [torch.tensor([[0.0], [10.0], [11.0]]), torch.tensor([[1.0], [2.0], [3.0]])][rank]
+    assert torch.equal(comm.all_to_all_single(x, recvs, sends), want)
+    # the interface's default (all_gather + padded all_to_all) agrees with gloo's alltoallv
+    assert torch.equal(Communicator.all_to_all_single(comm, x, recvs, sends), want)
 
     if rank == 0:
         comm.send(torch.arange(5.0), dst=other)

@@ -204,9 +204,70 @@ def test_windows_hold_only_their_blocks(tiny):
     assert tokens == _hf_greedy(hf, prompt, 20)
 
 
-def test_kv_offload_refuses_a_model_with_several_kv_groups(tiny):
-    """The KV connector moves one block table per request: offload says so, at start."""
+def _offload_sessions(seed: int = 0):
+    """3 sessions x 3 turns: 40 tokens, then 6 new ones a turn after the history."""
+    import random
+
+    rng = random.Random(seed)
+    for turn in range(3):
+        for s in range(3):
+            yield s, [rng.randrange(5, 290) for _ in range(40 if turn == 0 else 6)]
+
+
+def _offload_replay(llm: LLM) -> list[dict]:
+    history: dict[int, list[int]] = {}
+    records = []
+    for s, user in _offload_sessions():
+        prompt = history.get(s, []) + user
+        out = llm.generate({"prompt_token_ids": prompt}, _greedy(8), use_tqdm=False)[0]
+        tokens = out.outputs[0].token_ids
+        records.append({"output": tokens, "computed": len(prompt) - out.num_cached_tokens,
+                        "new": len(user) + (8 if s in history else 0) - (1 if s in history else 0)})
+        history[s] = prompt + tokens
+    return records
+
+
+def test_kv_offload_saves_and_loads_every_kv_group(tiny, tmp_path):
+    """Sliding-window groups beside full attention: each group's blocks are objects of
+    their own. On a pool that holds one session of three, later turns load their history
+    from host + disk: greedy output equals an unlimited pool's, and each turn computes at
+    most its new tokens + one block (a window needs only the blocks it reads at the hit,
+    so it is loaded with fewer objects than full attention). Corrupt disk objects, read
+    by a new engine, still give the same output (a failed load computes instead)."""
     _, path, _ = tiny
-    with pytest.raises(ValueError, match=r"KV offload supports models with one KV group; this "
-                       r"model has [2-9] \(.*sliding_window.*\)"):
-        _llm(path, num_kv_blocks=64, kv_offload_host_bytes="1MiB")
+    reference = _offload_replay(_llm(path, num_kv_blocks=1024))
+    tight = dict(num_kv_blocks=48, max_model_len=96, max_num_batched_tokens=16)
+    offload = dict(kv_offload_host_bytes="64KiB", kv_offload_disk_path=str(tmp_path),
+                   kv_offload_disk_bytes="16MiB")
+    llm = _llm(path, **tight, **offload)
+    groups = llm.engine.kv.groups
+    assert len(groups) > 1 and any(g.sliding_window for g in groups)
+    records = _offload_replay(llm)
+    assert [r["output"] for r in records] == [r["output"] for r in reference]
+    for r in records[3:]:
+        assert r["computed"] <= r["new"] + 4, r
+    llm.engine.drain_kv_offload()
+    stats = llm.engine.offload.snapshot()
+    assert stats["disk"].tokens_loaded > 0 and stats["disk"].tokens_recomputed == 0
+    # a window's objects: only those inside its window at the hit are read
+    num_full = sum(1 for g in groups if g.sliding_window is None)
+    read = stats["host"].hits + stats["disk"].hits
+    loaded_positions = (stats["host"].tokens_loaded + stats["disk"].tokens_loaded) // 4
+    assert loaded_positions * num_full < read < loaded_positions * len(groups)
+    # the control: the same pool without tiers computes earlier turns again
+    control = _offload_replay(_llm(path, **tight))
+    assert [r["output"] for r in control] == [r["output"] for r in reference]
+    assert sum(r["computed"] for r in control) > 2 * sum(r["computed"] for r in records)
+    llm.engine.shutdown()
+
+    files = sorted(tmp_path.rglob("*.kv"))
+    for f in files[::3]:
+        raw = bytearray(f.read_bytes())
+        raw[-1] ^= 0x5A
+        f.write_bytes(bytes(raw))
+    again = _llm(path, **tight, **offload)
+    records = _offload_replay(again)
+    assert [r["output"] for r in records] == [r["output"] for r in reference]
+    again.engine.drain_kv_offload()
+    stats = again.engine.offload.snapshot()
+    assert stats["disk"].corrupt > 0 and stats["disk"].tokens_recomputed > 0

@@ -22,9 +22,11 @@ from transformers import (
     GenerationConfig,
     GptOssConfig,
     LlamaConfig,
+    MixtralConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from tokenmill.model.loader import LoadedModel, default_model_path, load_model_and_tokenizer
@@ -103,6 +105,16 @@ CONFIGS = {
             "original_max_position_embeddings": 32,
             "rope_theta": 150000.0,
         },
+    ),
+    # 4 experts (top 2, renormalised), q/k norm; layer 1 dense
+    "qwen3_moe": lambda: Qwen3MoeConfig(
+        **_COMMON, head_dim=16, moe_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
+    ),
+    # 4 experts, top 2, every layer sparse
+    "mixtral": lambda: MixtralConfig(
+        **{**_COMMON, "intermediate_size": 32}, num_local_experts=4, num_experts_per_tok=2,
+        tie_word_embeddings=False,
     ),
 }
 

@@ -13,8 +13,10 @@ from tokenmill.kv_connector.messages import (
     ConnectorStepMeta,
     LoadJob,
     LoadResult,
+    TierChange,
     WorkerReport,
 )
+from tokenmill.kv_connector.tier import TierStats
 from tokenmill.request import Request
 from tokenmill.runner_state import RequestStateTable, StepProtocolError
 from tokenmill.sampling_params import SamplingParams
@@ -75,6 +77,8 @@ def full_result() -> StepResult:
         kv_connector=WorkerReport(
             loads=[LoadResult("g", 1, 2, ["host"])], saved_keys=[b"s" * 32],
             failed_save_keys=[b"t" * 32], num_prefetched=1,
+            tier_changes=[TierChange("host", b"s" * 32, True)],
+            tier_stats={"host": TierStats(hits=1, bytes_written=64)},
         ),
     )
 

@@ -13,7 +13,6 @@ Served: one run of `--num` streamed completions at concurrency `--num`, CPU read
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import engines
 import workloads as wl
-from loadgen import Target, run_workload
+from loadgen import Target, run_client, run_workload
 from served_vs_engine import _model_path, _words
 
 
@@ -67,11 +66,11 @@ def main() -> int:
         api = server.proc.pid
         children = [int(p) for p in subprocess.run(["pgrep", "-P", str(api)], capture_output=True,
                                                    text=True).stdout.split()]
-        asyncio.run(run_workload(target, wl.uniform(words, 4, 64, 8, tag="warm"), 4, 120, 300))
+        run_client(run_workload(target, wl.uniform(words, 4, 64, 8, tag="warm"), 4, 120, 300))
         sessions = wl.uniform(words, args.num, args.input_len, args.output_len, tag="served")
         before = {p: _cpu_s(p) for p in [api, *children]}
         client0 = time.process_time()
-        results, _ = asyncio.run(run_workload(target, sessions, args.num, 600, 900))
+        results, _ = run_client(run_workload(target, sessions, args.num, 600, 900))
         client = time.process_time() - client0
         used = {p: _cpu_s(p) - before[p] for p in before}
     num = sum(r.output_tokens for r in results)

@@ -7,6 +7,7 @@ Paths default to the layout `prepare_peers.sh` makes (override with PEERS_DIR).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -45,6 +46,26 @@ def _q41_gguf() -> str:
     from tokenmill.model.loader import default_model_path
 
     return str(default_model_path())
+
+
+def with_kv_pool(specs: dict[str, EngineSpec], pool_bytes: int, offload_host: str,
+                 offload_disk: str | None, offload_disk_bytes: str) -> dict[str, EngineSpec]:
+    """The same engines with a device KV pool of `pool_bytes` (tokenmill and vLLM take
+    the same --kv-cache-memory-bytes; vLLM's VLLM_CPU_KVCACHE_SPACE, whole GiB, would win
+    over it, so it is dropped), plus "tokenmill-offload": tokenmill with the host tier
+    (and the disk tier under `offload_disk`, if given) behind that pool."""
+    out = dict(specs)
+    pool = ["--kv-cache-memory-bytes", str(pool_bytes)]
+    for name in ("tokenmill", "vllm"):
+        spec = specs[name]
+        env = {k: v for k, v in spec.env.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+        out[name] = dataclasses.replace(spec, argv=[*spec.argv, *pool], env=env)
+    tiers = ["--kv-offload-host-bytes", offload_host]
+    if offload_disk:
+        tiers += ["--kv-offload-disk-path", offload_disk, "--kv-offload-disk-bytes", offload_disk_bytes]
+    out["tokenmill-offload"] = dataclasses.replace(
+        out["tokenmill"], name="tokenmill-offload", argv=[*out["tokenmill"].argv, *tiers])
+    return out
 
 
 def engine_specs(port: int, threads: int, max_model_len: int) -> dict[str, EngineSpec]:

@@ -102,3 +102,17 @@ def reuse_summary(turns: list[TurnReuse], block_size: int) -> dict:
         "computed_tokens": sum(t.computed_tokens for t in turns),
         "prompt_offsets": sorted({t.prompt_offset for t in turns}),
     }
+
+
+def working_set_tokens(prompts: list[str], block: int = 16) -> int:
+    """Tokens of KV the prompts need held to be computed once: their distinct full
+    `block`-word blocks, each named by its whole prefix (as a prefix cache names them),
+    times `block`."""
+    seen: set[int] = set()
+    for text in prompts:
+        words = text.split()
+        key = 0
+        for i in range(len(words) // block):
+            key = hash((key, tuple(words[i * block : (i + 1) * block])))
+            seen.add(key)
+    return len(seen) * block

@@ -18,6 +18,7 @@ import dataclasses
 import json
 import logging
 import platform
+import shutil
 import signal
 import sys
 import time
@@ -28,7 +29,7 @@ import engines
 import workloads as wl
 from capacity import judge_point, max_sessions_at_slo
 from loadgen import Session, Target, run_workload
-from reuse import reuse_summary, seen_prefix_words, turn_reuse
+from reuse import reuse_summary, seen_prefix_words, turn_reuse, working_set_tokens
 from stats import Slo, summarize
 
 log = logging.getLogger("serving-bench")
@@ -78,7 +79,8 @@ def run_point(spec: engines.EngineSpec, target: Target, workload: str, label: st
               sessions: list[Session], conc: int | None, limit: float, rep: int, args) -> dict:
     """Run one workload point once; the run's JSON record (summary, per-request rows for the
     trace-like workloads, per-turn prefix reuse for the completion-style replays)."""
-    salt = {"cache_salt": f"{time.time_ns()}"} if spec.name in ("tokenmill", "vllm") else {}
+    salted = ("tokenmill", "tokenmill-offload", "vllm")
+    salt = {"cache_salt": f"{time.time_ns()}"} if spec.name in salted else {}
     # a fresh salt per repeat keeps one repeat's prefix cache from serving the next
     t = Target(target.base_url, target.model, {**target.extra_body, **salt})
     results, dur = asyncio.run(run_workload(t, sessions, conc, limit, limit + 30))
@@ -92,6 +94,9 @@ def run_point(spec: engines.EngineSpec, target: Target, workload: str, label: st
             prompts = {(s.name, i): turn.prompt for s in sessions for i, turn in enumerate(s.turns)}
             for r, seen in zip(reqs, seen_prefix_words(reqs, prompts)):
                 r["seen_prefix_words"] = seen
+            sent = {(r["session"], r["turn"]) for r in reqs if r["start"] == r["start"]}  # not NaN
+            run["working_set_tokens"] = working_set_tokens(
+                [p for key, p in prompts.items() if key in sent])
             turns = turn_reuse(reqs)
             run["reuse"] = (reuse_summary(turns, spec.kv_block_size)
                             if turns is not None and spec.kv_block_size else None)
@@ -194,6 +199,14 @@ def main() -> None:
     p.add_argument("--engine-args", nargs="+", default=[], metavar="ENGINE=ARGS",
                    help='extra command-line arguments for an engine, e.g. '
                         '"vllm=--max-num-batched-tokens 512" (recorded in the results)')
+    p.add_argument("--kv-pool-bytes", type=int, default=None,
+                   help="device KV pool of tokenmill and vLLM, in bytes (both engines' "
+                        "--kv-cache-memory-bytes); adds the engine tokenmill-offload")
+    p.add_argument("--offload-host-bytes", default="3GiB",
+                   help="tokenmill-offload: host tier size (with --kv-pool-bytes)")
+    p.add_argument("--offload-disk-path", default=None,
+                   help="tokenmill-offload: disk tier directory (emptied at start); none: host only")
+    p.add_argument("--offload-disk-bytes", default="16GiB")
     p.add_argument("--out", default="benchmarks/serving/results/run.json")
     p.add_argument("--log-dir", default="/work/peers/logs")
     args = p.parse_args()
@@ -203,6 +216,11 @@ def main() -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     words = wl.Words(wl.one_token_words(engines.HF_DIR / "tokenizer.json"))
     specs = engines.engine_specs(args.port, args.threads, args.max_model_len)
+    if args.kv_pool_bytes is not None:
+        if args.offload_disk_path:
+            shutil.rmtree(args.offload_disk_path, ignore_errors=True)  # no earlier run's KV
+        specs = engines.with_kv_pool(specs, args.kv_pool_bytes, args.offload_host_bytes,
+                                     args.offload_disk_path, args.offload_disk_bytes)
     for item in args.engine_args:
         name, sep, extra = item.partition("=")
         if not sep or name not in specs:

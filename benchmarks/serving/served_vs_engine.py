@@ -23,7 +23,6 @@ their median; --json saves the runs.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import platform
@@ -35,7 +34,7 @@ from pathlib import Path
 
 import engines
 import workloads as wl
-from loadgen import Target, run_workload
+from loadgen import Target, run_client, run_workload
 from stats import percentile
 
 
@@ -87,7 +86,7 @@ def engine_single_itl_ms(engine, prompt: list[int], output_len: int) -> float:
 
 
 def served_batch(target: Target, sessions) -> float:
-    results, duration = asyncio.run(run_workload(target, sessions, len(sessions), 600, 900))
+    results, duration = run_client(run_workload(target, sessions, len(sessions), 600, 900))
     bad = [r.error for r in results if not r.ok]
     if bad:
         raise RuntimeError(f"{len(bad)} served requests failed: {bad[:3]}")
@@ -95,7 +94,7 @@ def served_batch(target: Target, sessions) -> float:
 
 
 def served_single_itl_ms(target: Target, sessions) -> float:
-    results, _ = asyncio.run(run_workload(target, sessions, 1, 600, 900))
+    results, _ = run_client(run_workload(target, sessions, 1, 600, 900))
     (res,) = results
     if not res.ok:
         raise RuntimeError(f"the served request failed: {res.error}")
@@ -146,7 +145,7 @@ def main() -> int:
     with engines.EngineProcess(spec, args.port, log):
         # warm-up: both sides once, small
         engine_batch(engine, batch_ids[:4], 8)
-        asyncio.run(run_workload(target, wl.uniform(words, 4, 64, 8, tag="warm"), 4, 120, 300))
+        run_client(run_workload(target, wl.uniform(words, 4, 64, 8, tag="warm"), 4, 120, 300))
         for r in range(args.rounds):
             # alternate which side goes first, so a drift in the machine's load cancels
             order = ("engine", "served") if r % 2 == 0 else ("served", "engine")

@@ -31,6 +31,7 @@ COLLECTIVES = (
     "all_gather",
     "reduce_scatter",
     "all_to_all",
+    "all_to_all_single",
     "send_recv",
     "broadcast",
     "barrier",
@@ -91,6 +92,10 @@ def _check(
             x = torch.cat([base + 10 * rank + r for r in range(world)])  # chunk r -> rank r
             expected = torch.cat([base + 10 * r + rank for r in range(world)])
             _equal(comm.all_to_all(x), expected, f"all_to_all {shape}")
+        elif name == "all_to_all_single":
+            # uneven: rank s sends (s + 2 d) % 3 rows to rank d (some none), each row
+            # telling sender and receiver apart
+            _check_all_to_all_single(comm, base)
         elif name == "send_recv":
             dst, src = (rank + 1) % world, (rank - 1) % world
             out, buffer = base + rank, torch.empty_like(base)
@@ -106,6 +111,26 @@ def _check(
             _equal(comm.broadcast(base + rank, src=src), base + src, f"broadcast {shape}")
         elif name == "barrier":
             comm.barrier()
+
+
+def _uneven_count(src: int, dst: int) -> int:
+    return (src + 2 * dst) % 3
+
+
+def _uneven_rows(base: torch.Tensor, src: int, dst: int) -> torch.Tensor:
+    rows = (base + 10 * src + dst).unsqueeze(0)
+    return rows.repeat(_uneven_count(src, dst), *[1] * base.dim())
+
+
+def _check_all_to_all_single(comm: Communicator, base: torch.Tensor) -> None:
+    rank, world = comm.rank, comm.world_size
+    x = torch.cat([_uneven_rows(base, rank, d) for d in range(world)])
+    expected = torch.cat([_uneven_rows(base, s, rank) for s in range(world)])
+    got = comm.all_to_all_single(
+        x, [_uneven_count(s, rank) for s in range(world)],
+        [_uneven_count(rank, d) for d in range(world)],
+    )
+    _equal(got, expected, f"all_to_all_single {tuple(base.shape)}")
 
 
 def _worker(rank: int, worlds: list[int], store: str, source: PluginSource, dtypes: list[str],

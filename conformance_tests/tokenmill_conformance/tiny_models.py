@@ -13,12 +13,17 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     BambaConfig,
+    DeepseekV3Config,
     Gemma3TextConfig,
     GptOssConfig,
+    KimiLinearConfig,
     LlamaConfig,
+    MixtralConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
+    Qwen3NextConfig,
 )
 
 CORPUS = [
@@ -101,6 +106,48 @@ def make_config(arch: str, vocab_size: int):
                 "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150000.0,
             },
         )
+    if arch == "qwen3_moe":
+        # 4 experts of 32, top 2 renormalised; layer 1 keeps a dense MLP
+        return Qwen3MoeConfig(
+            **common, head_dim=16, moe_intermediate_size=32, num_experts=4,
+            num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
+        )
+    if arch == "mixtral":
+        return MixtralConfig(
+            **{**common, "intermediate_size": 32}, num_local_experts=4, num_experts_per_tok=2,
+        )
+    if arch == "deepseek_v3":
+        # MLA (latent KV, a q LoRA, a decoupled rope key), one dense layer then MoE with a
+        # shared expert and group-limited sigmoid routing (4 groups of 2, top 2 groups)
+        return DeepseekV3Config(
+            **{**common, "num_hidden_layers": 3, "num_key_value_heads": 4},
+            moe_intermediate_size=32, n_shared_experts=1, n_routed_experts=8, n_group=4,
+            topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1,
+            routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=24,
+            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+        )
+    if arch == "qwen3_next":
+        # Gated DeltaNet layers (recurrent state) then gated full attention, MoE with a
+        # shared expert and one dense layer
+        return Qwen3NextConfig(
+            **{**common, "num_hidden_layers": 4}, head_dim=16,
+            linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+            linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+            mlp_only_layers=[1],
+        )
+    if arch == "kimi_linear":
+        # Kimi Delta Attention (recurrent state) and MLA layers interleaved, one dense layer
+        # then MoE with a shared expert
+        return KimiLinearConfig(
+            **{**common, "num_hidden_layers": 4, "num_key_value_heads": 4},
+            moe_intermediate_size=32, n_shared_experts=1, num_local_experts=8, n_group=1,
+            topk_group=1, num_experts_per_tok=2, kv_lora_rank=32, q_lora_rank=None,
+            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+            linear_attn_config={"head_dim": 16, "num_heads": 2, "short_conv_kernel_size": 4},
+            layer_types=["linear_attention", "full_attention"] * 2,
+            mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+        )
     if arch == "bamba":
         # a Mamba2 layer then a full-attention one; SSD chunks of 8, so prompts span several
         return BambaConfig(
@@ -134,5 +181,10 @@ VARIANTS = {
     "qwen3": ("qwen3",),
     "gemma3_text": ("gemma3",),
     "gpt_oss": ("gpt_oss",),
+    "qwen3_moe": ("qwen3_moe",),
+    "mixtral": ("mixtral",),
+    "deepseek_v3": ("deepseek_v3",),
+    "qwen3_next": ("qwen3_next",),
+    "kimi_linear": ("kimi_linear",),
     "bamba": ("bamba",),
 }

@@ -3,9 +3,11 @@
 Processes start with the spawn method (no forked device state). Calls go out over ZMQ:
 each rank has a PUSH socket of its own (every rank gets the same msgpack bytes: a
 broadcast), and replies come back on one PULL socket, tagged with the call's id and the
-rank; `unique_reply_rank` makes the other ranks stay silent (steps: only rank 0 returns
-a result). Everything on the wire is a msgspec Struct; nothing is pickled but the spawn
-arguments (bytes, ints and strings).
+rank; `unique_reply_rank` makes the other ranks stay silent (steps: only the output
+rank returns a result). Steps may be in flight several at once (`submit` / `collect`,
+pipeline parallel); a reply for one that is not being collected yet is kept for it.
+Everything on the wire is a msgspec Struct; nothing is pickled but the spawn arguments
+(bytes, ints and strings).
 
 A monitor thread waits on the processes' sentinels: when a worker exits outside
 `shutdown`, the executor records a `WorkerDiedError` naming its rank, pid and exit code;
@@ -32,7 +34,7 @@ import zmq
 
 from tokenmill.distributed.config import WorkerConfig
 from tokenmill.distributed.errors import ExecutorError, WorkerCallError, WorkerDiedError
-from tokenmill.distributed.executor import Executor
+from tokenmill.distributed.executor import Executor, check_step_result
 from tokenmill.step import StepDescription, StepResult
 
 logger = logging.getLogger(__name__)
@@ -68,6 +70,14 @@ class Reply(msgspec.Struct, tag="reply"):
     value: Scalar
 
 
+class BlobReply(msgspec.Struct, tag="blob"):
+    """A method's bytes (a msgspec-encoded Struct, e.g. the KV offload's TierIndex)."""
+
+    call_id: int
+    rank: int
+    value: bytes
+
+
 class StepReply(msgspec.Struct, tag="step"):
     call_id: int
     rank: int
@@ -82,7 +92,7 @@ class ErrorReply(msgspec.Struct, tag="error"):
 
 
 Request = Call | ExecuteCall | ShutdownCall
-Response = Reply | StepReply | ErrorReply
+Response = Reply | BlobReply | StepReply | ErrorReply
 
 
 # ---- the engine's side ---------------------------------------------------------------------
@@ -92,6 +102,8 @@ class MultiprocExecutor(Executor):
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(Response)
         self._call_ids = 0
+        self._in_flight: set[int] = set()  # submitted steps not yet collected
+        self._early: dict[int, list[Response]] = {}  # their replies that came first
         self._failure: ExecutorError | None = None
         self._stopping = threading.Event()
         self._dir = tempfile.mkdtemp(prefix="tokenmill-mp-")
@@ -130,34 +142,57 @@ class MultiprocExecutor(Executor):
         return [p.pid for p in self.processes]
 
     def collective_rpc(self, method, args=(), unique_reply_rank=None, timeout_s=None):
+        call_id = self._send(method, args, unique_reply_rank)
+        ranks = range(len(self.processes)) if unique_reply_rank is None else [unique_reply_rank]
+        return self._gather(call_id, method, set(ranks), timeout_s)
+
+    def submit(self, step: StepDescription) -> int:
+        """Send `step` to every rank and return at once: the handle is the call's id."""
+        call_id = self._send("execute", (step,), self.config.output_rank)
+        self._in_flight.add(call_id)
+        return call_id
+
+    def collect(self, handle: int) -> StepResult:
+        try:
+            (result,) = self._gather(handle, "execute", {self.config.output_rank}, None)
+        finally:
+            self._in_flight.discard(handle)
+        return check_step_result(result, self.config.output_rank)
+
+    def _send(self, method: str, args: tuple, reply_rank: int | None) -> int:
         self.check_health()
         self._call_ids += 1
         call_id = self._call_ids
         if method == "execute":
-            message: Request = ExecuteCall(call_id, args[0], unique_reply_rank)
+            message: Request = ExecuteCall(call_id, args[0], reply_rank)
         else:
-            message = Call(call_id, method, list(args), unique_reply_rank)
+            message = Call(call_id, method, list(args), reply_rank)
         data = self._encoder.encode(message)
         for inbox in self._inboxes:
             inbox.send(data, copy=False)
-        ranks = range(len(self.processes)) if unique_reply_rank is None else [unique_reply_rank]
-        return self._gather(call_id, method, set(ranks), timeout_s)
+        return call_id
 
     def _gather(
         self, call_id: int, method: str, ranks: set[int], timeout_s: float | None
     ) -> list[Any]:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         values: dict[int, Any] = {}
+        early = self._early.pop(call_id, [])
         while len(values) < len(ranks):
-            if not self._replies.poll(int(_POLL_S * 1000)):
+            if early:
+                reply = early.pop(0)
+            elif not self._replies.poll(int(_POLL_S * 1000)):
                 self.check_health()
                 if deadline is not None and time.monotonic() > deadline:
                     missing = sorted(ranks - values.keys())
                     raise ExecutorError(f"workers {missing} did not answer {method} in {timeout_s} s")
                 continue
-            reply = self._decoder.decode(self._replies.recv())
+            else:
+                reply = self._decoder.decode(self._replies.recv())
             if reply.call_id != call_id:
-                continue  # the answer to an earlier call that raised before it arrived
+                if reply.call_id in self._in_flight:  # another step in flight: kept for it
+                    self._early.setdefault(reply.call_id, []).append(reply)
+                continue  # else the answer to an earlier call that raised before it arrived
             if isinstance(reply, ErrorReply):
                 raise WorkerCallError(reply.rank, reply.method, reply.error)
             values[reply.rank] = reply.result if isinstance(reply, StepReply) else reply.value
@@ -226,26 +261,38 @@ def worker_main(
     decoder = msgspec.msgpack.Decoder(Request)
     worker = Worker(config, rank)
     try:
-        while True:
-            if not inbox.poll(int(_PARENT_CHECK_S * 1000)):
-                if os.getppid() != parent_pid:
-                    logger.error("the engine process %d is gone; worker %d exits", parent_pid, rank)
-                    return
-                continue
-            message = decoder.decode(inbox.recv())
-            if isinstance(message, ShutdownCall):
-                return
-            reply = _answer(worker, rank, message)
-            if message.reply_rank is None or message.reply_rank == rank:
-                outbox.send(encoder.encode(reply))
-            elif isinstance(reply, ErrorReply):
-                # nobody reads this rank's answer: dying is how it reports (the engine's
-                # monitor sees the exit code), rather than going on out of step
-                logger.error("worker %d failed in %s:\n%s", rank, reply.method, reply.error)
-                raise SystemExit(1)
+        _serve(worker, rank, inbox, outbox, encoder, decoder, parent_pid)
     finally:
         worker.shutdown()
         context.destroy(linger=0)  # every reply was read: the engine waits for them
+    # Everything is released and every reply sent; the interpreter's own teardown hung
+    # for seconds in native code (torch / gloo destructors) and the engine then killed
+    # the worker after _JOIN_S, so a clean stop exits at once.
+    logging.shutdown()
+    os._exit(0)
+
+
+def _serve(worker: Any, rank: int, inbox: zmq.Socket, outbox: zmq.Socket,
+           encoder: msgspec.msgpack.Encoder, decoder: msgspec.msgpack.Decoder,
+           parent_pid: int) -> None:
+    """Answer calls until shutdown or until the engine process is gone."""
+    while True:
+        if not inbox.poll(int(_PARENT_CHECK_S * 1000)):
+            if os.getppid() != parent_pid:
+                logger.error("the engine process %d is gone; worker %d exits", parent_pid, rank)
+                return
+            continue
+        message = decoder.decode(inbox.recv())
+        if isinstance(message, ShutdownCall):
+            return
+        reply = _answer(worker, rank, message)
+        if message.reply_rank is None or message.reply_rank == rank:
+            outbox.send(encoder.encode(reply))
+        elif isinstance(reply, ErrorReply):
+            # nobody reads this rank's answer: dying is how it reports (the engine's
+            # monitor sees the exit code), rather than going on out of step
+            logger.error("worker %d failed in %s:\n%s", rank, reply.method, reply.error)
+            raise SystemExit(1)
 
 
 def _answer(worker: Any, rank: int, message: Call | ExecuteCall) -> Response:
@@ -253,6 +300,9 @@ def _answer(worker: Any, rank: int, message: Call | ExecuteCall) -> Response:
     try:
         if isinstance(message, ExecuteCall):
             return StepReply(message.call_id, rank, worker.execute(message.step))
-        return Reply(message.call_id, rank, getattr(worker, message.method)(*message.args))
+        value = getattr(worker, message.method)(*message.args)
+        if isinstance(value, bytes):
+            return BlobReply(message.call_id, rank, value)
+        return Reply(message.call_id, rank, value)
     except Exception:  # noqa: BLE001 - reported to the engine, which stops: never swallowed
         return ErrorReply(message.call_id, rank, method, traceback.format_exc())

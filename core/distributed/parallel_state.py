@@ -75,6 +75,10 @@ class CountingCommunicator(Communicator):
         self._count("all_to_all", tensor.numel() * tensor.element_size())
         return self.inner.all_to_all(tensor)
 
+    def all_to_all_single(self, tensor, output_split_sizes, input_split_sizes):
+        self._count("all_to_all_single", tensor.numel() * tensor.element_size())
+        return self.inner.all_to_all_single(tensor, output_split_sizes, input_split_sizes)
+
     def send(self, tensor, dst: int) -> None:
         self._count("send", tensor.numel() * tensor.element_size())
         self.inner.send(tensor, dst)
@@ -179,9 +183,17 @@ class GroupCoordinator:
 
 @dataclasses.dataclass(frozen=True)
 class ParallelState:
+    """This rank's groups. `expert_parallel` (vLLM's enable_expert_parallel): a MoE layer's
+    experts are split over the TP group's ranks (`ep`), each expert whole on one rank,
+    instead of every expert's intermediate dim being split over them (`moe_tp`).
+    `sequence_parallel` (vLLM's enable_sequence_parallelism): between TP regions the
+    activations are split along the tokens (core/model/parallel.py)."""
+
     layout: ParallelLayout
     rank: int
     groups: dict[str, GroupCoordinator]
+    expert_parallel: bool = False
+    sequence_parallel: bool = False
 
     def group(self, dim: str) -> GroupCoordinator:
         if dim not in self.groups:
@@ -191,6 +203,16 @@ class ParallelState:
     @property
     def tp(self) -> GroupCoordinator:
         return self.group("tp")
+
+    @property
+    def ep(self) -> GroupCoordinator:
+        """The group a MoE layer's experts are split over (a group of one without EP)."""
+        return self.tp if self.expert_parallel else self.group("ep")
+
+    @property
+    def moe_tp(self) -> GroupCoordinator:
+        """The group each expert's intermediate dim is split over (one rank with EP)."""
+        return self.group("moe_tp") if self.expert_parallel else self.tp
 
     def communicated_bytes(self) -> dict[str, int]:
         """Payload bytes through each dimension's communicator so far ({} on one rank)."""
@@ -233,10 +255,14 @@ def init_parallel_state(
     platform: Any,
     init_method: str,
     backend: str = "gloo",
+    expert_parallel: bool = False,
+    sequence_parallel: bool = False,
 ) -> ParallelState:
     """Join the world (`init_method`: e.g. "tcp://127.0.0.1:PORT", the same on every rank),
     build every group of `layout` and make the result this process's parallel state.
-    `platform` is the ActivePlatform whose communicator each group gets."""
+    `platform` is the ActivePlatform whose communicator each group gets; `expert_parallel`
+    splits MoE experts over the TP group, `sequence_parallel` the activations between TP
+    regions along the tokens (ParallelState)."""
     global _state
     if _state is not None:
         raise RuntimeError("the parallel state is already initialised in this process")
@@ -248,7 +274,7 @@ def init_parallel_state(
         groups = build_groups(layout, rank, platform)
     else:
         groups = {}
-    _state = ParallelState(layout, rank, groups)
+    _state = ParallelState(layout, rank, groups, expert_parallel, sequence_parallel)
     return _state
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import msgspec
 import torch
 
 from tokenmill.distributed.config import WorkerConfig
@@ -21,8 +22,9 @@ from tokenmill.distributed.parallel_state import (
     init_parallel_state,
 )
 from tokenmill.kv.sizing import kv_cache_budget
-from tokenmill.kv_connector.engine_setup import WorkerOffload, make_worker_offload
+from tokenmill.kv_connector.engine_setup import WorkerOffload, make_worker_offload, slot_caches
 from tokenmill.model.loader import build_model, checkpoint_weights, load_model_info
+from tokenmill.model.pipeline import stage_weight_filter
 from tokenmill.model.registry import attention_specs_for
 from tokenmill.platforms.interfaces import (
     AllocatorPurpose,
@@ -34,6 +36,7 @@ from tokenmill.platforms.interfaces import (
 )
 from tokenmill.platforms.registry import ActivePlatform, PlatformRegistry, load_platform
 from tokenmill.runner import ModelRunner
+from tokenmill.sleep_mode import check_level, release_weights
 from tokenmill.step import StepDescription, StepResult
 
 logger = logging.getLogger(__name__)
@@ -58,6 +61,7 @@ class Worker:
         self._memory_at_start: MemoryInfo | None = None
         self._owns_parallel_state = False
         self.kv_offload: WorkerOffload | None = None  # KV offload's worker half, if configured
+        self._sleep_level: int | None = None  # set while asleep
 
     # ---- set-up, in the executor's order -----------------------------------------------
     def init_device(self) -> None:
@@ -66,7 +70,7 @@ class Worker:
         if self.hf_config is None:
             self.hf_config = load_model_info(self.config.model_path, load_tokenizer=False).hf_config
         torch.manual_seed(self.config.seed)
-        if self.config.tensor_parallel_size > 1:
+        if self.config.world_size > 1:
             self._init_parallel_state()
         # before any weights: the KV cache is sized from what the engine adds to this
         self._memory_at_start = self.platform.platform.memory_info()
@@ -82,6 +86,7 @@ class Worker:
             logger.info("rank %d: platform %r brings its own model runner %s", self.rank,
                         platform.name, type(self.runner).__name__)
             return
+        sleepy = platform.platform.capabilities.sleep_mode
         model = build_model(
             self.hf_config,
             self.context.weights(),
@@ -90,6 +95,7 @@ class Worker:
             ops=platform.ops,
             attention_backend=platform.attention_backend,
             block_size=self.config.block_size,
+            weights_allocator=platform.allocator(AllocatorPurpose.WEIGHTS) if sleepy else None,
         )
         self.runner = ModelRunner(
             model,
@@ -100,8 +106,16 @@ class Worker:
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             max_num_seqs=self.config.max_num_seqs,
             max_model_len=self.config.max_model_len,
-            graphs=platform.graph_capture(self.config.max_num_seqs),
+            graphs=self._graphs(),
         )
+
+    def _graphs(self):
+        """The platform's decode graphs; none with pipeline parallel (a captured step
+        cannot hold the stage's send and receive)."""
+        if self.config.pipeline_parallel_size > 1:
+            logger.info("rank %d: decode graphs are off with pipeline parallel", self.rank)
+            return None
+        return self._platform.graph_capture(self.config.max_num_seqs)
 
     def determine_num_blocks(self) -> int:
         """How many KV blocks this rank holds: `num_kv_blocks` if set; else as many as fit
@@ -155,6 +169,12 @@ class Worker:
         """Payload bytes this rank has passed through dimension `dim`'s communicator."""
         return get_parallel_state().communicated_bytes().get(dim, 0)
 
+    def communicated_op_bytes(self, dim: str, op: str) -> int:
+        """Payload bytes this rank has passed through collective `op` (a Communicator
+        method name) of dimension `dim`'s communicator; 0 when it has none."""
+        group = get_parallel_state().groups.get(dim)
+        return 0 if group is None or group.communicator is None else group.communicator.bytes.get(op, 0)
+
     def uses_kv_groups(self) -> bool:
         """Whether this rank's runner keeps one block table per KV group (the core's runner
         does, core/kv/groups.py); a plugin's own runner gets one table for every layer."""
@@ -169,14 +189,77 @@ class Worker:
                     f"KV offload needs the core's model runner (its KV caches); platform "
                     f"{self._platform.name!r} brings {type(self._runner).__name__}"
                 )
+            layout = getattr(getattr(self._runner, "model", None), "kv_layout", None)
             self.kv_offload = make_worker_offload(
-                self.config.kv_offload, self.config.model_path, self.hf_config, caches,
+                self.config.kv_offload, self.config.model_path, self.hf_config,
+                slot_caches(caches, layout.layer_slot if layout is not None else None),
                 self._platform, self.config.block_size,
             )
+            if self.config.distributed_executor_backend != "uni":
+                # the engine's scheduler side mirrors the stack from our reports
+                self.kv_offload.stack.record_changes()
+                self.kv_offload.worker_side.mirrored = True
+
+    def kv_offload_index(self) -> bytes:
+        """Everything this rank's KV tiers hold, as a msgpack `TierIndex` (the seed of
+        the engine's mirror, kv_connector/directory.py). Changes logged before it are
+        dropped: the index already has them."""
+        offload = self._offload
+        offload.stack.take_changes()
+        index = offload.stack.index(offload.layout.fingerprint(), self.config.block_size)
+        return msgspec.msgpack.encode(index)
+
+    def kv_offload_drain(self) -> bytes:
+        """Wait for every KV load and save in flight; their msgpack `WorkerReport`."""
+        return msgspec.msgpack.encode(self._offload.worker_side.drain())
+
+    # ---- sleep mode (tokenmill.sleep_mode) ----------------------------------------------
+    def sleep(self, level: int) -> int:
+        """Free this rank's KV cache (contents discarded) and weights (kept in host memory
+        at level 1, discarded at 2) through the platform's allocators; returns the bytes
+        freed. The engine calls it only while no request is in flight."""
+        level = check_level(level)
+        runner = self._sleep_runner()
+        if self._sleep_level is not None:
+            raise RuntimeError(f"rank {self.rank} is already asleep (level {self._sleep_level})")
+        platform = self._platform
+        freed = runner.kv_allocator.sleep(keep_contents=False)
+        freed += platform.allocator(AllocatorPurpose.WEIGHTS).sleep(keep_contents=level == 1)
+        self._sleep_level = level
+        logger.info("rank %d asleep (level %d): %.1f MiB freed", self.rank, level, freed / (1 << 20))
+        return freed
+
+    def wake_up(self) -> None:
+        """Give the weights and the KV cache their memory back: weights restored (level 1)
+        or read again from the checkpoint (level 2), the KV cache zeroed; decode graphs,
+        whose addresses moved, are captured again."""
+        runner = self._sleep_runner()
+        if self._sleep_level is None:
+            raise RuntimeError(f"rank {self.rank} is not asleep")
+        self._platform.allocator(AllocatorPurpose.WEIGHTS).wake()
+        runner.kv_allocator.wake()
+        if self._sleep_level == 2:
+            runner.model.load_weights(self.context.weights())
+            runner.model.prepack()
+        if runner.decode_graphs is not None:
+            runner.decode_graphs.capture()
+        self._sleep_level = None
+        logger.info("rank %d awake", self.rank)
+
+    def _sleep_runner(self) -> ModelRunner:
+        platform = self._platform
+        if not platform.platform.capabilities.sleep_mode:
+            raise RuntimeError(f"platform {platform.name!r} declares no sleep mode "
+                               "(capabilities.sleep_mode)")
+        if not isinstance(self._runner, ModelRunner):
+            raise RuntimeError(f"sleep mode needs the core's model runner; platform "
+                               f"{platform.name!r} brings {type(self._runner).__name__}")
+        return self._runner
 
     # ---- steps -------------------------------------------------------------------------
     def execute(self, step: StepDescription) -> StepResult | None:
-        """Run one step; rank 0 returns its result, the other ranks None."""
+        """Run one step; the output rank (`WorkerConfig.output_rank`: rank 0, or TP rank 0
+        of the last pipeline stage) returns its result, the other ranks None."""
         connector = self.kv_offload.worker_side if self.kv_offload is not None else None
         meta = step.kv_connector
         if connector is not None and meta is not None:
@@ -190,7 +273,7 @@ class Worker:
             result.kv_connector = connector.report(
                 wait_s=0.0 if step.scheduled_request_ids else 0.005
             )
-        return result if self.rank == 0 else None
+        return result if self.rank == self.config.output_rank else None
 
     def shutdown(self) -> None:
         if self.kv_offload is not None:
@@ -198,31 +281,58 @@ class Worker:
             self.kv_offload = None
         if self.runner is not None:
             self.runner.shutdown()
+            buffers = getattr(getattr(self.runner, "model", None), "weight_buffers", None)
+            if buffers:  # sleep mode put the weights in the platform's allocator
+                release_weights(buffers, self._platform.allocator(AllocatorPurpose.WEIGHTS))
             self.runner = None
         if self._owns_parallel_state:
             destroy_parallel_state()
             self._owns_parallel_state = False
 
     def _init_parallel_state(self) -> None:
-        """Join the TP group of all `world_size` ranks (tokenmill.distributed.parallel_state)."""
+        """Join the (pp, pcp, dcp, tp) grid of all `world_size` ranks
+        (tokenmill.distributed.parallel_state): TP groups contiguous, the context parallel
+        ones strided by tp, pipeline stages outermost."""
         config = self.config
-        if config.world_size != config.tensor_parallel_size or config.dist_init_method is None:
+        layout = ParallelLayout.of(
+            ("pp", "pcp", "dcp", "tp"), pp=config.pipeline_parallel_size,
+            pcp=config.prefill_context_parallel_size, dcp=config.decode_context_parallel_size,
+            tp=config.tensor_parallel_size,
+        )
+        if config.world_size != layout.world_size or config.dist_init_method is None:
             raise ValueError(
-                f"tensor_parallel_size={config.tensor_parallel_size} needs world_size equal to "
-                f"it (got {config.world_size}) and a dist_init_method (got "
+                f"the layout {dict(zip(layout.dims, layout.sizes))} needs world_size "
+                f"{layout.world_size} (got {config.world_size}) and a dist_init_method (got "
                 f"{config.dist_init_method!r})"
             )
-        layout = ParallelLayout.of(tp=config.tensor_parallel_size)
-        init_parallel_state(layout, self.rank, self._platform, config.dist_init_method)
+        init_parallel_state(
+            layout, self.rank, self._platform, config.dist_init_method,
+            expert_parallel=config.enable_expert_parallel,
+            sequence_parallel=config.enable_sequence_parallelism,
+        )
         self._owns_parallel_state = True
-        logger.info("rank %d: joined the tensor parallel group of %d", self.rank, layout.world_size)
+        logger.info("rank %d: joined the grid %s", self.rank, layout.coords(self.rank))
 
     # ---- helpers -----------------------------------------------------------------------
+    def _keep_weight(self):
+        """With pipeline parallel, which checkpoint tensors this rank's stage reads."""
+        config = self.config
+        if config.pipeline_parallel_size == 1:
+            return None
+        stage = get_parallel_state().group("pp").rank_in_group
+        return stage_weight_filter(self.hf_config, config.pipeline_parallel_size, stage)
+
     @property
     def _platform(self) -> ActivePlatform:
         if self.platform is None:
             raise RuntimeError("Worker.init_device must run first")
         return self.platform
+
+    @property
+    def _offload(self) -> WorkerOffload:
+        if self.kv_offload is None:
+            raise RuntimeError("this worker has no KV offload (no kv_offload tiers configured)")
+        return self.kv_offload
 
     @property
     def _runner(self) -> ModelRunnerBase:
@@ -236,7 +346,7 @@ class Worker:
         return ModelRunnerContext(
             hf_config=hf_config,
             model_path=config.model_path,
-            weights=lambda: checkpoint_weights(config.model_path, hf_config),
+            weights=lambda: checkpoint_weights(config.model_path, hf_config, self._keep_weight()),
             dtype=dtype,
             device=self._platform.platform.device,
             kv_cache=KVCacheSpec(
@@ -250,6 +360,11 @@ class Worker:
                 rank=self.rank,
                 distributed_executor_backend=config.distributed_executor_backend,
                 tensor_parallel_size=config.tensor_parallel_size,
+                pipeline_parallel_size=config.pipeline_parallel_size,
+                enable_expert_parallel=config.enable_expert_parallel,
+                enable_sequence_parallelism=config.enable_sequence_parallelism,
+                decode_context_parallel_size=config.decode_context_parallel_size,
+                prefill_context_parallel_size=config.prefill_context_parallel_size,
             ),
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,

@@ -1,7 +1,7 @@
 """KV groups: which layers share a block table, and which arena slot each layer uses.
 
-Layers of one attention type (full attention, or a sliding window of one size) behave
-alike: they need the same blocks at the same time. Layers are split into groups of
+Layers of one attention type (full attention, a sliding window of one size, or
+multi-head latent attention) behave alike: they need the same blocks at the same time. Layers are split into groups of
 equal size L, each group of one type; each group has its own block table per request.
 The arena holds L layer slots; layer j of every group uses slot j. A block id names one
 page in each of the L slots, and the pool hands each block to one (request, group) at a
@@ -27,9 +27,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tokenmill.platforms.interfaces import AttentionKind, AttentionSpec, RecurrentStateSpec
+from tokenmill.platforms.interfaces import (
+    AttentionKind,
+    AttentionSpec,
+    RecurrentStateSpec,
+    kv_cache_shape,
+)
 
-GROUPED_KINDS = (AttentionKind.FULL, AttentionKind.SLIDING_WINDOW, AttentionKind.LINEAR)
+# MLA layers keep one latent row per token for the whole context: their blocks are
+# allocated like full attention's (by token count), in groups of their own (their pages
+# hold other bytes than a multi-head layer's).
+GROUPED_KINDS = (
+    AttentionKind.FULL, AttentionKind.SLIDING_WINDOW, AttentionKind.LINEAR, AttentionKind.MLA
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,8 +102,9 @@ def plan_groups(specs: list[AttentionSpec]) -> KVLayout:
 
 
 def attention_page_bytes(spec: AttentionSpec) -> int:
-    """Bytes of one block of one attention layer: its keys and values."""
-    return 2 * spec.block_size * spec.num_kv_heads * spec.head_size * spec.dtype.itemsize
+    """Bytes of one block of one attention layer in the standard layout
+    (`interfaces.kv_cache_shape`): its keys and values, or an MLA layer's latent rows."""
+    return math.prod(kv_cache_shape(spec, 1)) * spec.dtype.itemsize
 
 
 def page_bytes_of(specs: list[AttentionSpec]) -> int:

@@ -38,8 +38,8 @@ class PrefixHit:
     num_tokens: int = 0
     tables: list[list[KVBlock]] = field(default_factory=list)  # per group; NULL_BLOCK holes
 
-    def __len__(self) -> int:  # the hit's length in blocks
-        return max((len(t) for t in self.tables), default=0) if self.tables else 0
+    def __len__(self) -> int:  # blocks per table (a recurrent group's: its checkpoint's pages)
+        return max((len(t) for t in self.tables), default=0)
 
     def blocks(self) -> list[KVBlock]:
         """The distinct real blocks of the hit."""
@@ -281,6 +281,14 @@ class KVCacheManager:
                 ids = {b.block_id for t in alloc.req_to_blocks.values()
                        for b in t if b is not NULL_BLOCK}
             out.append(len(ids))
+        return out
+
+    def blocks_in_use_by_type(self) -> dict[str, int]:
+        """Block ids held by live requests, per attention type ("full", "sliding_window",
+        "linear"): the arena's live split between the types (a metric)."""
+        out: dict[str, int] = {}
+        for group, n in zip(self.groups, self.blocks_in_use_per_group(), strict=True):
+            out[group.kind.value] = out.get(group.kind.value, 0) + n
         return out
 
     def recurrent_step_ops(self, request: Request) -> list[tuple[int, list[int], list[tuple[int, list[int]]]]]:

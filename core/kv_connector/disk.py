@@ -132,6 +132,7 @@ class DiskTier(KVTier):
         if size is not None:
             self._used -= size
             self.file_for(key).unlink(missing_ok=True)
+            self._removed(key)
 
     def _make_room(self, size: int) -> None:
         while self._index and self._used + size > self._capacity:

@@ -10,6 +10,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokenmill.kv.groups import KVGroup
+from tokenmill.kv_connector.directory import TierDirectory
+from tokenmill.kv_connector.messages import TierIndex
 from tokenmill.kv_connector.objects import KVLayout
 from tokenmill.kv_connector.registry import OffloadConfig, TierContext, build_stack
 from tokenmill.kv_connector.scheduler_side import KVConnectorScheduler
@@ -36,15 +39,20 @@ class WorkerOffload:
 
 @dataclass(slots=True)
 class Offload:
-    """The engine's view: the scheduler side over the worker's stack (in-process)."""
+    """The engine's view: the scheduler side over the worker's stack. With the worker in
+    this process ("uni") `stack`, `layout` and `worker_side` are the worker's own; with
+    worker processes ("mp") they are None and `directory` mirrors the worker's stack."""
 
-    stack: TierStack
-    layout: KVLayout
+    stack: TierStack | None
+    layout: KVLayout | None
     scheduler_side: KVConnectorScheduler
-    worker_side: KVConnectorWorker
+    worker_side: KVConnectorWorker | None
+    directory: TierDirectory | None = None
 
     def snapshot(self) -> dict[str, TierStats]:
         """A copy of every tier's counters, in stack order (for the metrics)."""
+        if self.directory is not None:
+            return self.directory.snapshot()
         return {name: copy.copy(stats) for name, stats in self.stack.stats.items()}
 
 
@@ -81,10 +89,22 @@ def offload_config(args) -> OffloadConfig | None:
     return config
 
 
+def slot_caches(caches: list, layer_slots: list[int] | tuple[int, ...] | None) -> list:
+    """One cache per arena slot, in slot order, from the per-layer `caches` (layers of
+    several KV groups share slots, core/kv/groups.py). A block's object is its page in
+    every slot: the content of whichever group holds the block. None: a slot per layer."""
+    if layer_slots is None:
+        return list(caches)
+    by_slot: dict[int, object] = {}
+    for cache, slot in zip(caches, layer_slots, strict=True):
+        by_slot.setdefault(slot, cache)
+    return [by_slot[s] for s in sorted(by_slot)]
+
+
 def make_worker_offload(
     config: OffloadConfig, model_path: str, hf_config, caches: list, platform, block_size: int
 ) -> WorkerOffload:
-    """A worker's tier stack and connector half over its arena's per-layer `caches`."""
+    """A worker's tier stack and connector half over its arena's per-slot `caches`."""
     layout = KVLayout(
         model_id=model_identity(model_path, hf_config),
         dtype=str(caches[0].dtype).removeprefix("torch."),
@@ -103,8 +123,21 @@ def make_worker_offload(
     return WorkerOffload(stack, layout, worker)
 
 
-def engine_offload(worker_offload: WorkerOffload, block_size: int) -> Offload:
-    """The engine's view of an in-process worker's offload."""
+def engine_offload(
+    worker_offload: WorkerOffload, block_size: int, groups: tuple[KVGroup, ...] | None = None
+) -> Offload:
+    """The engine's view of an in-process worker's offload; `groups`: the engine's KV
+    groups (each group's blocks are objects of their own)."""
     w = worker_offload
-    side = KVConnectorScheduler(w.stack, w.layout.fingerprint(), block_size)
+    side = KVConnectorScheduler(w.stack, w.layout.fingerprint(), block_size, groups)
     return Offload(w.stack, w.layout, side, w.worker_side)
+
+
+def remote_engine_offload(index: TierIndex, groups: tuple[KVGroup, ...] | None = None) -> Offload:
+    """The engine's view of the offload of a worker in another process, from the index
+    its stack sent (`Worker.kv_offload_index`); later reports keep it up to date."""
+    directory = TierDirectory(index)
+    side = KVConnectorScheduler(directory, index.fingerprint, index.block_size, groups)
+    logger.info("KV offload over worker processes: tiers %s, %s objects held at start",
+                index.tiers, [len(k) for k in index.keys])
+    return Offload(None, None, side, None, directory)

@@ -67,9 +67,10 @@ class HostMemoryTier(KVTier):
             if key in self._slots:
                 return False
             if not self._free:
-                _, slot = self._slots.popitem(last=False)
+                evicted, slot = self._slots.popitem(last=False)
                 self._free.append(slot)
                 self.num_evicted += 1
+                self._removed(evicted)
             slot = self._free.pop()
             self._slot(slot).numpy()[:] = np.frombuffer(data, dtype=np.uint8)
             self._slots[key] = slot
@@ -80,6 +81,7 @@ class HostMemoryTier(KVTier):
             slot = self._slots.pop(key, None)
             if slot is not None:
                 self._free.append(slot)
+                self._removed(key)
 
     def keys(self) -> list[ObjectKey]:
         with self._lock:

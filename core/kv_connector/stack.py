@@ -10,14 +10,18 @@
 - A tier that raises `TierUnavailableError` is skipped for that call; the others carry
   on.
 
-The stack keeps every tier's counters (`TierStats`), which the metrics export.
+The stack keeps every tier's counters (`TierStats`), which the metrics export. With
+`record_changes()` it also logs every object a tier gains or loses (`take_changes`), for
+an engine that mirrors it from another process (directory.py).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 
+from tokenmill.kv_connector.messages import TierChange, TierIndex
 from tokenmill.kv_connector.objects import CorruptObjectError, ObjectKey, decode
 from tokenmill.kv_connector.tier import KVTier, TierStats, TierUnavailableError
 
@@ -31,7 +35,49 @@ class TierStack:
             raise ValueError(f"KV tiers {names}: each tier may appear once")
         self.tiers = tiers
         self.stats: dict[str, TierStats] = {t.name: TierStats() for t in tiers}
-        self._lock = threading.Lock()  # guards the counters only
+        self._lock = threading.Lock()  # guards the counters and the change log
+        self._changes: list[TierChange] | None = None  # None: not recording
+
+    # ---- a mirror in another process ---------------------------------------------------
+    def record_changes(self) -> None:
+        """From now on, log every object each tier gains or loses (`take_changes`)."""
+        self._changes = []
+        for tier in self.tiers:
+            tier.removal_listener = lambda key, name=tier.name: self._log(name, key, False)
+
+    def _log(self, tier_name: str, key: ObjectKey, held: bool) -> None:
+        if self._changes is not None:
+            with self._lock:
+                self._changes.append(TierChange(tier_name, key, held))
+
+    def take_changes(self) -> list[TierChange]:
+        """The changes logged since the last call, in order (empty when not recording)."""
+        with self._lock:
+            if self._changes is None:
+                return []
+            out, self._changes = self._changes, []
+        return out
+
+    def snapshot(self) -> dict[str, TierStats]:
+        """A copy of every tier's counters, in stack order."""
+        with self._lock:
+            return {name: copy.copy(stats) for name, stats in self.stats.items()}
+
+    def index(self, fingerprint: bytes, block_size: int) -> TierIndex:
+        """Every key each reachable tier holds now (an unreachable one: none)."""
+        keys = []
+        for tier in self.tiers:
+            try:
+                keys.append(tier.keys())
+            except TierUnavailableError:
+                self._count(tier, errors=1)
+                keys.append([])
+        return TierIndex(fingerprint, block_size, [t.name for t in self.tiers], keys,
+                         self.snapshot())
+
+    def fastest_holds(self, key: ObjectKey) -> bool:
+        """Whether the fastest tier holds `key` (then a save of it is skipped)."""
+        return bool(self.tiers) and self._holds(self.tiers[0], key)
 
     def _count(self, tier: KVTier, **deltas: int) -> None:
         self.count(tier.name, **deltas)
@@ -148,6 +194,7 @@ class TierStack:
             try:
                 if tier.put(key, data):
                     self._count(tier, **{counter: len(data)})
+                    self._log(tier.name, key, True)
                     written.append(tier.name)
             except TierUnavailableError:
                 self._count(tier, errors=1)
@@ -158,6 +205,7 @@ class TierStack:
             tier.delete(key)
         except TierUnavailableError:
             self._count(tier, errors=1)
+        self._log(tier.name, key, False)  # a tier that reports its own removals: twice, harmless
 
     def tier(self, name: str) -> KVTier:
         for t in self.tiers:

@@ -11,6 +11,7 @@ own state. A tier whose backend is gone (a Redis server killed) raises
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokenmill.kv_connector.objects import ObjectKey
@@ -39,9 +40,22 @@ class TierStats:
 
 class KVTier(ABC):
     """A store of KV objects. `name` is the entry point name it was created under;
-    `num_evicted` counts the objects it dropped to make room."""
+    `num_evicted` counts the objects it dropped to make room.
+
+    A tier that drops objects on its own (LRU eviction, a file gone behind its back) calls
+    `_removed(key)` for each, so a stack that mirrors its contents in another process
+    (the scheduler side over "mp" workers, directory.py) learns of it. A tier whose
+    backend evicts out of its sight (Redis under maxmemory) cannot; a load of such a key
+    then fails and only that suffix is recomputed."""
 
     name: str = "abstract"
+    removal_listener: Callable[[ObjectKey], None] | None = None  # set by the stack
+
+    def _removed(self, key: ObjectKey) -> None:
+        """Tell the stack `key` is no longer held here (called under the tier's lock)."""
+        listener = self.removal_listener
+        if listener is not None:
+            listener(key)
 
     @property
     @abstractmethod

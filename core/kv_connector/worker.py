@@ -47,6 +47,8 @@ class KVConnectorWorker:
         self._staging_allocator = staging_allocator
         self._pending_save_blocks = 0
         self._dropped: list[bytes] = []  # saves refused for back-pressure, to report
+        # the engine mirrors the stack from another process: reports carry its changes
+        self.mirrored = False
         nbytes = layout.payload_bytes
         # a page of every layer, for loads: from the platform's host-staging allocator
         # (pinned memory on a device platform) so the copy into the arena runs at link speed
@@ -164,7 +166,18 @@ class KVConnectorWorker:
         try:
             futures = [self._done.get(timeout=wait_s) if wait_s > 0 else self._done.get_nowait()]
         except queue.Empty:
-            return out
+            futures = []
+        self._collect(out, futures)
+        if self.mirrored:
+            # after the results: a finished save's changes are logged before it is done
+            out.tier_changes = self.stack.take_changes()
+            out.tier_stats = self.stack.snapshot()
+        return out
+
+    def _collect(self, out: WorkerReport, futures: list[Future]) -> None:
+        """Add the results of `futures`, and of all others done by now, to `out`."""
+        if not futures:
+            return
         while True:
             try:
                 futures.append(self._done.get_nowait())
@@ -179,7 +192,6 @@ class KVConnectorWorker:
             else:
                 out.saved_keys.extend(result[0])
                 out.failed_save_keys.extend(result[1])
-        return out
 
     def drain(self) -> WorkerReport:
         """Wait for everything in flight; its report."""

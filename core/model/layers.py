@@ -23,6 +23,7 @@ from torch import nn
 
 from tokenmill.ops import Ops
 from tokenmill.ops.linear_attention import ReferenceLinearAttentionBackend
+from tokenmill.ops.mla import ReferenceMLABackend
 from tokenmill.ops.reference import ReferenceAttentionBackend
 from tokenmill.platforms.interfaces import (
     AttentionBackend,
@@ -346,7 +347,8 @@ def resolve_backends(specs: Sequence[AttentionSpec], choice: BackendChoice) -> l
 
     A layer whose spec asks for a feature the platform's backends lack (sinks) but whose
     plain spec they support runs on the core's reference attention instead, with a
-    warning naming the layers; anything else unsupported is a ValueError naming the layer.
+    warning naming the layers; so does an MLA layer on a platform without an MLA backend
+    (the core's reference MLA); anything else unsupported is a ValueError naming the layer.
     """
     choose = choice if not isinstance(choice, AttentionBackend) else lambda spec: choice
 
@@ -359,13 +361,17 @@ def resolve_backends(specs: Sequence[AttentionSpec], choice: BackendChoice) -> l
         return backend if sinks_ok and backend.supports(spec) else None
 
     reference = ReferenceAttentionBackend()
-    backends, fallbacks = [], []
+    reference_mla = ReferenceMLABackend()
+    backends, fallbacks, mla_fallbacks = [], [], []
     linear_reference = None
     for i, spec in enumerate(specs):
         backend = supported(spec)
         if backend is None and spec.sinks and supported(dataclasses.replace(spec, sinks=False)):
             backend = reference
             fallbacks.append(i)
+        if backend is None and spec.kind == AttentionKind.MLA:
+            backend = reference_mla
+            mla_fallbacks.append(i)
         if backend is None and spec.kind == AttentionKind.LINEAR:
             # the core's reference recurrence (slow) when the platform has none
             linear_reference = linear_reference or ReferenceLinearAttentionBackend()
@@ -382,5 +388,11 @@ def resolve_backends(specs: Sequence[AttentionSpec], choice: BackendChoice) -> l
             "the platform's attention has no sinks: layers %s run the core's reference "
             "attention (slow)",
             fallbacks,
+        )
+    if mla_fallbacks:
+        logger.warning(
+            "the platform has no MLA attention backend: layers %s run the core's reference "
+            "MLA (slow)",
+            mla_fallbacks,
         )
     return backends

@@ -14,6 +14,8 @@ Parameter names follow HF's, except that q/k/v become `qkv_proj` and gate/up bec
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -23,7 +25,11 @@ from torch import nn
 
 from tokenmill.distributed.parallel_state import get_parallel_state
 from tokenmill.kv.groups import KVLayout, plan_groups
-from tokenmill.model import parallel
+from tokenmill.model import parallel, pipeline, prefill_context_parallel
+from tokenmill.model.context_parallel import (
+    DecodeContextParallelAttention,
+    check_decode_context_parallel,
+)
 from tokenmill.model.layers import (
     Attention,
     BackendChoice,
@@ -36,6 +42,7 @@ from tokenmill.model.layers import (
     resolve_backends,
     rope_parameters,
 )
+from tokenmill.model.prefill_context_parallel import PrefillContextParallelAttention
 from tokenmill.ops import Ops
 from tokenmill.platforms.interfaces import (
     AttentionBackend,
@@ -43,6 +50,11 @@ from tokenmill.platforms.interfaces import (
     AttentionMetadata,
     AttentionSpec,
 )
+
+logger = logging.getLogger(__name__)
+
+# model types whose attention normalises each head's q and k (Qwen3 and its MoE)
+QK_NORM_TYPES = ("qwen3", "qwen3_moe")
 
 # HF projection name -> (fused module name, shard index within it)
 _FUSED_SHARDS = {
@@ -98,8 +110,10 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
         ops: Ops,
         dtype: torch.dtype,
+        layer_index: int = 0,
     ) -> None:
         super().__init__()
+        self.layer_index = layer_index  # before _make_mlp: a family may choose by layer
         model_type = hf_config.model_type
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
         hidden, eps = hf_config.hidden_size, hf_config.rms_norm_eps
@@ -112,7 +126,7 @@ class DecoderLayer(nn.Module):
             dtype=dtype,
             qkv_bias=True if model_type == "qwen2" else attention_bias,
             o_bias=False if model_type == "qwen2" else attention_bias,
-            qk_norm_eps=eps if model_type == "qwen3" else None,
+            qk_norm_eps=eps if model_type in QK_NORM_TYPES else None,
         )
         self.mlp = self._make_mlp(hf_config, ops, dtype)
         self.input_layernorm = RMSNorm(hidden, eps, ops, dtype)
@@ -161,8 +175,8 @@ class Model(nn.Module):
         )
         self.embed_tokens = Embedding(hf_config.vocab_size, hf_config.hidden_size, dtype)
         self.layers = nn.ModuleList(
-            layer_cls(hf_config, spec, self.rotary_emb, backend, ops, dtype)
-            for spec, backend in zip(specs, backends, strict=True)
+            layer_cls(hf_config, spec, self.rotary_emb, backend, ops, dtype, layer_index=i)
+            for i, (spec, backend) in enumerate(zip(specs, backends, strict=True))
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, ops, dtype)
 
@@ -174,12 +188,15 @@ class Model(nn.Module):
         metadata: list[AttentionMetadata],
     ) -> torch.Tensor:
         """`metadata[i]` is layer i's (its KV group's)."""
+        sp = self.__dict__.get("sequence_parallel")  # tensor parallel's SequenceParallel
+        if sp is not None:
+            sp.num_tokens = input_ids.shape[0]
         hidden = self.embed_tokens(input_ids)
         residual = None
         for layer, kv_cache, meta in zip(self.layers, kv_caches, metadata, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
         hidden, _ = self.norm(hidden, residual)
-        return hidden
+        return hidden if sp is None else sp.gather(hidden)
 
 
 class CausalLM(nn.Module):
@@ -207,15 +224,26 @@ class CausalLM(nn.Module):
         self.hf_config = hf_config
         self.dtype = dtype
         # tensor parallel: the layers are built at one rank's shapes (tokenmill.model.parallel)
-        self.tp = get_parallel_state().tp
+        state = get_parallel_state()
+        self.tp = state.tp
+        self.pcp = state.group("pcp")  # prefill context parallel (model/prefill_context_parallel)
+        # pipeline parallel: this stage builds its own layers only (tokenmill.model.pipeline)
+        self.pp = state.group("pp")
         full_config = hf_config
         if self.tp.world_size > 1:
-            hf_config = parallel.local_config(hf_config, self.tp.world_size)
+            hf_config = parallel.local_config(hf_config, self.tp.world_size, state.expert_parallel)
         self.attention_specs: list[AttentionSpec] = self.attention_specs_for(
             hf_config, dtype, block_size
         )
-        # One backend for every layer, or a chooser per spec (a platform picks per kind).
-        backends = resolve_backends(self.attention_specs, attention_backend)
+        layers = range(len(self.attention_specs))
+        if self.pp.world_size > 1:
+            layers = pipeline.stage_layers(
+                len(self.attention_specs), self.pp.world_size, self.pp.rank_in_group
+            )
+            self.attention_specs = self.attention_specs[layers.start : layers.stop]
+        backends = self._choose_backends(state, attention_backend, block_size)
+        # each layer's backend, whose declared cache layout the arena views its pages as
+        self.layer_backends: list[AttentionBackend] = backends
         # the distinct backends, for the runner's once-per-step `prepare`
         self.attention_backends = list({id(b): b for b in backends}.values())
         # which layers share a block table (and metadata) and which arena slot each uses
@@ -228,8 +256,36 @@ class CausalLM(nn.Module):
         if not self.tie_word_embeddings:
             self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, False, dtype)
         if self.tp.world_size > 1:
-            parallel.apply_tensor_parallel(self, full_config, self.tp)
+            parallel.apply_tensor_parallel(self, full_config, self.tp, state.sequence_parallel)
+        self._stage_keeps = None
+        if self.pp.world_size > 1:
+            pipeline.apply_pipeline_parallel(self, hf_config, layers, self.pp)
+            self._stage_keeps = pipeline.stage_weight_filter(
+                full_config, self.pp.world_size, self.pp.rank_in_group
+            )
         self.requires_grad_(False)
+
+    def _choose_backends(
+        self, state: Any, attention_backend: BackendChoice, block_size: int
+    ) -> list[AttentionBackend]:
+        """Each layer's attention backend: the platform's (a chooser per spec, or one for
+        every layer), wrapped for prefill context parallel; the core's partial attention
+        under decode context parallel (which also shrinks the specs' physical blocks)."""
+        dcp = state.group("dcp")
+        if dcp.world_size > 1:  # the KV cache spread over the dcp ranks, token by token
+            check_decode_context_parallel(self.attention_specs, block_size, dcp.world_size)
+            self.attention_specs = [
+                dataclasses.replace(s, block_size=block_size // dcp.world_size)
+                for s in self.attention_specs
+            ]
+            logger.info("decode context parallel over %d ranks: attention runs on the core's "
+                        "partial attention, not the platform's backend", dcp.world_size)
+            return [DecodeContextParallelAttention(dcp)] * len(self.attention_specs)
+        backends = resolve_backends(self.attention_specs, attention_backend)
+        if self.pcp.world_size > 1:  # prefill split over the pcp ranks, KV all-gathered
+            wrapped = {id(b): PrefillContextParallelAttention(b, self.pcp) for b in backends}
+            backends = [wrapped[id(b)] for b in backends]
+        return backends
 
     @classmethod
     def attention_specs_for(
@@ -262,8 +318,9 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """Run one engine step; returns the final-normed hidden states [num_tokens, hidden].
+    ) -> torch.Tensor | None:
+        """Run one engine step; returns the final-normed hidden states [num_tokens, hidden]
+        (None on a pipeline stage before the last, which sends its activations on).
 
         `input_ids` and `positions` are int64 [num_tokens], flattened sequence by sequence as in
         `metadata`; `kv_caches[i]` is layer i's [2, num_blocks, block_size, num_kv_heads,
@@ -275,7 +332,15 @@ class CausalLM(nn.Module):
             raise ValueError(
                 f"got {len(kv_caches)} kv caches for {len(self.attention_specs)} layers"
             )
-        return self.model(input_ids, positions, kv_caches, self.layer_metadata(metadata))
+        per_layer = self.layer_metadata(metadata)
+        if self.pp.world_size > 1:  # None on every stage but the last
+            return pipeline.stage_forward(self.model, input_ids, positions, kv_caches, per_layer)
+        if prefill_context_parallel.should_split(input_ids.shape[0], self.pcp):
+            return prefill_context_parallel.split_forward(
+                self.model, self.pcp, input_ids, positions, kv_caches, per_layer,
+                self.attention_backends,
+            )
+        return self.model(input_ids, positions, kv_caches, per_layer)
 
     def layer_metadata(
         self, metadata: AttentionMetadata | list[AttentionMetadata]
@@ -307,8 +372,9 @@ class CausalLM(nn.Module):
                 module.prepack(self.ops)
         if self.lm_head is not None:
             self._logits_fn = self.lm_head
-        else:  # tied: the embedding table doubles as the head
+        elif self.model.embed_tokens is not None:  # tied: the embedding doubles as the head
             self._logits_fn = self.ops.prepack_linear(self.model.embed_tokens.weight, None)
+        # else: a pipeline stage before the last, which computes no logits
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -327,6 +393,8 @@ class CausalLM(nn.Module):
             module = modules[module_name]
             if isinstance(module, MergedLinear):
                 expected.update((name, s) for s in range(len(module.output_sizes)))
+            elif hasattr(module, "checkpoint_shards"):  # a module that loads its own share
+                expected.update((name, s) for s in module.checkpoint_shards(name.rpartition(".")[2]))
             else:
                 expected.add((name, None))
         loaded: set[tuple[str, int | None]] = set()
@@ -335,6 +403,8 @@ class CausalLM(nn.Module):
                 continue  # recomputed from the config
             if hf_name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # the embedding is the head
+            if self._stage_keeps is not None and not self._stage_keeps(hf_name):
+                continue  # another pipeline stage's
             for name, shard, converted in self._convert(hf_name, tensor):
                 if name not in params:
                     raise KeyError(
@@ -347,6 +417,11 @@ class CausalLM(nn.Module):
                     converted = parallel.narrow_for_rank(
                         modules[module_name], param_name, shard, converted
                     )
+                module_name, _, param_name = name.rpartition(".")
+                loader = getattr(modules[module_name], "load_checkpoint_tensor", None)
+                if loader is not None:  # e.g. FusedMoE: narrows to this rank's experts itself
+                    loaded.update((name, s) for s in loader(param_name, shard, converted))
+                    continue
                 if shard is None:
                     param = params[name]
                     if tuple(converted.shape) != tuple(param.shape):
@@ -356,7 +431,6 @@ class CausalLM(nn.Module):
                         )
                     param.copy_(converted)
                 else:
-                    module_name, _, param_name = name.rpartition(".")
                     modules[module_name].load_shard(param_name, shard, converted)
                 loaded.add((name, shard))
         missing = sorted(self._hf_name(n, s) for n, s in expected - loaded)
@@ -381,5 +455,7 @@ class CausalLM(nn.Module):
         if shard is None:
             return name
         parts = name.split(".")
-        hf = next(k for k, v in _FUSED_SHARDS.items() if v == (parts[-2], shard))
+        hf = next((k for k, v in _FUSED_SHARDS.items() if v == (parts[-2], shard)), None)
+        if hf is None:  # a module's own shard numbering (FusedMoE: per expert)
+            return f"{name} (shard {shard})"
         return ".".join([*parts[:-2], hf, parts[-1]])

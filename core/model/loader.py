@@ -20,7 +20,8 @@ from torch import nn
 
 from tokenmill.model.registry import model_class_for
 from tokenmill.ops import Ops
-from tokenmill.platforms.interfaces import AttentionBackend, AttentionSpec
+from tokenmill.platforms.interfaces import Allocator, AttentionBackend, AttentionSpec
+from tokenmill.sleep_mode import adopt_weights
 
 logger = logging.getLogger(__name__)
 
@@ -102,14 +103,18 @@ def load_model_info(model: str, *, tokenizer: str | None = None,
     )
 
 
-def checkpoint_weights(model_path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def checkpoint_weights(
+    model_path: str, hf_config: Any, keep: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) of every checkpoint tensor of `model_path` (as resolved by
     `load_model_info`), one at a time for safetensors; GGUF tensors are dequantized to
-    float32."""
+    float32. `keep`: only the names it accepts (a pipeline stage's); safetensors skips
+    the others unread."""
     path = Path(model_path)
     if path.suffix == ".gguf":
-        return _gguf_weights(path, hf_config)
-    return _safetensors_weights(path)
+        weights = _gguf_weights(path, hf_config)
+        return weights if keep is None else ((n, t) for n, t in weights if keep(n))
+    return _safetensors_weights(path, keep)
 
 
 def checkpoint_dtype(model_path: str, hf_config: Any) -> torch.dtype:
@@ -126,9 +131,12 @@ def build_model(
     ops: Ops,
     attention_backend: AttentionBackend | Callable[[AttentionSpec], AttentionBackend],
     block_size: int,
+    weights_allocator: Allocator | None = None,
 ) -> nn.Module:
     """The model class for `hf_config` on `device` in `dtype`, `weights` loaded, prepacked
-    for the platform's ops and in eval mode."""
+    for the platform's ops and in eval mode. With `weights_allocator` (a platform with sleep
+    mode) the parameters live in its buffers (`tokenmill.sleep_mode.adopt_weights`), listed
+    in the model's `weight_buffers` for the caller to release."""
     model_cls = model_class_for(hf_config)
     with torch.device(device):
         lm = model_cls(
@@ -136,6 +144,8 @@ def build_model(
             block_size=block_size,
         )
     lm.load_weights(weights)
+    if weights_allocator is not None:
+        lm.weight_buffers = adopt_weights(lm, weights_allocator)
     lm.prepack()
     lm.eval()
     return lm
@@ -208,7 +218,9 @@ def _hf_config(path: Path) -> Any:
     return AutoConfig.from_pretrained(str(path))
 
 
-def _safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _safetensors_weights(
+    path: Path, keep: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of every tensor in the directory's safetensors files, one file at a time."""
     from safetensors import safe_open
 
@@ -231,7 +243,8 @@ def _safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         for file in files:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
-                    yield name, f.get_tensor(name)
+                    if keep is None or keep(name):
+                        yield name, f.get_tensor(name)
 
     return tensors()
 

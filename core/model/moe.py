@@ -7,13 +7,32 @@ tensor per projection, in the op's layout: `w13` [E, 2I, H] (each expert's gate 
 then its up rows) and `w2` [E, H, I]. Checkpoints that store experts otherwise (gpt-oss:
 transposed and gate/up interleaved; Qwen/Mixtral: one tensor per expert) are converted
 once at load by the model family's weight mapping.
+
+Over several ranks (tokenmill.distributed.parallel_state) a layer is built at its share:
+
+- tensor parallel (`moe_tp` group of t ranks): every expert's intermediate dim is split,
+  each rank holding rows [r I/t, (r+1) I/t) of its gate and of its up projection and
+  those columns of its down projection; the ranks' partial outputs are all-reduced (the
+  down bias is added by rank 0 alone, so it counts once).
+- expert parallel (`ep` group of n ranks, `enable_expert_parallel`): rank r holds experts
+  [r E/n, (r+1) E/n) whole. The step's tokens, replicated on every rank, are split into
+  n contiguous slices; each rank routes its slice, sends every (token, expert) row to the
+  expert's owner (all-to-all dispatch: the row counts first, then the rows and their
+  local expert ids), runs its experts on what it received, sends the outputs back
+  (all-to-all combine), weights and sums them per token, and the slices are all-gathered
+  so every rank again holds every token's output.
+
+Weights are narrowed to the rank's share as they load (`load_checkpoint_tensor`): a rank
+never copies another rank's experts (or intermediate rows) to its device.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.distributed.parallel_state import get_parallel_state
 from tokenmill.model.layers import Linear
 from tokenmill.ops import Ops
 
@@ -21,17 +40,64 @@ from tokenmill.ops import Ops
 # - "softmax_topk": softmax over all experts, keep the top k (Mixtral, Qwen); with
 #   `renormalize` the kept weights are divided by their sum (Qwen's norm_topk_prob).
 # - "topk_softmax": keep the top-k logits, softmax over those k only (gpt-oss).
-ROUTING = ("softmax_topk", "topk_softmax")
+# - "sigmoid_group_topk": DeepSeek-V3 / Kimi: sigmoid scores; experts are chosen on the
+#   scores plus a per-expert correction bias, first the `topk_group` best of `num_groups`
+#   groups (a group's score: the sum of its best two), then the top k inside them; the
+#   weights are the chosen experts' plain sigmoid scores, divided by their sum with
+#   `renormalize`, times `routed_scaling_factor`.
+ROUTING = ("softmax_topk", "topk_softmax", "sigmoid_group_topk")
+
+
+def grouped_sigmoid_topk(
+    router_logits: torch.Tensor,
+    top_k: int,
+    correction_bias: torch.Tensor | None,
+    num_groups: int,
+    topk_group: int,
+    renormalize: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's routing ("sigmoid_group_topk"), in float32, as transformers'
+    DeepseekV3TopkRouter computes it."""
+    num_experts = router_logits.shape[-1]
+    if num_experts % num_groups:
+        raise ValueError(f"{num_experts} experts do not split into {num_groups} groups")
+    scores = router_logits.float().sigmoid()
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    grouped = choice.view(-1, num_groups, num_experts // num_groups)
+    group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0].sum(dim=-1)
+    group_ids = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_ids, 1).bool()
+    expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(-1, num_experts)
+    choice = choice.masked_fill(~expert_mask, float("-inf"))
+    ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids
 
 
 def select_experts(
-    router_logits: torch.Tensor, top_k: int, routing: str, renormalize: bool = False
+    router_logits: torch.Tensor,
+    top_k: int,
+    routing: str,
+    renormalize: bool = False,
+    *,
+    correction_bias: torch.Tensor | None = None,
+    num_groups: int = 1,
+    topk_group: int = 1,
+    routed_scaling_factor: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(float32 weights [T, k], int64 expert ids [T, k]) from router logits [T, E].
 
-    Ties between equal logits go to the lower expert id (torch.topk's order), as in
-    transformers.
+    The keyword arguments are "sigmoid_group_topk"'s (see ROUTING). Ties between equal
+    logits go to the lower expert id (torch.topk's order), as in transformers.
     """
+    if routing == "sigmoid_group_topk":
+        return grouped_sigmoid_topk(
+            router_logits, top_k, correction_bias, num_groups, topk_group, renormalize,
+            routed_scaling_factor,
+        )
     if routing == "topk_softmax":
         values, ids = torch.topk(router_logits, top_k, dim=-1)
         return values.float().softmax(dim=-1), ids
@@ -44,11 +110,21 @@ def select_experts(
     raise ValueError(f"routing {routing!r} is not one of {ROUTING}")
 
 
+# the parameters split by expert (and by intermediate row under TP)
+_EXPERT_PARAMS = ("w13", "w2", "w13_bias", "w2_bias")
+
+
 class FusedMoE(nn.Module):
     """A router (Linear hidden -> E) and E experts, each a gated MLP hidden -> I -> hidden.
 
-    `forward(x)`: x [T, hidden] -> [T, hidden]. Parameters: `router.weight` [E, H]
-    (+ `router.bias` [E]), `w13` [E, 2I, H], `w2` [E, H, I] (+ `w13_bias`, `w2_bias`).
+    `forward(x)`: x [T, hidden] -> [T, hidden], the same on every rank. Parameters, at this
+    rank's share (E_r experts, I_r intermediate rows; see the module docstring):
+    `router.weight` [E, H] (+ `router.bias` [E]), `w13` [E_r, 2 I_r, H], `w2` [E_r, H, I_r]
+    (+ `w13_bias` [E_r, 2 I_r], `w2_bias` [E_r, H]). Sizes are the model's whole ones.
+    With "sigmoid_group_topk" routing the router runs in float32 and the layer has
+    `e_score_correction_bias` (float32 [E]). `shared_experts` (DeepSeek, Kimi, Qwen MoE):
+    a module every token goes through beside its routed experts; its output is added
+    (whole on every rank: a family that shards it does so itself).
     """
 
     def __init__(
@@ -67,25 +143,73 @@ class FusedMoE(nn.Module):
         dtype: torch.dtype,
         swiglu_alpha: float = 1.702,
         swiglu_limit: float = 7.0,
+        num_groups: int = 1,
+        topk_group: int = 1,
+        routed_scaling_factor: float = 1.0,
+        shared_experts: nn.Module | None = None,
     ) -> None:
         super().__init__()
         if routing not in ROUTING:
             raise ValueError(f"routing {routing!r} is not one of {ROUTING}")
         if not 0 < top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
+        state = get_parallel_state()
+        self.__dict__["ep"] = state.ep  # plain attributes, not submodules
+        self.__dict__["tp"] = state.moe_tp
+        check_moe_parallel(num_experts, intermediate_size, self.ep.world_size, self.tp.world_size)
         self.num_experts, self.top_k = num_experts, top_k
         self.routing, self.renormalize, self.activation = routing, renormalize, activation
         self.swiglu_alpha, self.swiglu_limit = swiglu_alpha, swiglu_limit
         self.router = Linear(hidden_size, num_experts, router_bias, dtype)
-        e, h, i = num_experts, hidden_size, intermediate_size
+        e = self.num_local_experts = num_experts // self.ep.world_size
+        self.first_expert = self.ep.rank_in_group * e
+        i = self.local_intermediate = intermediate_size // self.tp.world_size
+        self.intermediate_start = self.tp.rank_in_group * i
+        self.intermediate_size, h = intermediate_size, hidden_size
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype))
         self.w2 = nn.Parameter(torch.empty(e, h, i, dtype=dtype))
         self.w13_bias = nn.Parameter(torch.empty(e, 2 * i, dtype=dtype)) if expert_bias else None
         self.w2_bias = nn.Parameter(torch.empty(e, h, dtype=dtype)) if expert_bias else None
+        self.e_score_correction_bias = None
+        if routing == "sigmoid_group_topk":
+            # float32 as in the checkpoint: a rounded bias could change which experts win
+            self.e_score_correction_bias = nn.Parameter(
+                torch.empty(num_experts, dtype=torch.float32)
+            )
+        self.num_groups, self.topk_group = num_groups, topk_group
+        self.routed_scaling_factor = routed_scaling_factor
+        self.shared_experts = shared_experts
         self.ops = ops
 
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.routing == "sigmoid_group_topk":  # DeepSeek routes in float32
+            bias = None if self.router.bias is None else self.router.bias.float()
+            return F.linear(x.float(), self.router.weight.float(), bias)
+        return self.router(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts(self.router(x), self.top_k, self.routing, self.renormalize)
+        if self.ep.world_size > 1:
+            routed = self._forward_expert_parallel(x)
+        else:
+            weights, ids = self._route(x)
+            routed = self._experts(x, weights, ids, with_down_bias=self.tp.rank_in_group == 0)
+            if self.tp.world_size > 1:
+                routed = self.tp.communicator.all_reduce(routed)
+        if self.shared_experts is not None:
+            routed = routed + self.shared_experts(x)
+        return routed
+
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return select_experts(
+            self.router_logits(x), self.top_k, self.routing, self.renormalize,
+            correction_bias=self.e_score_correction_bias, num_groups=self.num_groups,
+            topk_group=self.topk_group, routed_scaling_factor=self.routed_scaling_factor,
+        )
+
+    def _experts(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, with_down_bias: bool
+    ) -> torch.Tensor:
+        """The op over this rank's experts; `ids` are local expert ids."""
         return self.ops.moe_experts(
             x,
             self.w13,
@@ -93,10 +217,120 @@ class FusedMoE(nn.Module):
             weights,
             ids,
             w13_bias=self.w13_bias,
-            w2_bias=self.w2_bias,
+            w2_bias=self.w2_bias if with_down_bias else None,
             activation=self.activation,
             swiglu_alpha=self.swiglu_alpha,
             swiglu_limit=self.swiglu_limit,
+        )
+
+    def _forward_expert_parallel(self, x: torch.Tensor) -> torch.Tensor:
+        """Dispatch this rank's slice of the tokens to the experts' owners, combine the
+        outputs back, all-gather the slices (the module docstring's steps)."""
+        comm, n = self.ep.communicator, self.ep.world_size
+        num_tokens = x.shape[0]
+        chunk = -(-num_tokens // n)
+        lo = min(self.ep.rank_in_group * chunk, num_tokens)
+        local = x[lo : min(lo + chunk, num_tokens)]
+        weights, ids = self._route(local)
+        flat_ids = ids.flatten()
+        owner = flat_ids // self.num_local_experts
+        order = torch.argsort(owner, stable=True)  # rows grouped by destination rank
+        send_counts = torch.bincount(owner, minlength=n)
+        recv_counts = comm.all_to_all(send_counts)
+        sends, recvs = send_counts.tolist(), recv_counts.tolist()
+        token_of = order // self.top_k
+        rows = comm.all_to_all_single(local[token_of], recvs, sends)
+        local_ids = comm.all_to_all_single(
+            (flat_ids[order] % self.num_local_experts).unsqueeze(1), recvs, sends
+        )
+        # every received row through its one expert, unweighted (the sender weights it)
+        ones = torch.ones(local_ids.shape, dtype=torch.float32, device=x.device)
+        outputs = self._experts(rows, ones, local_ids, with_down_bias=True)
+        returned = comm.all_to_all_single(outputs, sends, recvs)
+        per_pick = torch.empty_like(returned)
+        per_pick[order] = returned  # back in (token, j) order
+        combined = torch.zeros((local.shape[0], x.shape[1]), dtype=torch.float32, device=x.device)
+        picks = per_pick.view(local.shape[0], self.top_k, x.shape[1]).float()
+        for j in range(self.top_k):
+            combined += picks[:, j] * weights[:, j, None]
+        padded = x.new_zeros((chunk, x.shape[1]))
+        padded[: local.shape[0]] = combined.to(x.dtype)
+        return comm.all_gather(padded)[:num_tokens]
+
+    # ---- loading ------------------------------------------------------------------------
+    def checkpoint_shards(self, param_name: str) -> list[int | None]:
+        """The shards of `param_name` this rank must load: per-expert checkpoints give
+        expert e's gate as w13 shard 2e, its up as 2e + 1 and its down as w2 shard e
+        (global expert ids); stacked checkpoints give the whole tensor (shard None),
+        which covers them all."""
+        experts = range(self.first_expert, self.first_expert + self.num_local_experts)
+        if param_name == "w13":
+            return [2 * e + part for e in experts for part in (0, 1)]
+        if param_name == "w2":
+            return list(experts)
+        return [None]
+
+    def load_checkpoint_tensor(
+        self, param_name: str, shard: int | None, tensor: torch.Tensor
+    ) -> list[int | None]:
+        """Copy this rank's share of checkpoint `tensor` (in the op's layout; shard as in
+        `checkpoint_shards`) into `param_name`; returns the shards it filled ([] for
+        another rank's expert). ValueError naming the shapes on a mismatch."""
+        param = getattr(self, param_name)
+        if param_name not in _EXPERT_PARAMS:  # whole on every rank (the correction bias)
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"{param_name} expects {tuple(param.shape)}, got {tuple(tensor.shape)}"
+                )
+            param.data.copy_(tensor)
+            return [None]
+        e0, ne = self.first_expert, self.num_local_experts
+        i0, ni, full = self.intermediate_start, self.local_intermediate, self.intermediate_size
+        if shard is None:
+            filled = self.checkpoint_shards(param_name)
+            if tensor.shape[0] != self.num_experts:
+                raise ValueError(
+                    f"{param_name} expects {self.num_experts} stacked experts, got a checkpoint "
+                    f"tensor of {tuple(tensor.shape)}"
+                )
+            part = tensor.narrow(0, e0, ne)
+            if param_name in ("w13", "w13_bias"):  # gate rows then up rows, each narrowed
+                part = torch.cat((part.narrow(1, i0, ni), part.narrow(1, full + i0, ni)), dim=1)
+            elif param_name == "w2":
+                part = part.narrow(2, i0, ni)
+            target = param.data
+        else:
+            expert = shard // 2 if param_name == "w13" else shard
+            if not e0 <= expert < e0 + ne:
+                return []
+            filled = [shard]
+            if param_name == "w13":
+                part = tensor.narrow(0, i0, ni)
+                target = param.data[expert - e0, (shard % 2) * ni : (shard % 2 + 1) * ni]
+            else:
+                part = tensor.narrow(1, i0, ni)
+                target = param.data[expert - e0]
+        if tuple(part.shape) != tuple(target.shape):
+            raise ValueError(
+                f"{param_name} (shard {shard}) expects {tuple(target.shape)} on this rank, got "
+                f"{tuple(part.shape)} from a checkpoint tensor of {tuple(tensor.shape)}"
+            )
+        target.copy_(part)
+        return filled
+
+
+def check_moe_parallel(num_experts: int, intermediate_size: int, ep: int, tp: int) -> None:
+    """ValueError naming the sizes when the experts (EP) or their intermediate dim (TP)
+    do not split evenly."""
+    if num_experts % ep:
+        raise ValueError(
+            f"enable_expert_parallel over {ep} ranks does not divide the model's "
+            f"{num_experts} experts"
+        )
+    if intermediate_size % tp:
+        raise ValueError(
+            f"tensor_parallel_size={tp} does not divide the experts' intermediate size "
+            f"{intermediate_size}; try enable_expert_parallel"
         )
 
 
@@ -105,3 +339,44 @@ def deinterleave_gate_up(t: torch.Tensor, dim: int) -> torch.Tensor:
     dim = dim % t.dim()
     pairs = t.unflatten(dim, (-1, 2))
     return torch.cat((pairs.select(dim + 1, 0), pairs.select(dim + 1, 1)), dim=dim)
+
+
+class ExpertStacker:
+    """Stacks a checkpoint's per-expert MLP tensors (`<prefix>.experts.<e>.gate_proj.weight`,
+    `up_proj`, `down_proj`, as DeepSeek, Kimi, Qwen and Mixtral checkpoints store them)
+    into the op's `w13` [E, 2I, H] and `w2` [E, H, I], as the tensors stream in.
+
+    `add(hf_name, tensor)` returns None when the name is not a per-expert tensor; else a
+    list of (our parameter name, stacked tensor), empty until every expert of that
+    projection of the layer has arrived. Holds at most one layer's experts at a time in
+    a checkpoint stored layer by layer.
+    """
+
+    _LEAVES = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0)}
+
+    def __init__(self, num_experts: int) -> None:
+        self.num_experts = num_experts
+        # (layer prefix, our parameter) -> {(expert, part): tensor}
+        self.pending: dict[tuple[str, str], dict[tuple[int, int], torch.Tensor]] = {}
+
+    def add(self, hf_name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+        parts = hf_name.split(".")
+        if len(parts) < 5 or parts[-4] != "experts" or parts[-1] != "weight":
+            return None
+        if parts[-2] not in self._LEAVES or not parts[-3].isdigit():
+            return None
+        prefix, expert = ".".join(parts[:-4]), int(parts[-3])
+        if not 0 <= expert < self.num_experts:
+            raise KeyError(f"checkpoint weight {hf_name!r}: expert {expert} of {self.num_experts}")
+        param, part = self._LEAVES[parts[-2]]
+        got = self.pending.setdefault((prefix, param), {})
+        got[(expert, part)] = tensor
+        num_parts = 2 if param == "w13" else 1
+        if len(got) < self.num_experts * num_parts:
+            return []
+        del self.pending[(prefix, param)]
+        stacked = torch.stack([
+            torch.cat([got[(e, p)] for p in range(num_parts)], dim=0)
+            for e in range(self.num_experts)
+        ])
+        return [(f"{prefix}.{param}", stacked)]

@@ -32,10 +32,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed.parallel_state import GroupCoordinator
-from tokenmill.model.layers import Linear
+from tokenmill.model.layers import Linear, MergedLinear
+from tokenmill.model.moe import FusedMoE, check_moe_parallel
 from tokenmill.ops import Ops
 
-TP_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+TP_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma3_text", "gpt_oss", "qwen3_moe", "mixtral")
+# MoE families: (the config attribute of the experts' intermediate size, of their count).
+# FusedMoE shards its own experts (core/model/moe.py), so local_config leaves these alone.
+MOE_SIZES = {
+    "gpt_oss": ("intermediate_size", "num_local_experts"),
+    "mixtral": ("intermediate_size", "num_local_experts"),
+    "qwen3_moe": ("moe_intermediate_size", "num_experts"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,40 +89,91 @@ def padded_vocab_shard(vocab_size: int, tp: int) -> int:
     return -(-vocab_size // tp)
 
 
-def local_config(hf_config: Any, tp: int) -> Any:
-    """A copy of `hf_config` with one rank's heads, intermediate size and vocab rows."""
-    if hf_config.model_type not in TP_MODEL_TYPES:
+def local_config(hf_config: Any, tp: int, expert_parallel: bool = False) -> Any:
+    """A copy of `hf_config` with one rank's heads, dense intermediate size and vocab rows.
+
+    A MoE family's expert sizes stay whole (FusedMoE splits them itself); they are only
+    checked here, so a bad size fails before any worker starts: with `expert_parallel`
+    the experts must split over the tp ranks, without it their intermediate dim.
+    """
+    model_type = hf_config.model_type
+    if model_type not in TP_MODEL_TYPES:
         raise ValueError(
             f"tensor parallel supports model types {TP_MODEL_TYPES}, not "
-            f"{hf_config.model_type!r}; use tensor_parallel_size=1"
+            f"{model_type!r}; use tensor_parallel_size=1"
         )
     num_heads = hf_config.num_attention_heads
     num_kv = getattr(hf_config, "num_key_value_heads", None) or num_heads
     shards = head_shards(num_heads, num_kv, tp, 0)
-    if hf_config.intermediate_size % tp:
-        raise ValueError(
-            f"tensor_parallel_size={tp} does not divide intermediate_size="
-            f"{hf_config.intermediate_size}"
-        )
+    moe_inter, moe_count = MOE_SIZES.get(model_type, (None, None))
+    if moe_inter is not None:
+        ep = tp if expert_parallel else 1
+        check_moe_parallel(getattr(hf_config, moe_count), getattr(hf_config, moe_inter), ep, tp // ep)
     local = copy.deepcopy(hf_config)
+    if moe_inter != "intermediate_size":  # a dense MLP's (Qwen3-MoE keeps some)
+        if hf_config.intermediate_size % tp:
+            raise ValueError(
+                f"tensor_parallel_size={tp} does not divide intermediate_size="
+                f"{hf_config.intermediate_size}"
+            )
+        local.intermediate_size = hf_config.intermediate_size // tp
     local.head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
     local.num_attention_heads = shards.num_heads
     local.num_key_value_heads = shards.num_kv_heads
-    local.intermediate_size = hf_config.intermediate_size // tp
     local.vocab_size = padded_vocab_shard(hf_config.vocab_size, tp)
     return local
 
 
+SP_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+class SequenceParallel:
+    """Sequence parallel over a TP group (Megatron's): between TP regions each rank holds
+    a contiguous 1/t of the step's tokens (padded to a multiple of t), so a row-parallel
+    output is reduce-scattered instead of all-reduced and a column-parallel input
+    all-gathered first; the norms and residual adds in between run on 1/t of the tokens.
+    The model body sets `num_tokens` at the start of each forward."""
+
+    def __init__(self, tp: GroupCoordinator) -> None:
+        self.tp = tp
+        self.num_tokens = 0
+
+    def scatter(self, partial: torch.Tensor) -> torch.Tensor:
+        """Sum the ranks' partial [num_tokens, ...] and keep this rank's token slice."""
+        t = self.tp.world_size
+        padded = -(-partial.shape[0] // t) * t
+        if padded != partial.shape[0]:
+            partial = F.pad(partial, [0, 0] * (partial.dim() - 1) + [0, padded - partial.shape[0]])
+        return self.tp.communicator.reduce_scatter(partial, dim=0)
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """Every rank's token slice, concatenated and cut to the step's tokens."""
+        return self.tp.communicator.all_gather(local.contiguous(), dim=0)[: self.num_tokens]
+
+
+def check_sequence_parallel(hf_config: Any) -> None:
+    if hf_config.model_type not in SP_MODEL_TYPES:
+        raise ValueError(
+            f"enable_sequence_parallelism supports model types {SP_MODEL_TYPES}, not "
+            f"{hf_config.model_type!r}"
+        )
+
+
 class RowParallelLinear(Linear):
     """A linear whose input features are split across the TP group: each rank multiplies
-    its slice, the partial sums are all-reduced, then the (whole, replicated) bias added.
-    Built over the parameters of the `Linear` it replaces (no new allocation)."""
+    its slice, the partial sums are all-reduced (reduce-scattered along the tokens under
+    sequence parallel), then the (whole, replicated) bias added. Built over the
+    parameters of the `Linear` it replaces (no new allocation)."""
 
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, tp: GroupCoordinator):
+    def __init__(
+        self, weight: nn.Parameter, bias: nn.Parameter | None, tp: GroupCoordinator,
+        sp: SequenceParallel | None = None,
+    ):
         nn.Module.__init__(self)
         self.weight = weight
         self.bias = bias
         self.__dict__["tp"] = tp  # not a submodule
+        self.__dict__["sp"] = sp
         self._apply_packed = None
 
     def prepack(self, ops: Ops) -> None:
@@ -125,26 +184,46 @@ class RowParallelLinear(Linear):
             partial = self._apply_packed(x)
         else:
             partial = F.linear(x, self.weight)
-        out = self.tp.communicator.all_reduce(partial)
+        out = self.tp.communicator.all_reduce(partial) if self.sp is None else self.sp.scatter(partial)
         return out if self.bias is None else out + self.bias
+
+
+class SequenceGatherLinear(MergedLinear):
+    """A column-parallel `MergedLinear` under sequence parallel: its input, split along
+    the tokens, is all-gathered first. Built over the parameters of the one it replaces."""
+
+    def __init__(self, linear: MergedLinear, sp: SequenceParallel) -> None:
+        nn.Module.__init__(self)
+        self.weight, self.bias = linear.weight, linear.bias
+        self.output_sizes, self.offsets = linear.output_sizes, linear.offsets
+        self.__dict__["sp"] = sp
+        self._apply_packed = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(self.sp.gather(x))
 
 
 class VocabParallelEmbedding(nn.Module):
     """This rank's block of embedding rows; ids outside it look up zeros, and the ranks'
-    lookups are all-reduced so every rank gets every token's row."""
+    lookups are all-reduced so every rank gets every token's row (reduce-scattered: its
+    slice of the tokens, under sequence parallel)."""
 
-    def __init__(self, weight: nn.Parameter, vocab_start: int, tp: GroupCoordinator) -> None:
+    def __init__(
+        self, weight: nn.Parameter, vocab_start: int, tp: GroupCoordinator,
+        sp: SequenceParallel | None = None,
+    ) -> None:
         super().__init__()
         self.weight = weight
         self.vocab_start = vocab_start
         self.__dict__["tp"] = tp
+        self.__dict__["sp"] = sp
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.weight.shape[0])
         rows = F.embedding(local.masked_fill(outside, 0), self.weight)
         rows = rows.masked_fill(outside.unsqueeze(-1), 0)
-        return self.tp.communicator.all_reduce(rows)
+        return self.tp.communicator.all_reduce(rows) if self.sp is None else self.sp.scatter(rows)
 
 
 def gather_logits(local: torch.Tensor, vocab_size: int, tp: GroupCoordinator) -> torch.Tensor:
@@ -152,8 +231,18 @@ def gather_logits(local: torch.Tensor, vocab_size: int, tp: GroupCoordinator) ->
     return tp.communicator.all_gather(local.contiguous(), dim=-1)[..., :vocab_size]
 
 
-def apply_tensor_parallel(lm: nn.Module, hf_config: Any, tp: GroupCoordinator) -> None:
-    """Make `lm` (a llama-family CausalLM built from `local_config`) this rank's shard."""
+def apply_tensor_parallel(
+    lm: nn.Module, hf_config: Any, tp: GroupCoordinator, sequence_parallel: bool = False
+) -> None:
+    """Make `lm` (a llama-family CausalLM built from `local_config`) this rank's shard;
+    with `sequence_parallel`, its TP regions exchange token slices (SequenceParallel) and
+    `lm.model.sequence_parallel` is set (its forward sets the token count and gathers
+    the final hidden states)."""
+    sp = None
+    if sequence_parallel:
+        check_sequence_parallel(hf_config)
+        sp = SequenceParallel(tp)
+    lm.model.__dict__["sequence_parallel"] = sp
     t, rank = tp.world_size, tp.rank_in_group
     num_heads = hf_config.num_attention_heads
     num_kv = getattr(hf_config, "num_key_value_heads", None) or num_heads
@@ -162,7 +251,7 @@ def apply_tensor_parallel(lm: nn.Module, hf_config: Any, tp: GroupCoordinator) -
     vocab = Slice(0, rank * vocab_rows, min(vocab_rows, hf_config.vocab_size - rank * vocab_rows),
                   vocab_rows)
     body = lm.model
-    body.embed_tokens = VocabParallelEmbedding(body.embed_tokens.weight, vocab.start, tp)
+    body.embed_tokens = VocabParallelEmbedding(body.embed_tokens.weight, vocab.start, tp, sp)
     body.embed_tokens.tp_shards = {"weight": vocab}
     if lm.lm_head is not None:
         lm.lm_head.tp_shards = {"weight": vocab}
@@ -171,13 +260,21 @@ def apply_tensor_parallel(lm: nn.Module, hf_config: Any, tp: GroupCoordinator) -
         head = attn.head_size
         q = Slice(0, rank * shards.num_heads * head, shards.num_heads * head)
         kv = Slice(0, shards.kv_head_start * head, shards.num_kv_heads * head)
+        if sp is not None:
+            attn.qkv_proj = SequenceGatherLinear(attn.qkv_proj, sp)
         attn.qkv_proj.tp_shards = {"weight": [q, kv, kv], "bias": [q, kv, kv]}
-        attn.o_proj = RowParallelLinear(attn.o_proj.weight, attn.o_proj.bias, tp)
+        attn.o_proj = RowParallelLinear(attn.o_proj.weight, attn.o_proj.bias, tp, sp)
         attn.o_proj.tp_shards = {"weight": Slice(1, q.start, q.length)}
+        if attn.sinks is not None:  # gpt-oss: one sink logit per query head
+            attn.tp_shards = {"sinks": Slice(0, rank * shards.num_heads, shards.num_heads)}
+        if isinstance(mlp, FusedMoE):
+            continue  # built at this rank's share of experts (core/model/moe.py)
         inter = mlp.down_proj.weight.shape[1]
         cols = Slice(0, rank * inter, inter)
+        if sp is not None:
+            mlp.gate_up_proj = SequenceGatherLinear(mlp.gate_up_proj, sp)
         mlp.gate_up_proj.tp_shards = {"weight": [cols, cols], "bias": [cols, cols]}
-        mlp.down_proj = RowParallelLinear(mlp.down_proj.weight, mlp.down_proj.bias, tp)
+        mlp.down_proj = RowParallelLinear(mlp.down_proj.weight, mlp.down_proj.bias, tp, sp)
         mlp.down_proj.tp_shards = {"weight": Slice(1, cols.start, cols.length)}
 
 

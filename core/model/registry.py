@@ -8,9 +8,14 @@ import torch
 from torch import nn
 
 from tokenmill.model.bamba import BambaForCausalLM
+from tokenmill.model.deepseek_v3 import DeepseekV3ForCausalLM
 from tokenmill.model.gemma3 import Gemma3ForCausalLM
 from tokenmill.model.gpt_oss import GptOssForCausalLM
+from tokenmill.model.kimi_linear import KimiLinearForCausalLM
 from tokenmill.model.llama import CausalLM
+from tokenmill.model.mixtral import MixtralForCausalLM
+from tokenmill.model.qwen3_moe import Qwen3MoeForCausalLM
+from tokenmill.model.qwen3_next import Qwen3NextForCausalLM
 from tokenmill.platforms.interfaces import AttentionSpec
 
 # HF `model_type` -> class. One class covers the llama family; its module docstring says how
@@ -22,6 +27,11 @@ _MODEL_TYPES: dict[str, type[nn.Module]] = {
     "qwen3": CausalLM,
     "gemma3_text": Gemma3ForCausalLM,
     "gpt_oss": GptOssForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
+    "mixtral": MixtralForCausalLM,
+    "deepseek_v3": DeepseekV3ForCausalLM,
+    "qwen3_next": Qwen3NextForCausalLM,
+    "kimi_linear": KimiLinearForCausalLM,
     "bamba": BambaForCausalLM,
 }
 

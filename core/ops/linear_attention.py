@@ -29,6 +29,7 @@ from tokenmill.ops.gated_delta import (
     gated_delta_rule_chunked,
     gated_delta_rule_recurrent,
 )
+from tokenmill.ops.kda import kda_chunked, kda_recurrent
 from tokenmill.ops.mamba2 import Mamba2
 from tokenmill.platforms.interfaces import (
     AttentionMetadata,
@@ -126,8 +127,64 @@ def split_qkv(
     )
 
 
+# ---- Kimi Delta Attention (Kimi Linear) -----------------------------------------------
+
+
+@dataclass(slots=True)
+class KDAInputs:
+    """A KDA layer's inputs for the step's tokens (flattened as the metadata).
+
+    mixed_qkv [T, 3 * H * d]: q, k, v projections before the causal conv (head-major
+    within each; KDA has as many key as value heads and d = dk = dv); g [T, H, d]
+    float32: log decay per key channel (<= 0); beta [T, H]: the learning rate in (0, 1).
+    The conv is depthwise over mixed_qkv's channels with `conv_weight` [C, K] and SiLU.
+    """
+
+    mixed_qkv: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    conv_weight: torch.Tensor
+    num_heads: int
+    head_dim: int
+
+
+def kda_state_spec(
+    num_heads: int, head_dim: int, conv_kernel: int, conv_dtype: torch.dtype
+) -> RecurrentStateSpec:
+    """The state of one KDA layer: the conv's last K - 1 inputs [3 H d, K - 1] in the
+    model dtype, and the delta-rule state [H, d, d] in float32."""
+    return RecurrentStateSpec(
+        "kda",
+        (
+            StateTensorSpec("conv", (3 * num_heads * head_dim, conv_kernel - 1), conv_dtype),
+            StateTensorSpec("ssm", (num_heads, head_dim, head_dim), torch.float32),
+        ),
+    )
+
+
+class KimiDelta:
+    """Causal conv with state, then KDA's per-channel gated delta rule (core/ops/kda.py)."""
+
+    chunk_size = 64
+
+    def run(
+        self, spec: AttentionSpec, inputs: KDAInputs, lo: int, hi: int,
+        state: list[torch.Tensor],
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        conv_state, ssm = state
+        mixed, conv_state = causal_conv1d(inputs.mixed_qkv[lo:hi], inputs.conv_weight, conv_state)
+        q, k, v = (t.reshape(hi - lo, inputs.num_heads, inputs.head_dim)
+                   for t in mixed.chunk(3, dim=-1))
+        g, beta = inputs.g[lo:hi], inputs.beta[lo:hi]
+        if hi - lo == 1:
+            out, ssm = kda_recurrent(q, k, v, g, beta, ssm)
+        else:
+            out, ssm = kda_chunked(q, k, v, g, beta, ssm, chunk_size=self.chunk_size)
+        return out, [conv_state, ssm]
+
+
 REFERENCE_VARIANTS: Mapping[str, LinearVariant] = MappingProxyType(
-    {"gated_delta": GatedDelta(), "mamba2": Mamba2()}
+    {"gated_delta": GatedDelta(), "kda": KimiDelta(), "mamba2": Mamba2()}
 )
 
 
@@ -158,22 +215,30 @@ class ReferenceLinearAttentionBackend(LinearAttentionBackend):
         state_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
+        starts = metadata.query_start_loc.tolist()
+        return torch.cat([
+            self.forward_sequence(spec, inputs, state_cache, metadata, i, starts[i], starts[i + 1])
+            for i in range(metadata.num_seqs)
+        ])
+
+    def forward_sequence(
+        self, spec: AttentionSpec, inputs: Any, state_cache: torch.Tensor,
+        metadata: AttentionMetadata, i: int, lo: int, hi: int,
+    ) -> torch.Tensor:
+        """Sequence i (tokens [lo, hi) of the step): read its state, run the variant piece
+        by piece between its checkpoints, write them and its slot; returns its outputs."""
         variant = self._impls[spec.state.variant]
         rec = metadata.recurrent
-        starts = metadata.query_start_loc.tolist()
-        outs = []
-        for i in range(metadata.num_seqs):
-            lo, hi = starts[i], starts[i + 1]
-            state = initial_state(state_cache, spec.state, rec.source_block_ids[i])
-            at = lo
-            for n, pages in rec.checkpoints[i]:
-                if lo + n > at:
-                    out, state = variant.run(spec, inputs, at, lo + n, state)
-                    outs.append(out)
-                    at = lo + n
-                write_states(state_cache, spec.state, [pages], [t[None] for t in state])
-            if at < hi:
-                out, state = variant.run(spec, inputs, at, hi, state)
+        state = initial_state(state_cache, spec.state, rec.source_block_ids[i])
+        outs, at = [], lo
+        for n, pages in rec.checkpoints[i]:
+            if lo + n > at:
+                out, state = variant.run(spec, inputs, at, lo + n, state)
                 outs.append(out)
-            write_states(state_cache, spec.state, [rec.state_block_ids[i]], [t[None] for t in state])
+                at = lo + n
+            write_states(state_cache, spec.state, [pages], [t[None] for t in state])
+        if at < hi:
+            out, state = variant.run(spec, inputs, at, hi, state)
+            outs.append(out)
+        write_states(state_cache, spec.state, [rec.state_block_ids[i]], [t[None] for t in state])
         return torch.cat(outs)

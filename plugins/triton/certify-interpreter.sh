@@ -6,4 +6,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 TOKENMILL_WRITE_CERTIFICATES=1 python -m pytest -q -p no:cacheprovider \
-    tests/conformance/test_gpu_plugins.py -k certifies
+    -m certify tests/conformance/test_gpu_plugins.py -k certifies

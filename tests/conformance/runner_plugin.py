@@ -9,6 +9,8 @@ conformance suite must refuse that one.
 
 from __future__ import annotations
 
+import re
+
 import pluggy
 import torch
 
@@ -35,6 +37,33 @@ NAME = "hfrunner"
 BUG: str | None = None  # "drops_last_token": the last known token never reaches the model
 
 
+_EXPERT = re.compile(
+    r"(.*)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight"
+)
+_PART = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 2, "w2": 2}
+
+
+def _stack_experts(state: dict) -> dict:
+    """Per-expert checkpoint tensors (Qwen3-MoE, Mixtral) -> the stacked parameters
+    transformers 5 holds in memory (`mlp.experts.gate_up_proj` / `down_proj`)."""
+    experts: dict[str, dict[int, dict[int, object]]] = {}
+    out = {}
+    for name, tensor in state.items():
+        match = _EXPERT.fullmatch(name)
+        if match is None:
+            out[name.replace(".block_sparse_moe.", ".mlp.")] = tensor
+            continue
+        layer, expert, proj = match.groups()
+        experts.setdefault(layer, {}).setdefault(int(expert), {})[_PART[proj]] = tensor
+    for layer, by_expert in experts.items():
+        ids = sorted(by_expert)
+        out[f"{layer}.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat((by_expert[e][0], by_expert[e][1])) for e in ids]
+        )
+        out[f"{layer}.mlp.experts.down_proj"] = torch.stack([by_expert[e][2] for e in ids])
+    return out
+
+
 class TransformersRunner(ModelRunnerBase):
     def __init__(self, context: ModelRunnerContext, bug: str | None = None) -> None:
         from transformers import AutoModelForCausalLM
@@ -42,7 +71,8 @@ class TransformersRunner(ModelRunnerBase):
         self.context = context
         self.bug = bug
         model = AutoModelForCausalLM.from_config(context.hf_config, dtype=context.dtype)
-        missing, unexpected = model.load_state_dict(dict(context.weights()), strict=False)
+        state = _stack_experts(dict(context.weights()))
+        missing, unexpected = model.load_state_dict(state, strict=False)
         tied = getattr(context.hf_config, "tie_word_embeddings", False)
         if unexpected or set(missing) - ({"lm_head.weight"} if tied else set()):
             raise KeyError(f"checkpoint does not fit: missing {missing}, unexpected {unexpected}")

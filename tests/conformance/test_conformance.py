@@ -47,10 +47,12 @@ def test_cpu_plugin_gets_a_full_certificate(tmp_path):
     assert tiers(cert) == {"T0": "passed", "T1": "passed", "T2": "passed", "T3": "passed",
                            "T4": "passed", "T5": "reported"}
     assert cert["plugin"]["name"] == "cpu" and cert["plugin"]["distribution"] == "tokenmill-cpu"
-    assert set(cert["capabilities"]["attention_kinds"]) == {"full", "sliding_window", "linear"}
+    assert set(cert["capabilities"]["attention_kinds"]) == {
+        "full", "sliding_window", "linear", "mla"}
     ids = {t["id"] for t in cert["tests"]}
     for expected in (
         "t1/test_attention.py::test_unwritten_slots_are_never_read[full-float32]",
+        "t1/test_mla.py::test_mla_unwritten_slots_are_never_read[bfloat16]",
         "t1/test_linear_attention.py::test_mixed_step_matches_reference[cpu_mamba2-mamba2-bfloat16]",
         "t1/test_collectives.py::test_collective[world4-all_reduce-bfloat16]",
         "t1/test_ops.py::test_op_matches_reference[prepack_linear-float32]",

@@ -188,8 +188,8 @@ def test_registry_builds_the_stack_from_entry_points(tmp_path, redis_server):
     assert [t.name for t in stack.tiers] == ["host", "disk", "redis"]
     assert os.path.isdir(stack.tiers[1].root) and stack.tiers[1].root.parent == tmp_path
     stack.close()
-    with pytest.raises(ValueError, match="no KV tier 'mooncake' is installed"):
-        make_tier("mooncake", {}, ctx)
+    with pytest.raises(ValueError, match="no KV tier 'nosuchstore' is installed"):
+        make_tier("nosuchstore", {}, ctx)
     with pytest.raises(ValueError, match="needs kv_offload_disk_bytes"):
         OffloadConfig(disk_path=str(tmp_path))
     with pytest.raises(ValueError, match="not a URL"):
@@ -237,8 +237,9 @@ def test_engine_args_take_sizes_as_strings_and_name_bad_ones():
     assert EngineArgs(kv_offload_host_bytes=4096).kv_offload_host_bytes == 4096
     with pytest.raises(ValidationError, match="kv_offload_host_bytes='lots' is not a size"):
         EngineArgs(kv_offload_host_bytes="lots")
-    with pytest.raises(ValidationError, match="distributed_executor_backend='uni' for now"):
-        EngineArgs(kv_offload_host_bytes="1GiB", distributed_executor_backend="mp")
+    assert EngineArgs(kv_offload_host_bytes="1GiB", distributed_executor_backend="mp")
+    with pytest.raises(ValidationError, match="tensor_parallel_size=1 and pipeline_parallel_size=1 for now"):
+        EngineArgs(kv_offload_host_bytes="1GiB", tensor_parallel_size=2)
     with pytest.raises(ValidationError, match="needs enable_prefix_caching=True"):
         EngineArgs(kv_offload_host_bytes="1GiB", enable_prefix_caching=False)
 

@@ -19,8 +19,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 from test_kv_tiers import LAYOUT, obj, staging
 
+from tokenmill.kv_connector.directory import TierDirectory
 from tokenmill.kv_connector.disk import DiskTier
 from tokenmill.kv_connector.host import HostMemoryTier
+from tokenmill.kv_connector.messages import WorkerReport
 from tokenmill.kv_connector.objects import HEADER_BYTES
 from tokenmill.kv_connector.redis_tier import RedisTier
 from tokenmill.kv_connector.stack import TierStack
@@ -65,6 +67,9 @@ def make_machine(server):
                 "redis": RedisTier(server.url, socket_timeout_s=0.5, retry_after_s=60),
             }
             self.stack = TierStack(list(self.tiers.values()))
+            # the engine's mirror of a stack in a worker process, fed by its change log
+            self.stack.record_changes()
+            self.mirror = TierDirectory(self.stack.index(b"fingerprint", 4))
             self.shadow = {n: ShadowTier(c) for n, c in CAPACITY.items()}
             self.redis_alive = True
 
@@ -168,6 +173,13 @@ def make_machine(server):
                 if n != "redis":
                     assert list(self.shadow[n].held) == [KEY_INDEX[k] for k in self.tiers[n].keys()]
                     assert self.tiers[n].used_bytes() <= self.tiers[n].capacity_bytes
+            self.mirror.apply(WorkerReport(tier_changes=self.stack.take_changes()))
+            for n in self.live():
+                held = set(self.tiers[n].keys())
+                if n == "redis":  # deletes out of the stack's sight: the mirror may hold more
+                    assert held <= self.mirror.held(n)
+                else:  # host and disk report every removal: an exact mirror
+                    assert held == self.mirror.held(n), n
             for n, sh in self.shadow.items():
                 assert self.stack.stats[n].bytes_written == sh.written * SIZE, n
                 assert self.stack.stats[n].bytes_promoted == sh.promoted * SIZE, n

@@ -16,7 +16,7 @@ import uvicorn
 from tokenmill.async_engine import AsyncLLM
 from tokenmill.config import EngineArgs
 from tokenmill.server.app import build_app
-from tokenmill.server.protocol import MAX_HTTP_HEAD_BYTES
+from tokenmill.server.http_server import uvicorn_options
 
 TINY_NAME = "tiny-llama"
 API_KEY = "sk-test-key"
@@ -33,8 +33,8 @@ def running_server(app) -> Iterator[str]:
     """Serve `app` with uvicorn in a background thread; yields the base URL."""
     port = free_port()
     config = uvicorn.Config(
-        app, host="127.0.0.1", port=port, http="h11", log_level=os.environ.get("TOKENMILL_TEST_UVICORN_LOG", "warning"),
-        h11_max_incomplete_event_size=MAX_HTTP_HEAD_BYTES, timeout_graceful_shutdown=5,
+        app, host="127.0.0.1", port=port, log_level=os.environ.get("TOKENMILL_TEST_UVICORN_LOG", "warning"),
+        timeout_graceful_shutdown=5, **uvicorn_options(),  # what `tokenmill serve` runs
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)

@@ -53,6 +53,9 @@ def test_counters_match_requests(tiny_server):
     assert after[("tokenmill:num_requests_running", ())] == 0
     assert after[("tokenmill:num_requests_waiting", ())] == 0
     assert after[("tokenmill:kv_cache_usage_perc", ())] == 0
+    # the per-type split: a plain model has one type, idle now
+    assert after[("tokenmill:kv_blocks_in_use", (("attention_type", "full"),))] == 0
+    assert after[("tokenmill:kv_blocks_usable", ())] > 0
     assert ("tokenmill:num_preemptions_total", ()) in after
     assert ("tokenmill:prefix_cache_hits_total", ()) in after
 

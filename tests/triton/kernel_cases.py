@@ -26,6 +26,7 @@ from tokenmill_conformance.attention_harness import (
 from tokenmill_triton import elementwise, moe
 from tokenmill_triton.attention import TritonPagedAttention, paged_attention, write_kv
 from tokenmill_triton.configs import AttentionConfig, KernelConfigs, MoEConfig, interpreter_mode
+from tokenmill_triton.rounding import to_dtype
 
 DEVICE = "cpu" if interpreter_mode() else "cuda"
 # Small tiles, so that the tiny shapes still cross tile, page and segment boundaries.
@@ -237,6 +238,10 @@ def test_moe_experts_matches_the_core_reference(dtype, activation):
                                        for a in args])
     tol = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}[dtype]
     torch.testing.assert_close(got.cpu(), expected, atol=tol, rtol=tol)
+    if interpreter_mode() and dtype == torch.bfloat16:
+        # float32 accumulation, rounded to bf16 (to nearest even) exactly where the
+        # reference rounds: here that leaves no difference at all
+        assert torch.equal(got.cpu(), expected)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=_name)
@@ -273,6 +278,56 @@ def _dot_kernel(a_ptr, b_ptr, c_ptr, M: tl.constexpr, N: tl.constexpr, K: tl.con
     a = tl.load(a_ptr + m[:, None] * K + k[None, :])
     b = tl.load(b_ptr + k[:, None] * N + n[None, :])
     tl.store(c_ptr + m[:, None] * N + n[None, :], tl.dot(a, b))
+
+
+@triton.jit
+def _cast_kernel(x_ptr, out_ptr, N: tl.constexpr, RTNE: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(out_ptr + i, to_dtype(tl.load(x_ptr + i), tl.bfloat16, RTNE))
+
+
+def _cast_cases() -> torch.Tensor:
+    """float32 values whose bf16 rounding is hard: ties (low half exactly 0x8000) with an
+    even and an odd kept bit, just below and above a tie, carries into the exponent, the
+    largest finite values (round up to inf), infinities, NaN, zeros, subnormals."""
+    g = torch.Generator().manual_seed(0)
+    base = torch.randint(0, 2**31 - 1, (512,), generator=g, dtype=torch.int64)
+    low = torch.tensor([0x8000, 0x7FFF, 0x8001, 0xFFFF, 0x0000, 0x0001])
+    bits = ((base[:, None] & 0x7FFF0000) | low[None, :]).flatten()
+    special = torch.tensor([0x3F80FFFF, 0x3F81FFFF, 0x7F7FFFFF, 0x7F7F8000, 0x7F800000,
+                            0x7FC00000, 0x00000000, 0x00008000, 0x00018000, 0x007FFFFF])
+    bits = torch.cat((bits, special))
+    bits = torch.cat((bits, bits | 0x80000000))  # and every case negative
+    return bits.to(torch.int32).view(torch.float32)
+
+
+def test_in_kernel_bf16_rounding_matches_torch_bit_for_bit():
+    x = _cast_cases().to(DEVICE)
+    n = triton.next_power_of_2(x.numel())
+    padded = torch.zeros(n, device=DEVICE)
+    padded[:x.numel()] = x
+    out = torch.empty(n, dtype=torch.bfloat16, device=DEVICE)
+    _cast_kernel[(1,)](padded, out, n, RTNE=True)
+    expected = padded.cpu().to(torch.bfloat16)
+    same = out.cpu().view(torch.int16) == expected.view(torch.int16)
+    both_nan = out.cpu().isnan() & expected.isnan()
+    assert bool((same | both_nan).all()), padded.cpu()[~(same | both_nan)][:8]
+
+
+@pytest.mark.skipif(not interpreter_mode(), reason="only the interpreter has the quirk")
+def test_interpreter_bf16_cast_still_truncates():
+    """Why tokenmill_triton.rounding exists: when this fails, Triton's interpreter rounds
+    float32 -> bf16 to nearest and kernels can drop RTNE_BF16."""
+    x = _cast_cases()
+    n = triton.next_power_of_2(x.numel())
+    padded = torch.zeros(n)
+    padded[:x.numel()] = x
+    out = torch.empty(n, dtype=torch.bfloat16)
+    _cast_kernel[(1,)](padded, out, n, RTNE=False)
+    truncated = (padded.view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+    normal = padded.isfinite() & ((padded == 0) | (padded.abs() >= torch.finfo().tiny))
+    assert torch.equal(out[normal], truncated[normal])
+    assert not torch.equal(out[normal], padded[normal].to(torch.bfloat16))
 
 
 @pytest.mark.skipif(not interpreter_mode(), reason="only the interpreter has the quirk")

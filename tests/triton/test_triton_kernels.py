@@ -1,6 +1,7 @@
-"""Runs kernel_cases.py (the shared Triton kernels against the core's references) in a
-fresh process: with TRITON_INTERPRET=1 on a machine without a GPU, since Triton decides at
-import whether kernels are interpreted and this session must not see the variable."""
+"""Runs the case files (the shared Triton kernels against the core's references:
+kernel_cases.py, gated_delta_cases.py, linear_cases.py, mla_cases.py) each in a fresh
+process: with TRITON_INTERPRET=1 on a machine without a GPU, since Triton decides at import
+whether kernels are interpreted and this session must not see the variable."""
 
 from __future__ import annotations
 
@@ -23,12 +24,14 @@ def _has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-def test_triton_kernels_match_the_references(tmp_path):
+@pytest.mark.parametrize("cases", ["kernel_cases.py", "gated_delta_cases.py", "linear_cases.py",
+                                   "mla_cases.py"])
+def test_triton_kernels_match_the_references(tmp_path, cases):
     env = dict(os.environ)
     if not _has_gpu():
         env["TRITON_INTERPRET"] = "1"
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-               "--rootdir", str(HERE), str(HERE / "kernel_cases.py")]
+               "--rootdir", str(HERE), str(HERE / cases)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=tmp_path,
                             env=env)
     output = result.stdout + result.stderr

@@ -7,6 +7,9 @@ Limits are fixed when an allocator is created (at activation, never at import):
 - host staging: 10% of available memory.
 The allocator accounts for what it handed out; `free` stops the accounting and drops the
 allocator's reference, and the memory returns to the system when the caller drops its own.
+Sleep mode (`LLM.sleep`) frees every live buffer's memory and gives it back on wake
+(`tokenmill.platforms.sleep.BufferSleep`): the host path of the same mechanics the GPU
+plugins run on device memory.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import psutil
 import torch
 
 from tokenmill.platforms.interfaces import Allocator, AllocatorPurpose, OutOfMemoryError
+from tokenmill.platforms.sleep import BufferSleep
 
 KVCACHE_ENV = "TOKENMILL_CPU_KVCACHE_GIB"
 GIB = 1 << 30
@@ -38,6 +42,7 @@ class HostAllocator(Allocator):
         self._limit_source = limit_source
         self._live: dict[int, torch.Tensor] = {}  # storage address -> buffer
         self._in_use = 0
+        self._sleep = BufferSleep(f"cpu {purpose.value} allocator")
 
     def allocate(self, num_bytes: int) -> torch.Tensor:
         """A fresh uint8 tensor of `num_bytes` (> 0) bytes; `OutOfMemoryError` past the limit."""
@@ -45,6 +50,8 @@ class HostAllocator(Allocator):
             raise ValueError(
                 f"cpu {self.purpose.value} allocator: num_bytes={num_bytes} must be > 0"
             )
+        if self._sleep.sleeping:
+            raise RuntimeError(f"cpu {self.purpose.value} allocator is asleep; wake() it first")
         free = self._limit - self._in_use
         if num_bytes > free:
             raise OutOfMemoryError(self._oom_message(num_bytes, free))
@@ -74,6 +81,20 @@ class HostAllocator(Allocator):
 
     def bytes_limit(self) -> int:
         return self._limit
+
+    @property
+    def sleeping(self) -> bool:
+        return self._sleep.sleeping
+
+    def sleep(self, keep_contents: bool) -> int:
+        """See `Allocator.sleep`: every live buffer's memory goes back to the system (a
+        copy kept first with `keep_contents`); returns the bytes freed."""
+        return self._sleep.sleep(self._live.items(), keep_contents)
+
+    def wake(self) -> None:
+        """See `Allocator.wake`; buffers are keyed again by their new addresses."""
+        self._sleep.wake(self._live.items())
+        self._live = {b.untyped_storage().data_ptr(): b for b in self._live.values()}
 
     def _oom_message(self, num_bytes: int, free: int) -> str:
         hint = (

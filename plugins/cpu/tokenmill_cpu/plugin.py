@@ -31,12 +31,14 @@ hookimpl = pluggy.HookimplMarker("tokenmill")
 
 CAPABILITIES = Capabilities(
     attention_kinds=frozenset(
-        {AttentionKind.FULL, AttentionKind.SLIDING_WINDOW, AttentionKind.LINEAR}
+        {AttentionKind.FULL, AttentionKind.SLIDING_WINDOW, AttentionKind.LINEAR,
+         AttentionKind.MLA}
     ),
     dtypes=frozenset({torch.float32, torch.bfloat16}),
     block_sizes=frozenset({8, 16, 32, 64, 128}),
     head_sizes=frozenset({32, 64, 80, 96, 128, 256}),
     collectives=True,
+    sleep_mode=True,  # host memory: allocator.py
 )
 
 
@@ -47,8 +49,9 @@ def memory_info() -> MemoryInfo:
 
 @hookimpl
 def tokenmill_api_version() -> str:
-    # the plugin API this plugin was written against (1.1: apply_token_bitmask; 1.3: kind
-    # LINEAR, its Mamba2 backend)
+    # the plugin API this plugin was written against (1.1: apply_token_bitmask; 1.3: a
+    # LINEAR backend over recurrent state:
+    # gated_delta and kda, and mamba2 on its own backend)
     return "1.3"
 
 
@@ -82,12 +85,17 @@ def tokenmill_platform() -> Platform:
 @hookimpl
 def tokenmill_attention_backends(platform: Platform) -> list[AttentionBackend]:
     from tokenmill_cpu.attention import CpuPagedAttention
+    from tokenmill_cpu.linear_attention import CpuLinearAttention
     from tokenmill_cpu.mamba2 import CpuMamba2Attention
+    from tokenmill_cpu.mla import CpuMLAAttention
 
     return [
         CpuPagedAttention(AttentionKind.FULL),
         CpuPagedAttention(AttentionKind.SLIDING_WINDOW),
-        CpuMamba2Attention(),  # kind LINEAR, variant mamba2
+        # before cpu_linear, which runs every reference variant (mamba2 on the reference)
+        CpuMamba2Attention(),
+        CpuLinearAttention(),
+        CpuMLAAttention(),
     ]
 
 

@@ -63,6 +63,31 @@ class MoEConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class LinearAttentionConfig:
+    """Gated DeltaNet kernels (tokenmill_triton.gated_delta).
+
+    chunk_size: tokens per step of the chunked scan (a power of two, >= 16: the tl.dot
+    minimum); block_v: value columns per program (the state slice [dk, block_v] lives in
+    registers); conv_block_c / conv_block_t: channels and tokens per tile of the conv."""
+
+    chunk_size: int = 64
+    block_v: int = 32
+    conv_block_c: int = 128
+    conv_block_t: int = 16
+    num_warps: int = 4
+
+
+@dataclass(frozen=True, slots=True)
+class MLAConfig:
+    """Latent attention (tokenmill_triton.mla): heads of one token per program (they share
+    every latent tile), keys per inner-loop tile."""
+
+    block_h: int = 16
+    tile_n: int = 32
+    num_warps: int = 4
+
+
+@dataclass(frozen=True, slots=True)
 class KernelConfigs:
     """Everything a plugin decides about launches.
 
@@ -76,5 +101,7 @@ class KernelConfigs:
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     elementwise: ElementwiseConfig = field(default_factory=ElementwiseConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    linear: LinearAttentionConfig = field(default_factory=LinearAttentionConfig)
+    mla: MLAConfig = field(default_factory=MLAConfig)
     upcast_bf16_dot: bool = False
     fp32_dot_precision: str = "ieee"

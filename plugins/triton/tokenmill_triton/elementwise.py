@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from tokenmill_triton.configs import ElementwiseConfig
+from tokenmill_triton.rounding import exact_bf16_casts, to_dtype
 
 
 @triton.jit
@@ -160,7 +161,8 @@ def _rotate(positions, x, cache, half, config):
 
 @triton.jit
 def _act_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_rows, d, alpha, limit,
-                        ACTIVATION: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                        ACTIVATION: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                        RTNE: tl.constexpr):
     """out = act(gate) * up for x = (gate | up); rounded as torch rounds each op in the
     activations' dtype. ACTIVATION: "silu", "gelu_tanh" or "swiglu_oai" (gpt-oss:
     (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit))."""
@@ -171,19 +173,19 @@ def _act_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_rows, d, alpha, li
     gate = tl.load(x_ptr + rows * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + rows * stride_x + d + cols, mask=mask, other=0.0).to(tl.float32)
     if ACTIVATION == "silu":
-        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        act = to_dtype(gate / (1.0 + tl.exp(-gate)), dtype, RTNE).to(tl.float32)
     elif ACTIVATION == "gelu_tanh":
         inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
         tanh = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
-        act = (0.5 * gate * (1.0 + tanh)).to(dtype).to(tl.float32)
+        act = to_dtype(0.5 * gate * (1.0 + tanh), dtype, RTNE).to(tl.float32)
     else:
         gate = tl.minimum(gate, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)
-        scaled = (gate * alpha).to(dtype).to(tl.float32)
-        sig = (1.0 / (1.0 + tl.exp(-scaled))).to(dtype).to(tl.float32)
-        act = (gate * sig).to(dtype).to(tl.float32)
-        up = (up + 1.0).to(dtype).to(tl.float32)
-    tl.store(out_ptr + rows * stride_o + cols, (act * up).to(dtype), mask=mask)
+        scaled = to_dtype(gate * alpha, dtype, RTNE).to(tl.float32)
+        sig = to_dtype(1.0 / (1.0 + tl.exp(-scaled)), dtype, RTNE).to(tl.float32)
+        act = to_dtype(gate * sig, dtype, RTNE).to(tl.float32)
+        up = to_dtype(up + 1.0, dtype, RTNE).to(tl.float32)
+    tl.store(out_ptr + rows * stride_o + cols, to_dtype(act * up, dtype, RTNE), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor, config: ElementwiseConfig) -> torch.Tensor:
@@ -211,7 +213,7 @@ def act_and_mul(x: torch.Tensor, config: ElementwiseConfig, activation: str,
         grid = (triton.cdiv(n_rows, per_program), triton.cdiv(d, block))
         _act_and_mul_kernel[grid](rows, out, rows.stride(0), out.stride(0), n_rows, d, alpha,
                                   limit, ACTIVATION=activation, ROWS=per_program, BLOCK=block,
-                                  num_warps=config.num_warps)
+                                  RTNE=exact_bf16_casts(), num_warps=config.num_warps)
     return out.view(*x.shape[:-1], d)
 
 

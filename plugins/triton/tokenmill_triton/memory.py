@@ -3,9 +3,10 @@
 Each buffer is one `torch.empty` through torch's caching allocator (the KV arena is one
 allocation of the arena's size). Sleep mode, as vLLM's: `sleep()` frees the device memory
 of every live buffer while the buffer tensors, and every view the engine holds of them,
-stay valid objects: the storage is resized to 0 bytes (weights are first copied to host
-memory; the KV arena's contents are discarded). `wake()` resizes the storages back and
-restores the weights (the KV arena comes back zeroed). Views follow their storage, so the
+stay valid objects (`tokenmill.platforms.sleep.BufferSleep`): the storage is resized to
+0 bytes (weights are first copied to host memory at level 1; the KV arena's contents are
+discarded). `wake()` resizes the storages back and restores what was kept (the rest comes
+back zeroed). Views follow their storage, so the
 engine's per-layer caches need no rebuilding; device addresses do change, so captured
 graphs must be captured again after a wake.
 
@@ -20,6 +21,7 @@ from collections.abc import Callable
 import torch
 
 from tokenmill.platforms.interfaces import Allocator, AllocatorPurpose, OutOfMemoryError
+from tokenmill.platforms.sleep import BufferSleep
 
 GIB = 1 << 30
 
@@ -51,7 +53,7 @@ class DeviceAllocator(Allocator):
         self._release_cached = release_cached
         self._live: dict[int, torch.Tensor] = {}  # id(buffer) -> buffer (kept alive here)
         self._in_use = 0
-        self._backups: dict[int, torch.Tensor] | None = None  # set while asleep
+        self._sleep = BufferSleep(self._what())
 
     # ---- Allocator -------------------------------------------------------------------
     def allocate(self, num_bytes: int) -> torch.Tensor:
@@ -96,38 +98,21 @@ class DeviceAllocator(Allocator):
     # ---- sleep mode ------------------------------------------------------------------
     @property
     def sleeping(self) -> bool:
-        return self._backups is not None
+        return self._sleep.sleeping
 
-    def sleep(self) -> int:
-        """Free the device memory of every live buffer; returns the bytes freed. Weights
-        are kept in host memory, KV arena contents are dropped. Sleeping twice is an error."""
-        if self.sleeping:
-            raise RuntimeError(f"{self._what()} is already asleep")
-        backups = {}
-        freed = 0
-        for key, buffer in self._live.items():
-            storage = buffer.untyped_storage()
-            if self.purpose is AllocatorPurpose.WEIGHTS:
-                backups[key] = buffer.to("cpu", copy=True)
-            freed += storage.nbytes()
-            storage.resize_(0)
-        self._backups = backups
-        self._release_cached()
-        return freed
+    def sleep(self, keep_contents: bool | None = None) -> int:
+        """Free the device memory of every live buffer; returns the bytes freed. Contents
+        are kept in host memory with `keep_contents` (default: weights yes, the KV arena
+        no), and the caching allocator's idle blocks go back to the driver. Sleeping twice
+        is an error."""
+        if keep_contents is None:
+            keep_contents = self.purpose is AllocatorPurpose.WEIGHTS
+        return self._sleep.sleep(self._live.items(), keep_contents, self._release_cached)
 
     def wake(self) -> None:
         """Give every buffer its memory back (same tensors and views, new addresses):
-        weights restored, the KV arena zeroed. Waking an awake allocator is an error."""
-        if self._backups is None:
-            raise RuntimeError(f"{self._what()} is not asleep")
-        for key, buffer in self._live.items():
-            buffer.untyped_storage().resize_(buffer.numel())
-            backup = self._backups.get(key)
-            if backup is None:
-                buffer.zero_()
-            else:
-                buffer.copy_(backup)
-        self._backups = None
+        kept contents restored, the rest zeroed. Waking an awake allocator is an error."""
+        self._sleep.wake(self._live.items())
 
     # ---- messages --------------------------------------------------------------------
     def _what(self) -> str:

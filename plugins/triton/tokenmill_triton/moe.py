@@ -21,6 +21,7 @@ import triton.language as tl
 
 from tokenmill_triton.configs import KernelConfigs
 from tokenmill_triton.elementwise import act_and_mul
+from tokenmill_triton.rounding import exact_bf16_casts, to_dtype
 
 
 @triton.jit
@@ -114,6 +115,7 @@ def _grouped_gemm_kernel(
     GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    RTNE_BF16: tl.constexpr,
 ):
     """C[pair] = A[row(pair)] @ B[expert].T + bias[expert] (times the pair's routing weight)."""
     pid = tl.program_id(0)
@@ -150,9 +152,10 @@ def _grouped_gemm_kernel(
         acc += bias.to(tl.float32)[None, :]
     if MUL_WEIGHT:
         w = tl.load(weights_ptr + pairs, mask=pair_ok, other=0.0)
-        acc = acc.to(a_ptr.dtype.element_ty).to(tl.float32) * w[:, None]
+        acc = to_dtype(acc, a_ptr.dtype.element_ty, RTNE_BF16).to(tl.float32) * w[:, None]
     tl.store(c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + cols[None, :],
-             acc.to(c_ptr.dtype.element_ty), mask=pair_ok[:, None] & col_ok[None, :])
+             to_dtype(acc, c_ptr.dtype.element_ty, RTNE_BF16),
+             mask=pair_ok[:, None] & col_ok[None, :])
 
 
 def _grouped_gemm(a, b, out, pair_ids, block_expert, weights, rows_per_token, configs,
@@ -172,7 +175,7 @@ def _grouped_gemm(a, b, out, pair_ids, block_expert, weights, rows_per_token, co
         HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         UPCAST=configs.upcast_bf16_dot and a.dtype == torch.bfloat16,
-        DOT_PRECISION=configs.fp32_dot_precision,
+        DOT_PRECISION=configs.fp32_dot_precision, RTNE_BF16=exact_bf16_casts(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

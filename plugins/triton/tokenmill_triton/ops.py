@@ -13,12 +13,10 @@ def make_ops(configs: KernelConfigs) -> dict[str, Callable]:
     """Op name -> kernel wrapper with the reference's signature (tokenmill.ops.reference).
 
     prepack_linear, copy_blocks and swap_blocks stay the core's references: they are one
-    vendor GEMM or one indexed copy each already. moe_experts is not registered yet:
-    `tokenmill_triton.moe.moe_experts` matches the reference in float32 and float16, but in
-    bf16 the conformance suite's tolerance (atol 5e-2, rtol 3e-2 on outputs of magnitude
-    ~16, where one bf16 step is 0.125) refuses any accumulation order other than the
-    reference's where two experts' outputs cancel (5 of 672 elements in T1)."""
-    from tokenmill_triton import elementwise
+    vendor GEMM or one indexed copy each already. moe_experts is the grouped-GEMM kernel
+    (rounding to the dtype where the reference rounds; in the interpreter bf16 casts are
+    rounded to nearest even in-kernel, see tokenmill_triton.rounding)."""
+    from tokenmill_triton import elementwise, moe
 
     cfg = configs.elementwise
     return {
@@ -28,4 +26,5 @@ def make_ops(configs: KernelConfigs) -> dict[str, Callable]:
         "rotary_embedding": functools.partial(elementwise.rotary_embedding, config=cfg),
         "silu_and_mul": functools.partial(elementwise.silu_and_mul, config=cfg),
         "apply_token_bitmask": functools.partial(elementwise.apply_token_bitmask, config=cfg),
+        "moe_experts": functools.partial(moe.moe_experts, configs=configs),
     }

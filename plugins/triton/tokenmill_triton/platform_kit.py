@@ -32,7 +32,7 @@ from tokenmill.platforms.interfaces import (
 )
 from tokenmill_triton.configs import KernelConfigs, interpreter_mode
 
-KINDS = frozenset({AttentionKind.FULL, AttentionKind.SLIDING_WINDOW})
+KINDS = frozenset({AttentionKind.FULL, AttentionKind.SLIDING_WINDOW, AttentionKind.MLA})
 GPU_CAPABILITIES = Capabilities(
     attention_kinds=KINDS,
     dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
@@ -144,7 +144,8 @@ class GpuPlugin:
                 default_dtype=torch.float32,
                 memory_info=host_memory_info,
                 version=f"triton {triton_version} interpreter on CPU, float32 and bfloat16 "
-                "checked (bf16 tiles upcast to float32 before tl.dot); torch "
+                "checked (bf16 tiles upcast to float32 before tl.dot, float32 -> bf16 casts "
+                "rounded to nearest even in-kernel); torch "
                 + torch.__version__,
                 long_prefill_token_threshold=256,
             )
@@ -160,9 +161,12 @@ class GpuPlugin:
 
     def attention_backends(self, platform: Platform) -> list[AttentionBackend]:
         from tokenmill_triton.attention import TritonPagedAttention
+        from tokenmill_triton.mla import TritonMLAAttention
 
         configs = self.configs(platform)
-        return [TritonPagedAttention(kind, configs, self.name) for kind in sorted(KINDS, key=str)]
+        paged = sorted(KINDS - {AttentionKind.MLA}, key=str)
+        return [TritonPagedAttention(kind, configs, self.name) for kind in paged] + [
+            TritonMLAAttention(configs, self.name)]
 
     def communicator(self, platform: Platform, group: object | None) -> Communicator:
         from tokenmill_triton.distributed import make_communicator

@@ -24,6 +24,7 @@ from tokenmill.platforms.interfaces import (
     DetectionResult,
     HardwareSpec,
     MemoryInfo,
+    MLADims,
     Platform,
 )
 from tokenmill_conformance.session import call_hook
@@ -123,7 +124,12 @@ def test_attention_backends_cover_the_declared_kinds(active):
             window = 8 if kind is AttentionKind.SLIDING_WINDOW else None
             head = min(caps.head_sizes)
             block = min(caps.block_sizes)
-            spec = AttentionSpec(kind, 4, 2, head, dtype, block, sliding_window=window)
+            if kind is AttentionKind.MLA:  # one latent row per token (MLADims)
+                dims = MLADims(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                               v_head_dim=16)
+                spec = AttentionSpec(kind, 4, 1, dims.latent_size, dtype, block, mla=dims)
+            else:
+                spec = AttentionSpec(kind, 4, 2, head, dtype, block, sliding_window=window)
             assert any(b.kind == kind and b.supports(spec) for b in backends), (
                 f"no backend supports {spec}, though {dtype} and {kind} are declared"
             )

@@ -58,3 +58,36 @@ def test_double_free_is_an_error(active, purpose):
     with pytest.raises((ValueError, RuntimeError)):
         allocator.free(buffer)
     assert allocator.bytes_in_use() == base
+
+
+@pytest.mark.parametrize("purpose", [AllocatorPurpose.KV_ARENA, AllocatorPurpose.WEIGHTS],
+                         ids=lambda p: p.value)
+def test_sleep_mode_frees_and_restores(active, purpose):
+    """With `capabilities.sleep_mode` (what `LLM.sleep` relies on): sleep frees every live
+    buffer's bytes, views stay valid objects, allocating while asleep is refused, and wake
+    restores the contents when asked to keep them (level 1 weights), zeroes otherwise."""
+    if not active.platform.capabilities.sleep_mode:
+        pytest.skip("the platform declares no sleep mode")
+    allocator = active.allocator(purpose)
+    buffer = allocator.allocate(4096)
+    try:
+        pattern = (torch.arange(4096) % 251).to(torch.uint8).to(buffer.device)
+        view = buffer[1024:].view(torch.int32)
+        for keep in (True, False):
+            buffer.copy_(pattern)
+            freed = allocator.sleep(keep_contents=keep)
+            assert freed >= 4096, f"sleep freed {freed} bytes, the buffer alone holds 4096"
+            assert buffer.untyped_storage().nbytes() == 0, "the buffer's memory was not freed"
+            with pytest.raises(RuntimeError, match="asleep"):
+                allocator.allocate(16)
+            with pytest.raises(RuntimeError, match="already asleep"):
+                allocator.sleep(keep_contents=keep)
+            allocator.wake()
+            expected = pattern if keep else torch.zeros_like(pattern)
+            assert torch.equal(buffer.cpu(), expected.cpu()), f"contents after wake (keep={keep})"
+            assert torch.equal(view.cpu(), expected[1024:].view(torch.int32).cpu()), (
+                "a view taken before sleep does not see the woken buffer")
+            with pytest.raises(RuntimeError, match="not asleep"):
+                allocator.wake()
+    finally:
+        allocator.free(buffer)

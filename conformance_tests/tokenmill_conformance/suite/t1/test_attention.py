@@ -129,8 +129,9 @@ def _run(active, spec: AttentionSpec, seqs, seed: int = 0, poison: bool = False,
 
 def test_every_declared_kind_has_a_reference(active):
     declared = active.platform.capabilities.attention_kinds
-    # LINEAR's reference is per variant (checked in test_linear_attention.py)
-    with_reference = (*REFERENCE_KINDS, AttentionKind.LINEAR)
+    # LINEAR's reference and checks are in test_linear_attention.py, MLA's (tokenmill.ops.mla)
+    # in test_mla.py
+    with_reference = (*REFERENCE_KINDS, AttentionKind.LINEAR, AttentionKind.MLA)
     missing = sorted(k.value for k in declared if k not in with_reference)
     assert not missing, (
         f"the platform declares {missing} attention, which this core has no reference for; "

@@ -1,0 +1,150 @@
+"""Pipeline parallelism for the llama-family model: which layers a stage owns, and the
+activations it hands on.
+
+A model split over p stages (the "pp" dimension of tokenmill.distributed.parallel_state)
+is built per stage in `CausalLM.__init__`:
+
+1. `stage_layers` gives the stage its contiguous run of decoder layers (as even as the
+   layer count allows; earlier stages take the remainder). Only those layers are
+   built, so a stage's KV arena holds its own layers' caches and nothing else.
+2. `apply_pipeline_parallel` puts them at their global indices in a full-length
+   `ModuleList` (the others are parameterless `PPMissingLayer`s), so parameter names stay
+   the checkpoint's (`model.layers.7...`), and drops what the stage does not run: the
+   embedding off the first stage (kept on the last when the head is tied to it), the
+   final norm and LM head off the last.
+3. The loader skips every checkpoint tensor `stage_weight_filter` gives to another stage
+   without reading it (safetensors), and `load_weights` skips any that still arrive: no
+   stage's device holds another's weights.
+
+Forward (`stage_forward`): the first stage embeds; every other stage receives the
+previous stage's hidden states and residual stream ([2, num_tokens, hidden], one
+message) through the pp group's communicator; each runs its layers; every stage but
+the last sends the pair on and returns None, the last applies the final norm and returns
+the hidden states the runner samples from. With tensor parallel inside each stage, the
+pp group of a rank holds the ranks of the same TP index in every stage, so each TP rank
+hands its (replicated) activations to its counterpart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenmill.distributed.parallel_state import GroupCoordinator
+from tokenmill.platforms.interfaces import AttentionMetadata
+
+
+def stage_layers(num_layers: int, pp_size: int, stage: int) -> range:
+    """The decoder layers of `stage`: a contiguous run, sizes differing by at most one."""
+    if pp_size > num_layers:
+        raise ValueError(
+            f"pipeline_parallel_size={pp_size} exceeds the model's {num_layers} layers; "
+            "every stage needs at least one"
+        )
+    base, extra = divmod(num_layers, pp_size)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (stage < extra))
+
+
+class PPMissingLayer(nn.Module):
+    """The place of a layer another stage runs: no parameters, never called."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("PPMissingLayer is another pipeline stage's layer; it never runs here")
+
+
+def apply_pipeline_parallel(lm: nn.Module, hf_config: Any, layers: range,
+                            pp: GroupCoordinator) -> None:
+    """Make `lm` (built with only `layers`' decoder layers) stage `pp.rank_in_group`."""
+    body = lm.model
+    num_layers = hf_config.num_hidden_layers
+    body.hidden_size = hf_config.hidden_size
+    local = list(body.layers)
+    if len(local) != len(layers):
+        raise ValueError(f"stage built {len(local)} layers for the {len(layers)} of {layers}")
+    full: list[nn.Module] = [PPMissingLayer() for _ in range(num_layers)]
+    for i, layer in zip(layers, local, strict=True):
+        full[i] = layer
+    body.layers = nn.ModuleList(full)
+    body.stage_layers = layers
+    body.__dict__["pp"] = pp  # not a submodule
+    is_first, is_last = pp.is_first, pp.rank_in_group == pp.world_size - 1
+    if not is_first and not (is_last and lm.tie_word_embeddings):
+        body.embed_tokens = None
+    if not is_last:
+        body.norm = None
+        lm.lm_head = None
+
+
+def stage_weight_filter(hf_config: Any, pp_size: int, stage: int) -> Callable[[str], bool]:
+    """Whether a checkpoint tensor (by HF name) belongs to `stage`: its layers', the
+    embedding on the first stage (and on the last when the head is tied to it), the final
+    norm and the LM head on the last. Decided from the config alone, so the loader can
+    skip other stages' tensors without reading them."""
+    layers = stage_layers(hf_config.num_hidden_layers, pp_size, stage)
+    is_first, is_last = stage == 0, stage == pp_size - 1
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+
+    def keep(hf_name: str) -> bool:
+        parts = hf_name.split(".")
+        if len(parts) > 2 and parts[0] == "model" and parts[1] == "layers":
+            return int(parts[2]) in layers
+        if hf_name.startswith("model.embed_tokens."):
+            return is_first or (is_last and tied)
+        if hf_name.startswith(("model.norm.", "lm_head.")):
+            return is_last
+        return True
+
+    return keep
+
+
+def stage_forward(
+    body: nn.Module,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    kv_caches: list[torch.Tensor],
+    metadata: list[AttentionMetadata],
+) -> torch.Tensor | None:
+    """One stage's share of the step. `kv_caches` and `metadata` are this stage's layers',
+    in order. Returns the final-normed hidden states on the last stage, None elsewhere."""
+    pp: GroupCoordinator = body.pp
+    layers = [body.layers[i] for i in body.stage_layers]
+    if pp.is_first:
+        hidden, residual = body.embed_tokens(input_ids), None
+    else:
+        dtype = next(layers[0].parameters()).dtype
+        pair = torch.empty(2, input_ids.shape[0], body.hidden_size, dtype=dtype,
+                           device=input_ids.device)
+        pp.communicator.recv(pair, pp.rank_in_group - 1)
+        hidden, residual = pair[0], pair[1]
+    for layer, kv_cache, meta in zip(layers, kv_caches, metadata, strict=True):
+        hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+    if pp.rank_in_group < pp.world_size - 1:
+        if residual is None:  # a stage of no layers cannot exist (stage_layers refuses)
+            raise RuntimeError("a pipeline stage ran no layer")
+        pp.communicator.send(torch.stack([hidden, residual]), pp.rank_in_group + 1)
+        return None
+    hidden, _ = body.norm(hidden, residual)
+    return hidden
+
+
+def check_pipeline(hf_config: Any, pp_size: int) -> None:
+    """ValueError naming the problem when `hf_config` cannot be split into `pp_size`
+    stages (checked by the engine before any worker starts)."""
+    from tokenmill.model.parallel import TP_MODEL_TYPES
+
+    if hf_config.model_type not in TP_MODEL_TYPES:
+        raise ValueError(
+            f"pipeline parallel supports model types {TP_MODEL_TYPES}, not "
+            f"{hf_config.model_type!r}; use pipeline_parallel_size=1"
+        )
+    stage_layers(hf_config.num_hidden_layers, pp_size, 0)
+    layer_types = set(getattr(hf_config, "layer_types", None) or ["full_attention"])
+    if len(layer_types) > 1:
+        raise ValueError(
+            f"pipeline parallel needs one attention type in every layer (a stage's KV groups "
+            f"must be the model's); this model mixes {sorted(layer_types)}"
+        )

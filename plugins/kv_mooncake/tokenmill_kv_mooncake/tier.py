@@ -1,0 +1,160 @@
+"""Remote tier: Mooncake's distributed store (`mooncake.store.MooncakeDistributedStore`).
+
+URL: `mooncake://MASTER_HOST:RPC_PORT?metadata=URL&segment=SIZE&buffer=SIZE&protocol=tcp
+&local=HOST`. The master (`mooncake_master`) keeps the index; each client mounts a
+segment of its own memory (`segment`, default 256MiB) into the store's global pool and
+moves bytes over the transfer engine (`protocol`: tcp here, rdma where there is a NIC).
+`metadata` is the transfer engine's metadata service (the master's own with
+`-enable_http_metadata_server`; default `http://MASTER_HOST:8080/metadata`).
+
+Objects go under `tokenmill:kv:<key hex>`. A put of a key the store holds is skipped
+(`is_exist` first; the store also keeps the first value of a key). Capacity and eviction
+are the master's, out of our sight (like Redis under maxmemory), so `keys()` lists only
+what this client stored and has not seen go; a stale one fails its load and that suffix is
+recomputed. Error codes (negative ints) from the store fail the call with
+`TierUnavailableError`, and a store that stops answering is skipped for `retry_after_s`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from tokenmill.kv_connector.objects import ObjectKey
+from tokenmill.kv_connector.registry import TierContext, parse_size
+from tokenmill.kv_connector.tier import KVTier, TierUnavailableError
+
+logger = logging.getLogger(__name__)
+
+_PREFIX = "tokenmill:kv:"
+_OBJECT_NOT_FOUND = -704  # mooncake's ErrorCode::OBJECT_NOT_FOUND
+
+
+class MooncakeTier(KVTier):
+    name = "mooncake"
+
+    def __init__(
+        self, url: str, *, segment_bytes: int, buffer_bytes: int, metadata: str,
+        protocol: str = "tcp", local_host: str = "127.0.0.1", retry_after_s: float = 5.0,
+    ) -> None:
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as exc:
+            raise ValueError(
+                f"kv_offload_remote={url!r} needs Mooncake's store: pip install "
+                f"mooncake-transfer-engine-non-cuda (it loads libibverbs: Debian's "
+                f"libibverbs1 librdmacm1): {exc}"
+            ) from exc
+        parts = urlsplit(url)
+        if not parts.hostname or not parts.port:
+            raise ValueError(f"kv_offload_remote={url!r}: write mooncake://MASTER_HOST:RPC_PORT")
+        self.url = url
+        self._store = MooncakeDistributedStore()
+        rc = self._store.setup(local_host, metadata, segment_bytes, buffer_bytes, protocol, "",
+                               f"{parts.hostname}:{parts.port}")
+        if rc != 0:
+            raise ValueError(f"kv_offload_remote={url!r}: Mooncake setup failed with code {rc} "
+                             f"(is mooncake_master running there, metadata at {metadata}?)")
+        self._retry_after_s = retry_after_s
+        self._down_until = 0.0
+        self._lock = threading.Lock()
+        self._sizes: dict[ObjectKey, int] = {}  # what this client stored (insertion order)
+        self.num_evicted = 0
+
+    @staticmethod
+    def store_key(key: ObjectKey) -> str:
+        return _PREFIX + key.hex()
+
+    def _check(self, what: str, rc: int) -> int:
+        if rc < 0:
+            with self._lock:
+                self._down_until = time.monotonic() + self._retry_after_s
+            logger.warning("mooncake tier %s: %s failed with code %d; skipped for %.0f s",
+                           self.url, what, rc, self._retry_after_s)
+            raise TierUnavailableError(f"mooncake tier {self.url}: {what}: code {rc}")
+        return rc
+
+    def _up(self) -> None:
+        if time.monotonic() < self._down_until:
+            raise TierUnavailableError(f"mooncake tier {self.url} is down (retrying later)")
+
+    @property
+    def capacity_bytes(self) -> None:
+        return None  # the store's global pool, the master's to manage
+
+    def used_bytes(self) -> int:
+        with self._lock:
+            return sum(self._sizes.values())
+
+    def contains(self, key: ObjectKey) -> bool:
+        return self.contains_many([key])[0]
+
+    def contains_many(self, keys: list[ObjectKey]) -> list[bool]:
+        if not keys:
+            return []
+        self._up()
+        found = self._store.batch_is_exist([self.store_key(k) for k in keys])
+        for rc in found:
+            self._check("exist", rc)
+        return [rc == 1 for rc in found]
+
+    def get(self, key: ObjectKey) -> bytes | None:
+        self._up()
+        data = self._store.get(self.store_key(key))
+        if not data:  # b"": not held (the store's get reports no error code)
+            with self._lock:
+                self._sizes.pop(key, None)
+            return None
+        return data
+
+    def put(self, key: ObjectKey, data: bytes | memoryview) -> bool:
+        if self.contains(key):
+            return False
+        self._check("put", self._store.put(self.store_key(key), bytes(data)))
+        with self._lock:
+            self._sizes[key] = len(data)
+        return True
+
+    def delete(self, key: ObjectKey) -> None:
+        self._up()
+        rc = self._store.remove(self.store_key(key))
+        with self._lock:
+            self._sizes.pop(key, None)
+        if rc < 0 and rc != _OBJECT_NOT_FOUND:
+            # e.g. a lease not yet expired: the object stays until the master drops it;
+            # reads check every object, so a corrupt one left there is never returned
+            logger.info("mooncake tier %s: remove of %s: code %d", self.url, key.hex()[:16], rc)
+        self._removed(key)
+
+    def keys(self) -> list[ObjectKey]:
+        with self._lock:
+            return list(self._sizes)
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+
+def make_mooncake_tier(options: Mapping[str, Any], context: TierContext) -> KVTier:
+    """The `mooncake` entry point: options {"url": "mooncake://HOST:PORT?..."}."""
+    if "url" not in options:
+        raise ValueError("the mooncake tier needs a URL: kv_offload_remote='mooncake://HOST:PORT'")
+    url = str(options["url"])
+    parts = urlsplit(url)
+    query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+    unknown = set(query) - {"metadata", "segment", "buffer", "protocol", "local"}
+    if unknown:
+        raise ValueError(f"kv_offload_remote={url!r}: unknown options {sorted(unknown)}")
+    object_bytes = context.layout.object_bytes
+    segment = parse_size(query.get("segment", "256MiB"), "mooncake segment")
+    buffer = parse_size(query.get("buffer", str(max(16 << 20, 4 * object_bytes))), "mooncake buffer")
+    return MooncakeTier(
+        url, segment_bytes=segment, buffer_bytes=buffer,
+        metadata=query.get("metadata", f"http://{parts.hostname}:8080/metadata"),
+        protocol=query.get("protocol", "tcp"), local_host=query.get("local", "127.0.0.1"),
+    )

@@ -1,0 +1,127 @@
+"""The `mooncake` tier (plugins/kv_mooncake) against a real Mooncake master on loopback.
+
+`mooncake_master` (from the mooncake-transfer-engine-non-cuda wheel; .ci/run installs it
+and Debian's libibverbs1) runs with its own HTTP metadata server on free ports; the tier
+is a real store client over TCP. Skipped, saying why, where the wheel does not load.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from redis_server import _free_port
+from test_kv_tiers import LAYOUT, obj
+from test_offload_engine import BS, GREEDY, NUM_SESSIONS, replay, session_turns, tight
+
+pytest.importorskip("mooncake.store", reason="Mooncake's store wheel does not load here",
+                    exc_type=ImportError)
+
+from tokenmill.kv_connector.objects import decode  # noqa: E402
+from tokenmill.kv_connector.registry import TierContext, make_tier  # noqa: E402
+from tokenmill.kv_connector.tier import TierUnavailableError  # noqa: E402
+
+
+class MooncakeMaster:
+    def __init__(self, workdir: Path) -> None:
+        import mooncake
+
+        # the wheel's script lands in the bin/ of the environment it was installed into
+        candidates = [shutil.which("mooncake_master"), Path(sys.executable).with_name("mooncake_master"),
+                      Path(mooncake.__file__).resolve().parents[4] / "bin" / "mooncake_master"]
+        binary = next((Path(c) for c in candidates if c and Path(c).exists()), None)
+        if binary is None:
+            pytest.fail("mooncake_master is missing: pip install mooncake-transfer-engine-non-cuda")
+        self.rpc_port, self.http_port, self.metrics_port = _free_port(), _free_port(), _free_port()
+        self.log = (workdir / "mooncake_master.log").open("w")
+        self.proc = subprocess.Popen(
+            [str(binary), f"-rpc_port={self.rpc_port}", "-rpc_address=127.0.0.1",
+             "-enable_http_metadata_server=true", "-http_metadata_server_host=127.0.0.1",
+             f"-http_metadata_server_port={self.http_port}", f"-metrics_port={self.metrics_port}"],
+            stdout=self.log, stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                httpx.get(f"http://127.0.0.1:{self.http_port}/metadata?key=probe", timeout=1)
+                break
+            except httpx.HTTPError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError("mooncake_master did not start; see its log") from None
+                time.sleep(0.1)
+
+    @property
+    def url(self) -> str:
+        return (f"mooncake://127.0.0.1:{self.rpc_port}?metadata=http://127.0.0.1:"
+                f"{self.http_port}/metadata&segment=64MiB&buffer=16MiB")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.log.close()
+
+
+@pytest.fixture
+def master(tmp_path):
+    m = MooncakeMaster(tmp_path)
+    yield m
+    m.kill()
+
+
+def test_tier_stores_checks_and_lists_objects(master):
+    tier = make_tier("mooncake", {"url": master.url}, TierContext(LAYOUT, lambda: None))
+    try:
+        objects = [obj(i) for i in range(5)]
+        assert tier.contains_many([k for k, _ in objects]) == [False] * 5
+        assert all(tier.put(k, d) for k, d in objects)
+        assert not tier.put(*objects[0])  # held: nothing shipped again
+        assert tier.contains_many([k for k, _ in objects] + [obj(9)[0]]) == [True] * 5 + [False]
+        for k, d in objects:
+            assert bytes(decode(k, tier.get(k))) == d[len(d) - LAYOUT.payload_bytes:]
+        assert tier.get(obj(9)[0]) is None
+        assert set(tier.keys()) == {k for k, _ in objects}
+        assert tier.used_bytes() == sum(len(d) for _, d in objects)
+    finally:
+        tier.close()
+    with pytest.raises(ValueError, match="unknown options"):
+        make_tier("mooncake", {"url": master.url + "&colour=red"}, TierContext(LAYOUT, lambda: None))
+
+
+def test_sessions_load_from_mooncake_and_survive_its_loss(tiny_dirs, master):
+    """3 sessions x 3 turns on a pool of one session, Mooncake the only tier: identical
+    greedy output and later turns computing only their new tokens; with the master killed
+    the rest still gives identical output (recomputed)."""
+    from test_offload_engine import make_llm
+
+    reference = replay(make_llm(tiny_dirs["llama"], num_kv_blocks=1024))
+    llm = tight(tiny_dirs["llama"], kv_offload_remote=master.url)
+    turns = list(session_turns())
+    records = replay(llm, turns[: 2 * NUM_SESSIONS])
+    assert [r["output"] for r in records] == [r["output"] for r in reference[: 2 * NUM_SESSIONS]]
+    for r in records[NUM_SESSIONS:]:
+        assert r["computed"] <= r["new"] + BS, r
+    stats = llm.engine.offload.stack.stats["mooncake"]
+    assert stats.tokens_loaded > 0 and stats.bytes_written > 0
+    master.kill()
+    history = {r["session"]: r["prompt"] + r["output"] for r in records}
+    for s, turn, user in turns[2 * NUM_SESSIONS :]:
+        out = llm.generate({"prompt_token_ids": history[s] + user}, GREEDY, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == reference[turn * NUM_SESSIONS + s]["output"]
+    assert stats.errors > 0  # the calls after the kill failed, and were routed around
+    llm.engine.shutdown()
+
+
+def test_unreachable_tier_raises_tier_unavailable(master):
+    tier = make_tier("mooncake", {"url": master.url}, TierContext(LAYOUT, lambda: None))
+    try:
+        tier._down_until = time.monotonic() + 60  # as after a failed call
+        with pytest.raises(TierUnavailableError, match="down"):
+            tier.contains_many([obj(0)[0]])
+    finally:
+        tier.close()
