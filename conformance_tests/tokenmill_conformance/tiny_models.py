@@ -12,6 +12,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    BambaConfig,
     DeepseekV3Config,
     Gemma3TextConfig,
     GptOssConfig,
@@ -147,6 +148,12 @@ def make_config(arch: str, vocab_size: int):
             layer_types=["linear_attention", "full_attention"] * 2,
             mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
         )
+    if arch == "bamba":
+        # a Mamba2 layer then a full-attention one; SSD chunks of 8, so prompts span several
+        return BambaConfig(
+            **common, attn_layer_indices=[1], mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16,
+            mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8,
+        )
     raise ValueError(arch)
 
 
@@ -179,4 +186,5 @@ VARIANTS = {
     "deepseek_v3": ("deepseek_v3",),
     "qwen3_next": ("qwen3_next",),
     "kimi_linear": ("kimi_linear",),
+    "bamba": ("bamba",),
 }

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenmill.model.bamba import BambaForCausalLM
 from tokenmill.model.deepseek_v3 import DeepseekV3ForCausalLM
 from tokenmill.model.gemma3 import Gemma3ForCausalLM
 from tokenmill.model.gpt_oss import GptOssForCausalLM
@@ -31,6 +32,7 @@ _MODEL_TYPES: dict[str, type[nn.Module]] = {
     "deepseek_v3": DeepseekV3ForCausalLM,
     "qwen3_next": Qwen3NextForCausalLM,
     "kimi_linear": KimiLinearForCausalLM,
+    "bamba": BambaForCausalLM,
 }
 
 

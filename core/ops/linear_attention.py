@@ -30,6 +30,7 @@ from tokenmill.ops.gated_delta import (
     gated_delta_rule_recurrent,
 )
 from tokenmill.ops.kda import kda_chunked, kda_recurrent
+from tokenmill.ops.mamba2 import Mamba2
 from tokenmill.platforms.interfaces import (
     AttentionMetadata,
     AttentionSpec,
@@ -183,7 +184,7 @@ class KimiDelta:
 
 
 REFERENCE_VARIANTS: Mapping[str, LinearVariant] = MappingProxyType(
-    {"gated_delta": GatedDelta(), "kda": KimiDelta()}
+    {"gated_delta": GatedDelta(), "kda": KimiDelta(), "mamba2": Mamba2()}
 )
 
 

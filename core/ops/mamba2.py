@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.ops.gated_delta import causal_conv1d
+from tokenmill.platforms.interfaces import AttentionSpec, RecurrentStateSpec, StateTensorSpec
 
 
 def discretize_dt(
@@ -292,3 +293,46 @@ def mamba2_mixer(
         results.append(Mamba2SeqResult(conv_state, ssm, conv_marks, marked))
         start += n
     return torch.cat(outs), results
+
+
+# ---- the linear-attention variant "mamba2" (tokenmill.ops.linear_attention) ----------
+
+
+@dataclass(slots=True)
+class Mamba2Inputs:
+    """A Mamba2 layer's inputs for the step's tokens (flattened as the metadata): xbc
+    [T, conv_dim], the convolution's input (x, then B, then C) in the model dtype; dt
+    [T, H], the raw step before dt_bias and softplus; the mixer's scan weights and dims."""
+
+    xbc: torch.Tensor
+    dt: torch.Tensor
+    weights: Mamba2Weights
+    dims: Mamba2Dims
+
+
+def mamba2_state_spec(dims: Mamba2Dims, dtype: torch.dtype) -> RecurrentStateSpec:
+    """A Mamba2 layer's per-sequence state: the convolution's last K - 1 inputs
+    [conv_dim, K - 1] in the model dtype, and the SSM state [H, P, N] in float32 (as
+    transformers keeps it: a bf16 state would round every step's small update away)."""
+    return RecurrentStateSpec(
+        "mamba2",
+        (
+            StateTensorSpec("conv", dims.conv_state_shape(), dtype),
+            StateTensorSpec("ssm", dims.ssm_state_shape(), torch.float32),
+        ),
+    )
+
+
+class Mamba2:
+    """The `LinearVariant` of Mamba2: `mamba2_mixer` over tokens [lo, hi) of one sequence."""
+
+    def run(
+        self, spec: AttentionSpec, inputs: Mamba2Inputs, lo: int, hi: int,
+        state: list[torch.Tensor],
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        conv, ssm = state
+        y, (result,) = mamba2_mixer(
+            inputs.xbc[lo:hi], inputs.dt[lo:hi], [hi - lo], [conv], [ssm], inputs.weights,
+            inputs.dims,
+        )
+        return y, [result.conv_state, result.ssm_state]

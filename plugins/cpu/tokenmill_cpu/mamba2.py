@@ -16,7 +16,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenmill.ops.mamba2 import Mamba2Dims, Mamba2Weights
+from tokenmill.kv.state import read_states, write_states, zero_states
+from tokenmill.ops.linear_attention import ReferenceLinearAttentionBackend
+from tokenmill.ops.mamba2 import Mamba2, Mamba2Dims, Mamba2Inputs, Mamba2Weights
+from tokenmill.platforms.interfaces import (
+    AttentionMetadata,
+    AttentionSpec,
+    LinearAttentionBackend,
+    RecurrentStateMetadata,
+    recurrent_metadata,
+)
 from tokenmill_cpu import kernels
 
 
@@ -70,3 +79,84 @@ def decode_step(
         state.mul_(decay).addcmul_((xf * step.view(num, g, per, 1))[..., None], Bg)
         y = (state @ Cg)[..., 0] + weights.D.float().view(1, g, per, 1) * xf
     return y.reshape(num, -1).to(xbc.dtype), window[:, :, 1:].contiguous(), ssm_states
+
+
+class CpuMamba2Attention(LinearAttentionBackend):
+    """Linear attention, variant "mamba2": the step's single-token sequences in one
+    `decode_step`, prefill pieces through the core's reference variant (whose chunked
+    scan is matmuls already). Same contract as `ReferenceLinearAttentionBackend`."""
+
+    name = "cpu_mamba2"
+    variants = frozenset({"mamba2"})
+
+    def __init__(self) -> None:
+        self._reference = ReferenceLinearAttentionBackend({"mamba2": Mamba2()})
+
+    def forward(  # type: ignore[override]
+        self,
+        spec: AttentionSpec,
+        inputs: Mamba2Inputs,
+        state_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        rec = metadata.recurrent
+        query_lens = metadata.query_lens_cpu
+        starts = metadata.query_start_loc.tolist()
+        decode = [i for i, n in enumerate(query_lens) if n == 1]
+        if len(decode) == metadata.num_seqs:
+            return _decode(spec, inputs, state_cache, rec, decode, starts)
+        if not decode:
+            return self._reference.forward(spec, inputs, state_cache, metadata)
+        y = inputs.xbc.new_empty(metadata.num_tokens, inputs.dims.intermediate_size)
+        rows = torch.tensor([starts[i] for i in decode])
+        y[rows] = _decode(spec, inputs, state_cache, rec, decode, starts)
+        rest = [i for i, n in enumerate(query_lens) if n != 1]
+        rest_rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in rest])
+        sub = recurrent_metadata(
+            [query_lens[i] for i in rest],
+            [metadata.seq_lens_cpu[i] for i in rest],
+            RecurrentStateMetadata(
+                [rec.state_block_ids[i] for i in rest],
+                [rec.source_block_ids[i] for i in rest],
+                [rec.checkpoints[i] for i in rest],
+            ),
+            metadata.block_size,
+        )
+        y[rest_rows] = self._reference.forward(
+            spec, Mamba2Inputs(inputs.xbc[rest_rows], inputs.dt[rest_rows], inputs.weights,
+                               inputs.dims),
+            state_cache, sub,
+        )
+        return y
+
+
+def _decode(
+    spec: AttentionSpec,
+    inputs: Mamba2Inputs,
+    state_cache: torch.Tensor,
+    rec: RecurrentStateMetadata,
+    seqs: list[int],
+    starts: list[int],
+) -> torch.Tensor:
+    """`decode_step` for the single-token sequences `seqs`; writes their slots and any
+    checkpoint they take (after one token: the same state). Returns their y rows."""
+    device = inputs.xbc.device
+    have = [j for j, i in enumerate(seqs) if rec.source_block_ids[i] is not None]
+    sources = [rec.source_block_ids[seqs[j]] for j in have]
+    if len(have) == len(seqs):  # the usual decode step: every state from its pages
+        conv, ssm = read_states(state_cache, spec.state, sources)
+    else:  # one-token prompts start from zeros
+        conv, ssm = zero_states(spec.state, len(seqs), device)
+        if have:
+            conv[have], ssm[have] = read_states(state_cache, spec.state, sources)
+    rows = torch.tensor([starts[i] for i in seqs], device=device)
+    y, conv, ssm = decode_step(inputs.xbc[rows], inputs.dt[rows], conv, ssm, inputs.weights,
+                               inputs.dims)
+    targets = [(j, rec.state_block_ids[i]) for j, i in enumerate(seqs)]
+    targets += [(j, pages) for j, i in enumerate(seqs) for _, pages in rec.checkpoints[i]]
+    if len(targets) == len(seqs):
+        write_states(state_cache, spec.state, [p for _, p in targets], [conv, ssm])
+    else:
+        which = torch.tensor([j for j, _ in targets], device=device)
+        write_states(state_cache, spec.state, [p for _, p in targets], [conv[which], ssm[which]])
+    return y

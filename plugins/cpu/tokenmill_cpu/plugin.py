@@ -50,7 +50,8 @@ def memory_info() -> MemoryInfo:
 @hookimpl
 def tokenmill_api_version() -> str:
     # the plugin API this plugin was written against (1.1: apply_token_bitmask; 1.3: a
-    # LINEAR backend over recurrent state)
+    # LINEAR backend over recurrent state:
+    # gated_delta and kda, and mamba2 on its own backend)
     return "1.3"
 
 
@@ -85,11 +86,14 @@ def tokenmill_platform() -> Platform:
 def tokenmill_attention_backends(platform: Platform) -> list[AttentionBackend]:
     from tokenmill_cpu.attention import CpuPagedAttention
     from tokenmill_cpu.linear_attention import CpuLinearAttention
+    from tokenmill_cpu.mamba2 import CpuMamba2Attention
     from tokenmill_cpu.mla import CpuMLAAttention
 
     return [
         CpuPagedAttention(AttentionKind.FULL),
         CpuPagedAttention(AttentionKind.SLIDING_WINDOW),
+        # before cpu_linear, which runs every reference variant (mamba2 on the reference)
+        CpuMamba2Attention(),
         CpuLinearAttention(),
         CpuMLAAttention(),
     ]

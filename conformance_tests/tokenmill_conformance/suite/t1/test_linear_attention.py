@@ -26,6 +26,7 @@ from tokenmill.ops.linear_attention import (
     gated_delta_state_spec,
     kda_state_spec,
 )
+from tokenmill.ops.mamba2 import Mamba2Dims, Mamba2Inputs, Mamba2Weights, mamba2_state_spec
 from tokenmill.platforms.interfaces import (
     AttentionKind,
     AttentionSpec,
@@ -68,9 +69,29 @@ def _kda_case(dtype: torch.dtype, num_tokens: int, gen: torch.Generator, device)
     return spec, inputs
 
 
+def _mamba2_case(dtype: torch.dtype, num_tokens: int, gen: torch.Generator, device):
+    dims = Mamba2Dims(num_heads=4, head_dim=8, num_groups=2, state_size=16, conv_kernel=4,
+                      chunk_size=8)
+    spec = AttentionSpec(AttentionKind.LINEAR, dims.num_heads, dims.num_groups,
+                         dims.state_size, dtype, 16, state=mamba2_state_spec(dims, dtype))
+    weights = Mamba2Weights(
+        conv_weight=(torch.randn(dims.conv_dim, 4, generator=gen) * 0.5).to(dtype).to(device),
+        conv_bias=torch.randn(dims.conv_dim, generator=gen).to(dtype).to(device),
+        dt_bias=torch.randn(dims.num_heads, generator=gen).to(dtype).to(device),
+        A=(-torch.rand(dims.num_heads, generator=gen) - 0.2).to(device),
+        D=torch.randn(dims.num_heads, generator=gen).to(dtype).to(device),
+    )
+    inputs = Mamba2Inputs(
+        xbc=torch.randn(num_tokens, dims.conv_dim, generator=gen).to(dtype).to(device),
+        dt=torch.randn(num_tokens, dims.num_heads, generator=gen).to(dtype).to(device),
+        weights=weights, dims=dims,
+    )
+    return spec, inputs
+
+
 # variant -> a maker of (spec, inputs) for a step of num_tokens tokens; a variant added to
 # the core's REFERENCE_VARIANTS adds its maker here
-CASES = {"gated_delta": _gated_delta_case, "kda": _kda_case}
+CASES = {"gated_delta": _gated_delta_case, "kda": _kda_case, "mamba2": _mamba2_case}
 
 # (tokens already computed, query length, restore from a checkpoint, checkpoints at n)
 STEP = [(0, 37, False, [16, 32]), (20, 1, False, []), (48, 1, False, [1]), (0, 1, False, []),

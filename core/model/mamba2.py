@@ -1,0 +1,97 @@
+"""The Mamba2 mixer layer shared by the Mamba2 hybrids (Bamba; Nemotron-H, Falcon-H1 and
+Granite 4 hybrids have the same mixer).
+
+in_proj splits each token into a gate z, the convolution's input xBC and a raw step dt
+per head; the platform's linear-attention backend (variant "mamba2") runs the causal
+convolution, the discretization and the SSD scan over the sequence's recurrent state
+(reference: `tokenmill.ops.mamba2.mamba2_mixer`); the gated RMSNorm and out_proj follow.
+Parameter names are HF's (`in_proj`, `conv1d`, `dt_bias`, `A_log`, `D`, `norm`,
+`out_proj`); the checkpoint's conv1d weight [C, 1, K] loads as [C, K].
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenmill.model.layers import Linear
+from tokenmill.ops.mamba2 import Mamba2Dims, Mamba2Inputs, Mamba2Weights, gated_rms_norm
+from tokenmill.platforms.interfaces import AttentionMetadata, AttentionSpec, LinearAttentionBackend
+
+
+def mamba2_dims(hf_config: Any, prefix: str = "mamba_") -> Mamba2Dims:
+    """The mixer's shapes from an HF config whose fields are `{prefix}n_heads`,
+    `{prefix}d_head`, `{prefix}n_groups`, `{prefix}d_state`, `{prefix}d_conv`,
+    `{prefix}chunk_size` (Bamba, Granite 4 hybrid, Falcon-H1) and `time_step_limit`."""
+    limit = getattr(hf_config, "time_step_limit", None) or (0.0, float("inf"))
+    return Mamba2Dims(
+        num_heads=getattr(hf_config, f"{prefix}n_heads"),
+        head_dim=getattr(hf_config, f"{prefix}d_head"),
+        num_groups=getattr(hf_config, f"{prefix}n_groups"),
+        state_size=getattr(hf_config, f"{prefix}d_state"),
+        conv_kernel=getattr(hf_config, f"{prefix}d_conv"),
+        chunk_size=getattr(hf_config, f"{prefix}chunk_size"),
+        dt_limit=(float(limit[0]), float(limit[1])),
+    )
+
+
+class Mamba2Mixer(nn.Module):
+    """One Mamba2 mixer: projections and norm here, convolution and scan in the backend."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        dims: Mamba2Dims,
+        *,
+        backend: LinearAttentionBackend,
+        spec: AttentionSpec,
+        eps: float,
+        conv_bias: bool,
+        proj_bias: bool,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.dims = dims
+        self.spec = spec
+        self.backend = backend
+        self.eps = eps
+        inner = dims.intermediate_size
+        self.in_proj = Linear(hidden_size, inner + dims.conv_dim + dims.num_heads, proj_bias, dtype)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.empty(dims.conv_dim, dims.conv_kernel, dtype=dtype))
+        self.conv1d.bias = (
+            nn.Parameter(torch.empty(dims.conv_dim, dtype=dtype)) if conv_bias else None
+        )
+        self.dt_bias = nn.Parameter(torch.empty(dims.num_heads, dtype=dtype))
+        self.A_log = nn.Parameter(torch.empty(dims.num_heads, dtype=dtype))
+        self.D = nn.Parameter(torch.empty(dims.num_heads, dtype=dtype))
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.empty(inner, dtype=dtype))
+        self.out_proj = Linear(inner, hidden_size, proj_bias, dtype)
+
+    def scan_weights(self) -> Mamba2Weights:
+        return Mamba2Weights(
+            conv_weight=self.conv1d.weight,
+            conv_bias=self.conv1d.bias,
+            dt_bias=self.dt_bias,
+            A=-torch.exp(self.A_log.float()),
+            D=self.D,
+        )
+
+    def forward(
+        self, hidden: torch.Tensor, state_cache: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """hidden [T, hidden_size] -> [T, hidden_size]; the backend reads and writes the
+        step's sequences' recurrent states in `state_cache` (the layer's arena pages,
+        uint8) where `metadata.recurrent` says."""
+        dims = self.dims
+        gate, xbc, dt = self.in_proj(hidden).split(
+            [dims.intermediate_size, dims.conv_dim, dims.num_heads], dim=-1
+        )
+        inputs = Mamba2Inputs(xbc, dt, self.scan_weights(), dims)
+        y = self.backend.forward(self.spec, inputs, state_cache, metadata)
+        group = dims.intermediate_size // dims.num_groups
+        y = gated_rms_norm(y, gate, self.norm.weight, self.eps, group)
+        return self.out_proj(y)
