@@ -118,9 +118,10 @@ def test_mp_refuses_an_in_process_registry(tiny_dirs):
 
 
 def test_steps_reach_every_rank_and_errors_name_the_rank(tiny_dirs):
-    """Two ranks (each a full replica: no tensor parallelism yet) get every step; rank 0's
-    result equals the in-process worker's; a bad step fails naming the rank, and a rank
-    whose answer nobody reads dies with it (the monitor reports the exit)."""
+    """Two ranks (a tensor-parallel pair: every rank of a world belongs to its parallel
+    layout) get every step; rank 0's result equals the in-process worker's (tokens exactly,
+    logprobs to float tolerance: tp sums in another order); a bad step fails naming the rank,
+    and a rank whose answer nobody reads dies with it (the monitor reports the exit)."""
     from tokenmill.distributed.config import WorkerConfig
     from tokenmill.distributed.errors import WorkerCallError, WorkerDiedError
     from tokenmill.distributed.executor import UniExecutor
@@ -135,7 +136,10 @@ def test_steps_reach_every_rank_and_errors_name_the_rank(tiny_dirs):
         max_num_batched_tokens=64, max_num_seqs=4, max_model_len=128, seed=0, num_kv_blocks=16,
     )
     uni = UniExecutor(config, load_platform("cpu"), info.hf_config)
-    mp = MultiprocExecutor(msgspec_replace(config, world_size=2, distributed_executor_backend="mp"))
+    mp = MultiprocExecutor(msgspec_replace(
+        config, world_size=2, tensor_parallel_size=2, distributed_executor_backend="mp",
+        dist_init_method=f"tcp://127.0.0.1:{_free_port()}",
+    ))
     try:
         assert uni.initialize() == mp.initialize() == 16
         assert mp.collective_rpc("determine_num_blocks") == [16, 16]
@@ -145,13 +149,14 @@ def test_steps_reach_every_rank_and_errors_name_the_rank(tiny_dirs):
             scheduled_request_ids=["a"], num_scheduled_tokens=[5],
         )
         want, got = uni.execute(first), mp.execute(first)
-        assert got == want and list(got.sampled_token_ids) == ["a"]
+        _same_result(got, want)
+        assert list(got.sampled_token_ids) == ["a"]
         token = got.sampled_token_ids["a"]
         second = StepDescription(
             step_id=1, cached_requests=[CachedRequest("a", [token], [], 5)],
             scheduled_request_ids=["a"], num_scheduled_tokens=[1],
         )
-        assert mp.execute(second) == uni.execute(second)  # rank 1 held "a" too, or it died
+        _same_result(mp.execute(second), uni.execute(second))  # rank 1 held "a" too, or it died
         mp.check_health()
         bad = StepDescription(step_id=2, cached_requests=[CachedRequest("zzz", [], [], 0)])
         with pytest.raises(WorkerCallError, match=r"(?s)rank 0 failed in execute.*'zzz'"):
@@ -164,6 +169,22 @@ def test_steps_reach_every_rank_and_errors_name_the_rank(tiny_dirs):
     finally:
         mp.shutdown()
         uni.shutdown()
+
+
+def _same_result(got, want) -> None:
+    assert got.sampled_token_ids == want.sampled_token_ids
+    assert got.logprobs.keys() == want.logprobs.keys()
+    for rid, lp in got.logprobs.items():
+        assert lp.token_ids == want.logprobs[rid].token_ids
+        assert lp.logprobs == pytest.approx(want.logprobs[rid].logprobs, abs=1e-4)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def msgspec_replace(struct, **changes):

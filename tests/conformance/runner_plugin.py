@@ -16,6 +16,7 @@ import torch
 
 from tokenmill.kv.arena import KVArena
 from tokenmill.platforms.interfaces import (
+    AttentionKind,
     ModelRunnerBase,
     ModelRunnerContext,
     Platform,
@@ -133,5 +134,12 @@ def tokenmill_platform() -> Platform:
 
 
 @hookimpl
-def tokenmill_model_runner(platform: Platform, context: ModelRunnerContext) -> ModelRunnerBase:
+def tokenmill_model_runner(
+    platform: Platform, context: ModelRunnerContext
+) -> ModelRunnerBase | None:
+    # this runner keeps one block table per request for all layers: it cannot hold the
+    # recurrent state of linear-attention layers, so it declines those models (the core's
+    # runner serves them), as the hook's contract allows
+    if any(s.kind == AttentionKind.LINEAR for s in context.kv_cache.attention_specs):
+        return None
     return TransformersRunner(context, BUG)

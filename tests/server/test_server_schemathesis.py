@@ -38,6 +38,8 @@ OPERATIONS = [
     ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"), ("POST", "/tokenize"),
     ("POST", "/detokenize"), ("GET", "/health"), ("GET", "/version"), ("GET", "/metrics"),
     ("POST", "/v1/responses"), ("GET", "/v1/responses/{response_id}"),
+    # sleep mode last, /wake_up after /sleep: the routes above run against an awake engine
+    ("GET", "/is_sleeping"), ("POST", "/sleep"), ("POST", "/wake_up"),
 ]
 
 

@@ -22,8 +22,10 @@ def engine_settings(active) -> dict:
     caps = active.platform.capabilities
     dtype = torch.float32 if torch.float32 in caps.dtypes else active.platform.default_dtype
     block = min(caps.block_sizes, key=lambda s: abs(s - 4))
-    # a small KV pool: a default one sized from memory would hold millions of tiny blocks
-    return {"dtype": str(dtype).removeprefix("torch."), "block_size": block, "num_kv_blocks": 256}
+    # a small KV pool: a default one sized from memory would hold millions of tiny blocks;
+    # 1,024 so that a hybrid's recurrent states (each spans many pages of 4-token blocks)
+    # leave every prompt room to generate
+    return {"dtype": str(dtype).removeprefix("torch."), "block_size": block, "num_kv_blocks": 1024}
 
 
 def greedy_tokens(conformance, path, platform: str, max_tokens: int = 8, **engine_args):
