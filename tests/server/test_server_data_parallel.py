@@ -63,7 +63,9 @@ def test_serve_dp2_affinity_and_replica_death(tiny_model):
             while not engine.is_dead:
                 assert time.monotonic() < deadline, "the front did not notice the dead replica"
                 time.sleep(0.05)
-            procs[0].join(15)
+            # in the full suite the survivor took just over 15 s to exit (exit code 0):
+            # its stop is not yet fast (see the session note of 2026-12-01)
+            procs[0].join(60)
             assert not procs[0].is_alive()  # the other replica was stopped too
     finally:
         engine.shutdown()
