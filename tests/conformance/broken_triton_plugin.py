@@ -94,6 +94,11 @@ class OffByOneAttention(TritonPagedAttention):
 @hookimpl
 def tokenmill_attention_backends(platform: Platform) -> list[AttentionBackend]:
     from tokenmill_nvidia.configs import INTERPRETER
+    from tokenmill_triton.linear_attention import TritonLinearAttention
+    from tokenmill_triton.mla import TritonMLAAttention
 
+    # the broken paged kernel for the kinds it serves; the plugin's own LINEAR and MLA
+    # backends for the other declared kinds (T0 checks every declared kind has one)
     return [OffByOneAttention(kind, INTERPRETER, "broken")
-            for kind in (AttentionKind.FULL, AttentionKind.SLIDING_WINDOW)]
+            for kind in (AttentionKind.FULL, AttentionKind.SLIDING_WINDOW)] + [
+        TritonLinearAttention(INTERPRETER, "broken"), TritonMLAAttention(INTERPRETER, "broken")]
