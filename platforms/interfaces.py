@@ -2,7 +2,9 @@
 
 Everything that crosses the plugin seam is declared here: the `Platform` a plugin
 activates, its frozen `Capabilities`, the attention backend interface, the communicator,
-the allocators and the hardware spec. The core only ever talks to these interfaces; it
+the allocators and the hardware spec; with the per-layer state types of
+`layer_state.py` and the model-runner and graph-capture seam of `model_runner.py`, both
+re-exported here. The core only ever talks to these interfaces; it
 never imports a vendor library.
 """
 
@@ -10,13 +12,26 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from tokenmill.step import StepDescription, StepResult
+from tokenmill.platforms.layer_state import (  # noqa: F401 - part of the seam
+    STATE_ALIGN,
+    MLADims,
+    RecurrentStateMetadata,
+    RecurrentStateSpec,
+    StateTensorSpec,
+)
+from tokenmill.platforms.model_runner import (  # noqa: F401 - part of the seam
+    GraphCapture,
+    KVCacheSpec,
+    ModelRunnerBase,
+    ModelRunnerContext,
+    ParallelConfig,
+)
 
 # 1.1: op apply_token_bitmask. 1.2: tokenmill_model_runner gets a ModelRunnerContext and
 # returns a ModelRunnerBase; tokenmill_graph_capture returns a GraphCapture; ops
@@ -34,82 +49,6 @@ class AttentionKind(str, enum.Enum):
     SLIDING_WINDOW = "sliding_window"
     LINEAR = "linear"  # recurrent / state-space layers (Gated DeltaNet, Mamba, ...)
     MLA = "mla"
-
-
-@dataclass(frozen=True, slots=True)
-class StateTensorSpec:
-    """One tensor of a recurrent layer's per-sequence state (e.g. "conv" [C, K - 1] or
-    "ssm" [H, dk, dv]); shape without the batch dimension."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def num_bytes(self) -> int:
-        n = self.dtype.itemsize
-        for d in self.shape:
-            n *= d
-        return n
-
-
-# Each state tensor starts at a multiple of this many bytes in the packed state.
-STATE_ALIGN = 64
-
-
-@dataclass(frozen=True, slots=True)
-class RecurrentStateSpec:
-    """What a recurrent (LINEAR) layer keeps per running sequence, and which computation
-    updates it. `variant` names the recurrence ("gated_delta": Gated DeltaNet; "mamba2",
-    "kda"...): a `LinearAttentionBackend` dispatches on it. The arena packs the tensors
-    in order, each at a multiple of STATE_ALIGN bytes (`offsets`), into as many pages as
-    `num_bytes` needs; it fixes nothing else about them."""
-
-    variant: str
-    tensors: tuple[StateTensorSpec, ...]
-
-    @property
-    def offsets(self) -> tuple[int, ...]:
-        """Byte offset of each tensor in the packed state."""
-        out, at = [], 0
-        for t in self.tensors:
-            out.append(at)
-            at += -(-t.num_bytes // STATE_ALIGN) * STATE_ALIGN
-        return tuple(out)
-
-    @property
-    def num_bytes(self) -> int:
-        """Bytes of one sequence's packed state in one layer."""
-        if not self.tensors:
-            return 0
-        return self.offsets[-1] + self.tensors[-1].num_bytes
-
-
-@dataclass(frozen=True, slots=True)
-class MLADims:
-    """The shapes of a multi-head latent attention layer (DeepSeek-V2/V3, Kimi).
-
-    Per token the cache keeps one latent row of `kv_lora_rank + qk_rope_head_dim`
-    values: the normalised compressed KV `c_kv` (kv_lora_rank), then the rotary key
-    `k_pe` (qk_rope_head_dim) shared by every head. Head h's key is
-    `cat(W_UK[h] @ c_kv, k_pe)` and its value `W_UV[h] @ c_kv`, with the up-projections
-    `w_uk` [num_heads, qk_nope_head_dim, kv_lora_rank] and `w_uv` [num_heads, v_head_dim,
-    kv_lora_rank] (rows of the checkpoint's `kv_b_proj`).
-    """
-
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-
-    @property
-    def latent_size(self) -> int:
-        """Values cached per token per layer."""
-        return self.kv_lora_rank + self.qk_rope_head_dim
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,30 +116,6 @@ def kv_cache_shape(spec: AttentionSpec, num_blocks: int) -> tuple[int, ...]:
     if spec.kind in (AttentionKind.FULL, AttentionKind.SLIDING_WINDOW):
         return (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
     raise ValueError(f"attention kind {spec.kind.value!r} keeps no paged KV cache")
-
-
-@dataclass(slots=True)
-class RecurrentStateMetadata:
-    """Where each sequence's recurrent state lives in one step, for one KV group of LINEAR
-    layers (core/kv/recurrent.py). Block ids name pages of the arena, as block tables do;
-    a layer reads and writes them through `tokenmill.kv.state` (`read_states`,
-    `write_states`) on its own state cache.
-
-    Per sequence, in batch order:
-    - `state_block_ids[i]`: the sequence's own state slot; after the step it must hold
-      the state after the sequence's last computed token.
-    - `source_block_ids[i]`: where the state before the query's first token is read:
-      the slot itself, a prefix-cache checkpoint (the first step after a hit: read only,
-      never written; the new state goes to the slot: copy on extend), or None for a
-      sequence that starts at token 0 (zero state; the pages may hold anything).
-    - `checkpoints[i]`: (n, block ids) pairs, n ascending in [1, query_len]: write the
-      state after the query's first n tokens into those pages (prefix-cache checkpoints
-      at block boundaries; n == query_len is the state after the step).
-    """
-
-    state_block_ids: list[list[int]]
-    source_block_ids: list[list[int] | None]
-    checkpoints: list[list[tuple[int, list[int]]]]
 
 
 @dataclass(slots=True)
@@ -603,127 +518,3 @@ OP_NAMES = frozenset(
         "moe_experts",  # routed expert GEMMs of a mixture-of-experts layer (tier T1)
     }
 )
-
-
-# ---- whole model runners and graph capture ------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class KVCacheSpec:
-    """The KV cache a model runner must provide: one page per layer per block."""
-
-    attention_specs: tuple[AttentionSpec, ...]  # one per layer, in layer order
-    block_size: int  # tokens per block
-    # fixed by the user (EngineArgs.num_kv_blocks); None: the core sizes the pool after
-    # `ModelRunnerBase.profile`, from the platform's memory_info, and passes the number to
-    # `initialize_kv_cache`
-    num_blocks: int | None = None
-    num_bytes: int | None = None  # EngineArgs.kv_cache_memory_bytes; None: from memory_info
-
-
-@dataclass(frozen=True, slots=True)
-class ParallelConfig:
-    """Where a runner sits among the engine's workers."""
-
-    world_size: int = 1  # worker processes (ranks) of the engine
-    rank: int = 0  # this worker's rank; rank 0 returns the step results
-    distributed_executor_backend: str = "uni"  # "uni" (in-process) or "mp" (a process per rank)
-    # > 1: the ranks form one tensor parallel group (tokenmill.distributed.parallel_state
-    # holds its communicator); a runner of the plugin's own must shard its model itself
-    tensor_parallel_size: int = 1
-    # > 1: the ranks also form pipeline stages (layout pp x tp, tokenmill.distributed.
-    # parallel_state); the core's runner runs a stage's layers only, results come from
-    # TP rank 0 of the last stage
-    pipeline_parallel_size: int = 1
-    # MoE experts split over the TP group's ranks (vLLM's enable_expert_parallel)
-    enable_expert_parallel: bool = False
-    # activations split along the tokens between TP regions (vLLM's name)
-    enable_sequence_parallelism: bool = False
-    # > 1: a (dcp, tp) grid; each sequence's KV spread token by token over the dcp ranks
-    decode_context_parallel_size: int = 1
-    # > 1: a (pcp, tp) grid; each prefill step's tokens split over the pcp ranks
-    prefill_context_parallel_size: int = 1
-
-
-@dataclass(frozen=True, slots=True)
-class ModelRunnerContext:
-    """Everything a model runner of a plugin's own needs, handed over before the core
-    loads any weights. No tokenizer: runners see token ids only."""
-
-    hf_config: Any  # transformers PretrainedConfig of the checkpoint
-    model_path: str  # the checkpoint: an HF directory or a .gguf file
-    # a fresh iterator over the checkpoint's (HF name, tensor) pairs, read by the core's
-    # loaders (tokenmill.model.loader.checkpoint_weights): safetensors one tensor at a
-    # time, GGUF dequantized to float32; cast them to `dtype` yourself
-    weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]
-    dtype: torch.dtype  # the engine's compute dtype (EngineArgs.dtype resolved)
-    device: torch.device  # the platform's device
-    kv_cache: KVCacheSpec
-    parallel: ParallelConfig
-    max_num_batched_tokens: int  # the most tokens one step computes
-    max_num_seqs: int  # the most requests one step holds
-    max_model_len: int  # the longest sequence (prompt + output)
-    seed: int  # EngineArgs.seed: the global RNG of unseeded sampling
-
-
-class ModelRunnerBase(ABC):
-    """A model runner: turns each `StepDescription` into a `StepResult`.
-
-    The core's runner (tokenmill.runner.ModelRunner) and a plugin's own (returned by
-    `tokenmill_model_runner`) both implement this. Order of calls, all in the worker:
-    `kv_block_bytes`, `profile`, `initialize_kv_cache(num_blocks)`, then `execute` once per
-    step, `shutdown` at the end. A runner keeps its own per-request state from the steps
-    (`tokenmill.runner_state.RequestStateTable` does that for any runner), samples with
-    vLLM's semantics (`tokenmill.sampler.Sampler`, or equivalent: greedy outputs must equal
-    the core's, which conformance tier T3 checks) and writes the KV of block id b of the
-    steps into its own pages.
-    """
-
-    @abstractmethod
-    def kv_block_bytes(self) -> int:
-        """Bytes one KV block takes on the device, over all layers (to size the pool)."""
-
-    def profile(self) -> None:  # noqa: B027 - optional: a runner without one is sized as is
-        """Run a dummy step as large as the engine allows (max_num_batched_tokens tokens over
-        max_num_seqs requests), so that memory_info afterwards shows the peak a step needs.
-        Must leave no request state behind."""
-
-    @abstractmethod
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate the KV cache: block ids 0..num_blocks-1 name pages of every layer."""
-
-    @abstractmethod
-    def execute(self, step: StepDescription) -> StepResult:
-        """Run one step; return what it sampled (every sampling row) and the logprobs asked."""
-
-    def shutdown(self) -> None:  # noqa: B027 - optional
-        """Release device memory and threads; no call follows."""
-
-
-class GraphCapture(ABC):
-    """Capture and replay of the decode step (one token per request), per batch size.
-
-    The core runner owns static input buffers (token ids, positions and the attention
-    metadata's device tensors, sized for the largest bucket); before capture and before
-    each replay it writes the step into them in place, padding the batch to the bucket
-    with requests that write a scratch block. `capture(batch_size, fn)` is called once per
-    bucket at start-up: `fn()` runs the model's forward over the static buffers and
-    returns the hidden states [batch_size, hidden]; `replay(batch_size)` reruns what was
-    captured and returns the output tensor (the same one each time, for real graphs).
-    Attention backends run inside the graph: under replay they must read only the
-    metadata's device tensors, which the runner updates in place (host fields such as
-    `seq_lens_cpu` are refreshed too, for implementations that rerun eagerly).
-    """
-
-    @abstractmethod
-    def batch_sizes(self, max_num_seqs: int) -> list[int]:
-        """The buckets to capture, ascending, each at most `max_num_seqs`; a decode step of
-        n requests runs in the smallest bucket >= n (eagerly when none is)."""
-
-    @abstractmethod
-    def capture(self, batch_size: int, fn: Callable[[], torch.Tensor]) -> None:
-        """Record `fn` (the forward over the static buffers) for `batch_size`."""
-
-    @abstractmethod
-    def replay(self, batch_size: int) -> torch.Tensor:
-        """Run the recorded forward of `batch_size`; returns its hidden states."""
