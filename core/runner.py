@@ -187,7 +187,7 @@ class ModelRunner(ModelRunnerBase):
         # one metadata per KV group (a hybrid model's groups have their own block tables)
         tables = [r.state.tables() for r in batch]
         per_group = [
-            self._recurrent_metadata(batch, inputs, g)
+            self._recurrent_metadata(batch, inputs, [t[g] for t in tables], g)
             if group.kind == AttentionKind.LINEAR
             else AttentionMetadata.build(
                 inputs.query_lens, inputs.seq_lens, [t[g] for t in tables], self.block_size, dev
@@ -204,15 +204,15 @@ class ModelRunner(ModelRunnerBase):
         return self.model(input_ids, positions.to(dev), self.kv_caches, metadata)
 
     def _recurrent_metadata(
-        self, batch: list[ScheduledRow], inputs: _StepInputs, group_id: int
+        self, batch: list[ScheduledRow], inputs: _StepInputs, slots: list[list[int]],
+        group_id: int,
     ) -> AttentionMetadata:
-        """Where each row's state is read from and written to in LINEAR group `group_id`:
-        its slot; zeros at token 0; a hit's checkpoint the first step after the hit."""
-        slots, sources, checkpoints = [], [], []
-        for row in batch:
-            slot = row.state.tables()[group_id]
+        """Where each row's state is read from and written to in LINEAR group `group_id`
+        (`slots`: each row's state slot, its block table in that group): the slot; zeros at
+        token 0; a hit's checkpoint the first step after the hit."""
+        sources, checkpoints = [], []
+        for row, slot in zip(batch, slots, strict=True):
             op = row.state.recurrent_ops.get(group_id)
-            slots.append(slot)
             if op is not None and op.restore_block_ids:
                 sources.append(list(op.restore_block_ids))
             else:
