@@ -228,15 +228,6 @@ class LLMEngine:
         its index and kept up to date by its step reports, with worker processes."""
         if offload_config(self.args) is None:
             return None
-        moved = (AttentionKind.FULL, AttentionKind.SLIDING_WINDOW)
-        others = sorted({g.kind.value for g in self.kv.groups if g.kind not in moved})
-        if others:
-            # recurrent states and MLA latents are not in the objects yet (docs/kv-offload.md)
-            self.executor.shutdown()
-            raise ValueError(
-                f"KV offload moves full-attention and sliding-window KV only; this model has "
-                f"{others} groups: unset the kv_offload_* settings (docs/kv-offload.md)"
-            )
         if isinstance(self.executor, UniExecutor):
             return engine_offload(
                 self.executor.worker.kv_offload, self.args.block_size, self.kv.groups

@@ -118,7 +118,10 @@ class Scheduler:
             self.connector.request_arrived(request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running or self.loading or self.parked)
+        """Requests not finished, or (KV offload) held state saves no step has carried."""
+        return bool(self.waiting or self.running or self.loading or self.parked) or (
+            self.connector is not None and self.connector.has_unsent_saves
+        )
 
     def schedule(self, max_num_scheduled: int | None = None) -> SchedulerOutput:
         """The next step. `max_num_scheduled`: the most requests it holds (pipeline
@@ -143,8 +146,11 @@ class Scheduler:
         for request, num_new in scheduled:
             out.scheduled.append(self._describe(request, num_new))
         # an empty step is not run (ended ids wait for the next one), unless the KV
-        # connector has loads to start or in flight
-        if scheduled or self.loading or self.parked:
+        # connector has loads to start or in flight, or held pages to save or release
+        if scheduled or self.loading or self.parked or (
+            self.connector is not None
+            and (self.connector.has_unsent_saves or self.connector.holds_blocks)
+        ):
             out.step = self.workers.describe_step(scheduled, out.scheduled)
             for request, _ in scheduled:  # recurrent layers: restores and checkpoints
                 ops = self.kv.recurrent_step_ops(request)
@@ -155,7 +161,8 @@ class Scheduler:
             if self.connector is not None:
                 out.step.kv_connector = self.connector.build_step_meta(
                     [(r, self.kv.group_block_ids(r), r.num_computed_tokens, n)
-                     for r, n in scheduled]
+                     for r, n in scheduled],
+                    [kb for r, _ in scheduled for kb in self.kv.checkpoint_saves(r)],
                 )
         return out
 
@@ -267,7 +274,7 @@ class Scheduler:
         request.num_computed_tokens = num_hit
         request.status = RequestStatus.WAITING_FOR_KV
         self.loading[request.request_id] = request
-        self.connector.start_load(request, self.kv.group_block_ids(request), num_hit, num_external)
+        self.connector.start_load(request, self.kv.load_block_ids(request), num_hit, num_external)
         return True
 
     def update_from_connector(self, report: WorkerReport | None) -> None:
@@ -276,7 +283,9 @@ class Scheduler:
         that was still loading gives its blocks back."""
         if self.connector is None or report is None:
             return
-        for outcome in self.connector.process_report(report):
+        outcomes = self.connector.process_report(report)
+        self.kv.release(self.connector.take_released())
+        for outcome in outcomes:
             parked = self.parked.pop(outcome.request_id, None)
             if parked is not None:
                 self.kv.free(parked)
@@ -334,6 +343,7 @@ class Scheduler:
             self.waiting.remove(request)
         self.loading.pop(request_id, None)
         request.status = status
+        self._save_rolling_state(request)
         if self.connector is not None and self.connector.request_finished(request):
             self.parked[request_id] = request  # a load still writes into its blocks
         else:
@@ -342,7 +352,16 @@ class Scheduler:
         self.workers.forget(request_id, aborted)
         return request
 
+    def _save_rolling_state(self, request: Request) -> None:
+        """KV offload of a model with recurrent layers: the request's latest state (its
+        rolling checkpoint, where an agent's next turn continues) is saved once, now that
+        no later one supersedes it; its pages stay held until the save reports."""
+        if self.connector is not None and self.kv.recurrent_group_ids:
+            held = self.kv.hold_rolling_checkpoints(request)
+            self.kv.release(self.connector.save_rolling_checkpoints(held))
+
     def _preempt(self, request: Request) -> None:
+        self._save_rolling_state(request)
         self.kv.free(request)
         self.workers.preempt(request.request_id)
         request.status = RequestStatus.PREEMPTED

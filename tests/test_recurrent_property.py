@@ -10,6 +10,12 @@ allocators hold; no page is in two places unless it is one cached block or check
 shared by readers; nothing leaks (free + held = usable); the per-group counts are exact;
 every running request has one slot per recurrent group; and every prefix-cache hit
 restores a checkpoint holding the state at exactly the hit boundary.
+
+KV offload's paths too: a load from a tier (`allocate_slots(..., publish=False)`: the
+blocks after the device hit and fresh pages for the checkpoint at the load's end, no
+slot) that reports (published, the first step restores from it) or fails (given back),
+and a finished request's rolling checkpoint held until its save is released: its pages
+are never handed out meanwhile and keep the state they hold.
 """
 
 from __future__ import annotations
@@ -51,6 +57,8 @@ class RecurrentArena(RuleBasedStateMachine):
         self.running: dict[str, Request] = {}
         self.preempted: list[Request] = []
         self.ids = 0
+        self.loading: dict[str, tuple[Request, int]] = {}  # tier loads in flight: their end
+        self.held: list[tuple[list, list]] = []  # held rolling checkpoints: pages, states
         self.content: dict[int, tuple] = {}  # block id -> what it holds (see module doc)
         self.rng = random.Random(0)
 
@@ -130,9 +138,74 @@ class RecurrentArena(RuleBasedStateMachine):
         self._grow(request, min(n, request.num_tokens - request.num_computed_tokens))
 
     @precondition(lambda self: self.running)
-    @rule(data=st.data())
-    def finish(self, data) -> None:
-        self.kv.free(self.running.pop(data.draw(st.sampled_from(sorted(self.running)))))
+    @rule(data=st.data(), hold=st.booleans())
+    def finish(self, data, hold: bool) -> None:
+        request = self.running.pop(data.draw(st.sampled_from(sorted(self.running))))
+        if hold:  # KV offload: the rolling checkpoint stays held until its save reports
+            pages = self.kv.hold_rolling_checkpoints(request)
+            self.held.append((pages, [self.content.get(b.block_id) for b in pages]))
+        self.kv.free(request)
+
+    @precondition(lambda self: self.held)
+    @rule()
+    def release(self) -> None:
+        pages, _ = self.held.pop(0)
+        self.kv.release(pages)
+
+    @rule(prefix=st.sampled_from(range(len(PREFIXES))), tail=st.integers(0, 20),
+          blocks=st.integers(1, 6))
+    def load(self, prefix: int, tail: int, blocks: int) -> None:
+        """Admit through a tier load of up to `blocks` blocks after the device hit."""
+        self.ids += 1
+        tokens = PREFIXES[prefix] + [self.rng.randrange(50) for _ in range(tail)]
+        request = Request(f"l{self.ids}", tokens, SamplingParams(max_tokens=8))
+        hit, n = self.kv.find_cached_prefix(request)
+        self._check_hit(request, hit, n)
+        end = min(n + blocks * BLOCK, (request.num_tokens - 1) // BLOCK * BLOCK)
+        if end <= n:
+            return
+        # as the scheduler does: a window needs no block before the one it reads at `end`
+        padded = PrefixHit(n, [
+            table + [NULL_BLOCK] * (alloc.first_needed_block(end) - len(table))
+            for alloc, table in zip(self.kv.allocators, hit.tables, strict=True)
+        ])
+        if self.kv.allocate_slots(request, end - n, padded, publish=False):
+            request.num_computed_tokens = n
+            self.loading[request.request_id] = (request, end)
+            tables = self.kv.load_block_ids(request)
+            for g in self.recurrent:
+                assert len(tables[g]) == LAYOUT.groups[g].state_pages
+                assert self.kv.allocators[g].block_ids(request) == []  # no slot yet
+
+    @precondition(lambda self: self.loading)
+    @rule(data=st.data(), ok=st.booleans())
+    def load_reports(self, data, ok: bool) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.loading)))
+        request, end = self.loading.pop(rid)
+        if not ok:  # its blocks go back; it never ran
+            self.kv.free(request)
+            return
+        tables = self.kv.load_block_ids(request)
+        for g, ids in enumerate(tables):  # what the tier brought into them
+            if g in self.recurrent:
+                for block_id in ids:
+                    self.content[block_id] = self._state(g, request, end)
+                continue
+            for j in range(request.num_computed_tokens // BLOCK, end // BLOCK):
+                if ids[j] != NULL_BLOCK.block_id:
+                    tokens = tuple(request.all_token_ids[j * BLOCK : (j + 1) * BLOCK])
+                    self.content[ids[j]] = ("kv", g, tokens)
+        self.kv.cache_blocks(request, end)
+        request.num_computed_tokens = end
+        start = end
+        if self.kv.allocate_slots(request, 1):  # the first step restores from the checkpoint
+            request.num_computed_tokens += 1
+            self.running[rid] = request
+            self._run_step(request, start, start + 1)
+        else:  # no room for its slot: preempted
+            self.kv.free(request)
+            request.num_computed_tokens = 0
+            self.preempted.append(request)
 
     @precondition(lambda self: self.running)
     @rule(data=st.data())
@@ -165,20 +238,25 @@ class RecurrentArena(RuleBasedStateMachine):
         per_group = [set() for _ in self.kv.allocators]
         pool = self.kv.pool
         for g, alloc in enumerate(self.kv.allocators):
-            for rid in self.running:
+            for rid in [*self.running, *self.loading]:
                 if isinstance(alloc, RecurrentStateAllocator):
-                    assert len(alloc.block_ids(self.running[rid])) == alloc.state_pages
+                    if rid in self.running:
+                        assert len(alloc.block_ids(self.running[rid])) == alloc.state_pages
                     held = alloc.held_blocks(rid)
                 else:
                     held = [b for b in alloc.req_to_blocks.get(rid, []) if b is not NULL_BLOCK]
                 for block in held:
                     refs[block.block_id] = refs.get(block.block_id, 0) + 1
                     per_group[g].add(block.block_id)
-            assert set(alloc.req_to_blocks) <= set(self.running)
+            assert set(alloc.req_to_blocks) <= set(self.running) | set(self.loading)
         # pages a hit restores from: a checkpoint, maybe dropped from the cache since (a
         # superseded rolling one) but still read by the step in flight
         restoring = {b.block_id for g in self.recurrent for seq in self.kv.allocators[g].seqs.values()
                      for b in seq.restore}
+        for pages, states in self.held:  # never handed out: the state they were saved with
+            for block, state in zip(pages, states, strict=True):
+                refs[block.block_id] = refs.get(block.block_id, 0) + 1
+                assert state is not None and self.content.get(block.block_id) == state
         for block_id, count in refs.items():
             block = pool.blocks[block_id]
             assert block.ref_cnt == count, (block_id, block.ref_cnt, count)
@@ -188,7 +266,8 @@ class RecurrentArena(RuleBasedStateMachine):
         assert len(free) == pool.num_free_blocks
         assert len(free) + len(refs) == pool.num_usable_blocks  # no leak
         assert self.kv.blocks_in_use_per_group() == [len(s) for s in per_group]
-        assert sum(len(s) for s in per_group) == len(refs)  # no page in two groups
+        live = set().union(*per_group)  # pages only held for a save belong to no request
+        assert sum(len(s) for s in per_group) == len(live)  # no page in two groups
         # a slot is never cached, never shared
         for g in self.recurrent:
             for request in self.running.values():

@@ -184,3 +184,61 @@ def test_reference_backend_writes_checkpoints_equal_to_the_state_there():
     assert torch.equal(cache[:, [10, 11, 12]], before)
     torch.testing.assert_close(read_states(cache, STATE, [[13, 14, 15]])[1][0], ssm,
                                atol=1e-5, rtol=1e-4)
+
+
+def test_a_tier_checkpoint_loads_into_fresh_pages_then_restores_copy_on_extend():
+    """KV offload's load of a prefix (core/kv_connector/checkpoints.py): the recurrent
+    group takes only fresh pages for the checkpoint at the load's end, published once
+    loaded; the first step after reads them and writes its own slot."""
+    from tokenmill.kv.manager import PrefixHit
+
+    kv = _manager(interval=100)
+    lin = kv.allocators[0]
+    r = _request("a", list(range(100, 123)))
+    kv.update_block_hashes(r)
+    assert kv.allocate_slots(r, 16, PrefixHit(0, [[], []]), publish=False)
+    loads = kv.load_block_ids(r)
+    assert len(loads[0]) == 3 and len(loads[1]) == 4  # the checkpoint's pages; 4 blocks
+    assert kv.group_block_ids(r)[0] == []  # no slot yet
+    probe = _request("p", r.all_token_ids)
+    assert kv.find_cached_prefix(probe)[1] == 0  # nothing published while loading
+    kv.cache_blocks(r, 16)  # the load reported
+    assert kv.find_cached_prefix(probe)[1] == 16
+    assert [b.block_id for b in kv.find_cached_prefix(probe)[0].tables[0]] == loads[0]
+    r.num_computed_tokens = 16
+    assert kv.allocate_slots(r, 7)  # [16, 23): the prompt end's checkpoint at 20
+    restore, ckpts = lin.step_ops(r)
+    slot = kv.group_block_ids(r)[0]
+    assert restore == loads[0] and set(slot).isdisjoint(restore)
+    assert [n for n, _ in ckpts] == [20]
+    # the prompt end's checkpoint is a kept one: saved after the step that writes it
+    saves = kv.checkpoint_saves(r)
+    assert [b for _, b in saves] == ckpts[0][1]
+    assert [k for k, _ in saves] == [lin.key(r.block_hashes[4], p) for p in range(3)]
+    # a load that fails: the pages go back unpublished
+    f = _request("f", list(range(200, 223)))
+    kv.update_block_hashes(f)
+    assert kv.allocate_slots(f, 16, PrefixHit(0, [[], []]), publish=False)
+    kv.free(f)
+    assert kv.find_cached_prefix(_request("q", f.all_token_ids))[1] == 0
+
+
+def test_a_held_rolling_checkpoint_outlives_its_request_until_released():
+    kv = _manager(interval=100)
+    r = _request("a", list(range(6)))
+    assert kv.allocate_slots(r, 6)
+    r.num_computed_tokens = 6
+    for step in range(3):  # decode to token 8: the rolling checkpoint at 8
+        r.append_output_token(50 + step)
+        assert kv.allocate_slots(r, 1)
+        r.num_computed_tokens += 1
+    assert kv.checkpoint_saves(r) == []  # a rolling checkpoint is not saved as it is written
+    held = kv.hold_rolling_checkpoints(r)
+    assert len(held) == 3 and all(b.block_hash.endswith(b"/g0/s%d" % p) for p, b in enumerate(held))
+    kv.free(r)
+    assert all(b.ref_cnt == 1 for b in held)
+    taken = kv.pool.allocate(kv.pool.num_free_blocks)  # everything else: never the held pages
+    assert not {id(b) for b in taken} & {id(b) for b in held}
+    kv.pool.free(taken)
+    kv.release(held)
+    assert all(b.ref_cnt == 0 for b in held) and kv.usage == 0.0

@@ -22,7 +22,7 @@ from tokenmill.distributed.parallel_state import (
     init_parallel_state,
 )
 from tokenmill.kv.sizing import kv_cache_budget
-from tokenmill.kv_connector.engine_setup import WorkerOffload, make_worker_offload, slot_caches
+from tokenmill.kv_connector.engine_setup import WorkerOffload, make_worker_offload
 from tokenmill.model.loader import build_model, checkpoint_weights, load_model_info
 from tokenmill.model.pipeline import stage_weight_filter
 from tokenmill.model.registry import attention_specs_for
@@ -183,17 +183,15 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self._runner.initialize_kv_cache(num_blocks)
         if self.config.kv_offload is not None:
-            caches = getattr(self._runner, "kv_caches", None)
-            if not caches:
+            arena = getattr(self._runner, "arena", None)
+            if arena is None:
                 raise ValueError(
-                    f"KV offload needs the core's model runner (its KV caches); platform "
+                    f"KV offload needs the core's model runner (its KV arena); platform "
                     f"{self._platform.name!r} brings {type(self._runner).__name__}"
                 )
-            layout = getattr(getattr(self._runner, "model", None), "kv_layout", None)
             self.kv_offload = make_worker_offload(
                 self.config.kv_offload, self.config.model_path, self.hf_config,
-                slot_caches(caches, layout.layer_slot if layout is not None else None),
-                self._platform, self.config.block_size,
+                arena.page_rows(), self._platform, self.config.block_size, self.config.dtype,
             )
             if self.config.distributed_executor_backend != "uni":
                 # the engine's scheduler side mirrors the stack from our reports

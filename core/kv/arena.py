@@ -45,6 +45,22 @@ class KVArena:
     # per layer: in its backend's kv_cache_shape (attention), or uint8 [2, num_blocks,
     # page_bytes // 2] (a recurrent layer's state pages)
     layer_caches: list[torch.Tensor]
+    num_slots: int = 1  # layer slots: regions of num_blocks pages each
+    # block b's page is contiguous in each slot (MLA arenas) rather than two halves,
+    # [0, b] and [1, b] of a [2, num_blocks, page_bytes // 2] view (see `page_rows`)
+    block_major: bool = False
+
+    def page_rows(self) -> list[torch.Tensor]:
+        """Per slot, its region as bytes [H, num_blocks, page_bytes // H]: block b's page
+        is rows [:, b] (H = 2, keys then values, or 1 where pages are block-major). Every
+        group that may hold block b sees these bytes (the layout rule above), so moving
+        them moves the block whatever it holds: attention KV, MLA latents, state pages."""
+        n, page = self.num_blocks, self.page_bytes
+        halves = 1 if self.block_major else 2
+        return [
+            self.buffer[s * n * page : (s + 1) * n * page].view(halves, n, page // halves)
+            for s in range(self.num_slots)
+        ]
 
     @staticmethod
     def cache_shape(
@@ -136,7 +152,8 @@ class KVArena:
                 continue
             shape = cls.cache_shape(spec, num_blocks, backend)
             caches.append(region.view(spec.dtype).view(*shape))
-        return cls(buffer=buffer, num_blocks=num_blocks, page_bytes=page, layer_caches=caches)
+        return cls(buffer=buffer, num_blocks=num_blocks, page_bytes=page, layer_caches=caches,
+                   num_slots=num_slots, block_major=block_major)
 
 
 def _block_major(specs: list[AttentionSpec]) -> bool:

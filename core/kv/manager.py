@@ -183,21 +183,26 @@ class KVCacheManager:
         blocks of all groups together fit, allocates them; else returns False and changes
         nothing more. `publish=False` keeps every group's new blocks out of the prefix
         cache (their content is still being loaded by the KV connector; `cache_blocks`
-        publishes them after).
+        publishes them after), and a recurrent group then takes only the pages of the
+        checkpoint at the end of the load (`RecurrentStateAllocator.allocate_load`; a
+        device hit's checkpoint in `hits` is not taken: the load brings a later one).
         """
         num_hit = hits.num_tokens if hits is not None else 0
+        recurrent = self.recurrent_group_ids
+        if hits is not None and hits.tables and recurrent and not publish:
+            hits = PrefixHit(num_hit, [[] if i in recurrent else t for i, t in enumerate(hits.tables)])
         if num_hit:
-            self._check_hits(request, hits)
+            self._check_hits(request, hits, check_recurrent=publish)
         num_computed = request.num_computed_tokens + num_hit
         total = num_computed + num_new_tokens
         tables = hits.tables if hits is not None and hits.tables else [[] for _ in self.allocators]
-        recurrent = self.recurrent_group_ids
         if recurrent and publish:
             self.update_block_hashes(request)  # checkpoints are keyed by the blocks they end
         for alloc in self.allocators:
             alloc.release_outside_window(request, num_computed)
         need = sum(
-            alloc.num_blocks_needed(request, total, table, num_computed)
+            (alloc.num_blocks_needed(request, total, table, num_computed) if publish
+             else alloc.state_pages)
             if i in recurrent else alloc.num_blocks_needed(request, total, table)
             for i, (alloc, table) in enumerate(zip(self.allocators, tables, strict=True))
         )
@@ -208,8 +213,10 @@ class KVCacheManager:
         for alloc, table in zip(self.allocators, tables, strict=True):
             alloc.take_hits(request, table)
         for i, alloc in enumerate(self.allocators):
-            if i in recurrent:
+            if i in recurrent and publish:
                 alloc.allocate(request, total, num_computed)
+            elif i in recurrent:
+                alloc.allocate_load(request, total)
             else:
                 alloc.allocate(request, total)
         if self.enable_prefix_caching and publish:
@@ -226,7 +233,7 @@ class KVCacheManager:
             for alloc in self.allocators:
                 alloc.cache_full_blocks(request, num_tokens)
 
-    def _check_hits(self, request: Request, hits: PrefixHit) -> None:
+    def _check_hits(self, request: Request, hits: PrefixHit, check_recurrent: bool = True) -> None:
         if request.num_computed_tokens or any(
             alloc.req_to_blocks.get(request.request_id) for alloc in self.allocators
         ):
@@ -237,7 +244,7 @@ class KVCacheManager:
         num_blocks = hits.num_tokens // self.block_size
         for alloc, table in zip(self.allocators, hits.tables, strict=True):
             if isinstance(alloc, RecurrentStateAllocator):
-                if not alloc.hit_is_fresh(request, table, num_blocks):
+                if check_recurrent and not alloc.hit_is_fresh(request, table, num_blocks):
                     raise RuntimeError(
                         f"stale prefix-cache hits for request {request.request_id!r}: look "
                         "them up again (find_cached_prefix) right before allocate_slots"
@@ -259,6 +266,34 @@ class KVCacheManager:
     def block_ids(self, request: Request) -> list[int]:
         """Group 0's block table (the only one of a plain model)."""
         return self.allocators[0].block_ids(request)
+
+    def load_block_ids(self, request: Request) -> list[list[int]]:
+        """Every group's blocks a KV connector load fills, after `allocate_slots(...,
+        publish=False)`: the block table, or a recurrent group's checkpoint pages."""
+        return [
+            alloc.load_block_ids(request) if isinstance(alloc, RecurrentStateAllocator)
+            else alloc.block_ids(request)
+            for alloc in self.allocators
+        ]
+
+    def checkpoint_saves(self, request: Request) -> list[tuple[bytes, int]]:
+        """The kept recurrent-state checkpoints the step just allocated writes, as
+        (prefix-cache key, block id) per page, in every recurrent group."""
+        return [kb for i in self.recurrent_group_ids
+                for kb in self.allocators[i].kept_checkpoints(request)]
+
+    def hold_rolling_checkpoints(self, request: Request) -> list[KVBlock]:
+        """Before `free`: the request's rolling checkpoint pages in every recurrent group
+        (its latest state, where an agent's next turn continues), each with one more
+        reference so no allocation reuses them; give it back with `release`."""
+        pages = [b for i in self.recurrent_group_ids
+                 for b in self.allocators[i].rolling_checkpoint(request)]
+        self.pool.touch(pages)
+        return pages
+
+    def release(self, blocks: list[KVBlock]) -> None:
+        """Drop references taken by `hold_rolling_checkpoints`."""
+        self.pool.free(blocks)
 
     def group_block_ids(self, request: Request) -> list[list[int]]:
         """Every group's block table, in group order; null entries are NULL_BLOCK's id."""

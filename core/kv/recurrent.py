@@ -17,6 +17,10 @@ costs whole pages only up to its last one (no page padding grows with the state 
   block t / block_size - 1 (tagged per group and page), like a full attention block. A
   prefix-cache hit of t tokens needs one in every recurrent group. `CheckpointPolicy`
   says where they are taken.
+- A KV tier's checkpoint (core/kv_connector/): a load that brings a prefix back from a
+  tier allocates fresh pages for the checkpoint at its end (`allocate_load`) and no slot;
+  once loaded they are published like a computed checkpoint, and the first step after
+  reads them as a hit's restore source (copy on extend: its slot comes with that step).
 
 The allocator has the interface of `FullAttentionAllocator` (the manager drives every
 group alike); its "block table" is the slot. Pure Python with no device import.
@@ -85,6 +89,12 @@ class CheckpointPolicy:
         return kept, last * block_size
 
 
+def checkpoint_key(block_hash: BlockHash, group_id: int, page: int) -> BlockHash:
+    """The prefix-cache key of page `page` of group `group_id`'s checkpoint after the
+    block whose key is `block_hash` (KV tiers name their objects by it too)."""
+    return block_hash + b"/g%d/s%d" % (group_id, page)
+
+
 @dataclass(slots=True)
 class _Checkpoint:
     num_tokens: int
@@ -97,6 +107,7 @@ class _SeqState:
     restore: list[KVBlock] = field(default_factory=list)  # a hit's checkpoint, read once
     pending: list[_Checkpoint] = field(default_factory=list)  # written by the step in flight
     rolling: _Checkpoint | None = None  # the latest boundary's checkpoint, if not kept
+    loading: int = 0  # restore's tokens while a KV tier loads it (0: a device hit or none)
 
 
 class RecurrentStateAllocator:
@@ -120,7 +131,7 @@ class RecurrentStateAllocator:
     def key(self, block_hash: BlockHash, page: int = 0) -> BlockHash:
         """The prefix-cache key of page `page` of the checkpoint after the block whose
         key is `block_hash`."""
-        return block_hash + b"/g%d/s%d" % (self.group_id, page)
+        return checkpoint_key(block_hash, self.group_id, page)
 
     def checkpoint_at(self, request: Request, num_blocks: int) -> list[KVBlock] | None:
         """The cached checkpoint after the request's first `num_blocks` blocks, if whole."""
@@ -184,6 +195,23 @@ class RecurrentStateAllocator:
         self.pool.touch(hits)
         seq.restore = list(hits)
 
+    def allocate_load(self, request: Request, num_tokens: int) -> None:
+        """Fresh pages for the checkpoint after `num_tokens` (a block boundary) that a KV
+        tier loads; the request holds nothing else here until its first step allocates
+        (its slot, reading these pages as a hit's checkpoint). `cache_full_blocks`
+        publishes them once loaded; `free` drops them if the load fails."""
+        seq = self.seqs.setdefault(request.request_id, _SeqState())
+        if seq.slot or seq.restore:
+            raise RuntimeError(f"request {request.request_id!r} already holds state in group "
+                               f"{self.group_id}: a KV tier's checkpoint only starts a request")
+        seq.restore = self.pool.allocate(self.state_pages)
+        seq.loading = num_tokens
+
+    def load_block_ids(self, request: Request) -> list[int]:
+        """The pages a KV tier's checkpoint is being loaded into (empty: none)."""
+        seq = self.seqs.get(request.request_id)
+        return [b.block_id for b in seq.restore] if seq is not None and seq.loading else []
+
     def allocate(self, request: Request, num_tokens: int, num_computed: int = 0) -> None:
         """Take the slot (first time) and the checkpoint pages of the boundaries in
         (num_computed, num_tokens]; drop what the previous step needed (its restore
@@ -229,11 +257,37 @@ class RecurrentStateAllocator:
         seq = self.seqs.get(request.request_id)
         if seq is None:
             return
+        if seq.loading and seq.loading <= num_tokens:  # a KV tier's checkpoint, now loaded
+            block_hash = request.block_hashes[seq.loading // self.block_size - 1]
+            for p, page in enumerate(seq.restore):
+                self.pool.cache(page, self.key(block_hash, p))
+            seq.loading = 0
         for ckpt in seq.pending:
             if ckpt.num_tokens <= num_tokens:
                 block_hash = request.block_hashes[ckpt.num_tokens // self.block_size - 1]
                 for p, page in enumerate(ckpt.pages):
                     self.pool.cache(page, self.key(block_hash, p))
+
+    def kept_checkpoints(self, request: Request) -> list[tuple[BlockHash, int]]:
+        """The kept checkpoints the step just allocated writes and this request published:
+        (prefix-cache key, block id) per page (KV offload saves them after the step)."""
+        seq = self.seqs.get(request.request_id)
+        if seq is None:
+            return []
+        return [
+            (page.block_hash, page.block_id)
+            for ckpt in seq.pending if ckpt is not seq.rolling
+            for page in self._published(request, ckpt)
+        ]
+
+    def rolling_checkpoint(self, request: Request) -> list[KVBlock]:
+        """The request's rolling checkpoint pages that are the cached ones (its latest
+        boundary's state when it is not a kept one; empty: none). Call before `free`:
+        the caller's computed steps wrote it."""
+        seq = self.seqs.get(request.request_id)
+        if seq is None or seq.rolling is None:
+            return []
+        return self._published(request, seq.rolling)
 
     def step_ops(self, request: Request) -> tuple[list[int], list[tuple[int, list[int]]]]:
         """What the worker does with this group's state in the step just allocated: the

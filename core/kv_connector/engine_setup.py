@@ -89,35 +89,25 @@ def offload_config(args) -> OffloadConfig | None:
     return config
 
 
-def slot_caches(caches: list, layer_slots: list[int] | tuple[int, ...] | None) -> list:
-    """One cache per arena slot, in slot order, from the per-layer `caches` (layers of
-    several KV groups share slots, core/kv/groups.py). A block's object is its page in
-    every slot: the content of whichever group holds the block. None: a slot per layer."""
-    if layer_slots is None:
-        return list(caches)
-    by_slot: dict[int, object] = {}
-    for cache, slot in zip(caches, layer_slots, strict=True):
-        by_slot.setdefault(slot, cache)
-    return [by_slot[s] for s in sorted(by_slot)]
-
-
 def make_worker_offload(
-    config: OffloadConfig, model_path: str, hf_config, caches: list, platform, block_size: int
+    config: OffloadConfig, model_path: str, hf_config, rows: list, platform, block_size: int,
+    dtype: str,
 ) -> WorkerOffload:
-    """A worker's tier stack and connector half over its arena's per-slot `caches`."""
+    """A worker's tier stack and connector half over its arena's slots as bytes, `rows`
+    (`KVArena.page_rows`); `dtype`: the model's KV dtype name (part of the fingerprint)."""
     layout = KVLayout(
         model_id=model_identity(model_path, hf_config),
-        dtype=str(caches[0].dtype).removeprefix("torch."),
+        dtype=dtype,
         block_size=block_size,
-        layer_shapes=tuple((c.shape[0], *c.shape[2:]) for c in caches),
-        itemsize=caches[0].element_size(),
+        layer_shapes=tuple((r.shape[0], r.shape[2]) for r in rows),
+        itemsize=1,
     )
     staging = platform.allocator(AllocatorPurpose.HOST_STAGING)
     stack = build_stack(config, TierContext(layout, lambda: staging))
     worker = KVConnectorWorker(stack, layout, staging)
-    worker.register_kv_caches(caches)
+    worker.register_page_rows(rows)
     logger.info(
-        "KV offload: tiers %s, %d-byte objects (one block of every layer)",
+        "KV offload: tiers %s, %d-byte objects (one block of every arena slot)",
         [t.name for t in stack.tiers], layout.object_bytes,
     )
     return WorkerOffload(stack, layout, worker)

@@ -38,10 +38,15 @@ class CorruptObjectError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
-    """The byte layout of one block's KV across all layers, and what produced it.
+    """The byte layout of one block across all arena slots, and what produced it.
 
-    `layer_shapes[l]` is one layer's page shape [2, block_size, kv_heads, head_size];
-    payloads hold the pages of all layers in layer order.
+    `layer_shapes[s]` is slot s's page shape in elements of `itemsize` bytes: an engine
+    describes each slot as bytes, (H, page_bytes // H) with itemsize 1 (H = 2: keys then
+    values, or the two halves of state pages; 1: a block-major MLA page;
+    `KVArena.page_rows`); a bare attention cache is [2, block_size, kv_heads, head_size].
+    Payloads hold the pages of all slots in slot order: whatever the block holds in
+    them (attention KV, MLA latents, a recurrent-state checkpoint page), which the
+    model, named by `model_id`, fixes.
     """
 
     model_id: str  # the model's identity (path or name plus config digest)

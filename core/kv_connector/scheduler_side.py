@@ -25,8 +25,16 @@ before n of each full-attention group, and of a sliding-window group only the bl
 window reads at n (`_first_needed`); the scheduler gives the window blocks the load
 skips back to the pool before the load starts. A load that fails part-way in a model of
 several groups cannot keep a prefix (a window's skipped blocks are holes before it):
-the request gives its blocks back and is admitted again from its device hit, computing
-the rest (`LoadOutcome.restart`), without a second load.
+the request gives its blocks back and is admitted again from its device hit
+(`LoadOutcome.restart`); its new lookup no longer finds the objects that failed (a
+corrupt one is deleted), so it loads the longest prefix still whole, and after a second
+failure it computes the rest without loading.
+
+Recurrent groups (LINEAR: state slots and checkpoints, core/kv/recurrent.py): a
+checkpoint's pages are objects of the same format, and a hit of n blocks needs every
+page of each recurrent group's checkpoint after block n; saves, lookups and loads of
+them are in checkpoints.py. To the code here such a group is a window of zero length
+(it needs no block of its own before n). MLA groups are full attention here.
 
 Sessions. A request may name its session (OpenAI `user` / `session_id`, Anthropic
 `metadata.user_id`). A turn that ended in a tool call (`session_returns`) says the session
@@ -45,6 +53,7 @@ from dataclasses import dataclass
 
 from tokenmill.kv.block_pool import NULL_BLOCK
 from tokenmill.kv.groups import KVGroup
+from tokenmill.kv_connector.checkpoints import CheckpointObjects
 from tokenmill.kv_connector.directory import TierDirectory
 from tokenmill.kv_connector.messages import (
     BlockTransfer,
@@ -94,17 +103,23 @@ class KVConnectorScheduler:
         self.stack = stack
         self.fingerprint = fingerprint
         self.block_size = block_size
-        # per group: its sliding window in tokens, None for full attention
+        # per group: its sliding window in tokens, None for full attention (and MLA), 0
+        # for a recurrent group (no block of its own: its checkpoint, `self.checkpoints`)
         self.windows: list[int | None] = [
-            g.sliding_window if g.kind == AttentionKind.SLIDING_WINDOW else None
+            g.sliding_window if g.kind == AttentionKind.SLIDING_WINDOW
+            else 0 if g.kind == AttentionKind.LINEAR else None
             for g in groups or ()
         ] or [None]
+        self.checkpoints = CheckpointObjects(fingerprint, groups)
+        self._block_groups = [g for g in range(len(self.windows)) if g not in self.checkpoints.pages]
         # tokens are counted once per block position, on a full-attention group's objects
         self._token_group = next((g for g, w in enumerate(self.windows) if w is None), 0)
         self._loads: dict[str, _Load] = {}
         self._saving: set[ObjectKey] = set()
         self._pending_lookup: dict[str, dict[tuple[int, int], str | None]] = {}
-        self._no_load: set[str] = set()  # requests whose load failed: they compute
+        # requests whose load failed and restarted -> how often; at _MAX_RESTARTS they
+        # compute (a failed object was deleted, so the next lookup finds a shorter hit)
+        self._no_load: dict[str, int] = {}
         self._returning: OrderedDict[str, None] = OrderedDict()  # sessions hinted to return
         self._prefetch: list[ObjectKey] = []
         self.num_prefetched = 0  # objects prefetches copied up (reported by the worker)
@@ -130,25 +145,36 @@ class KVConnectorScheduler:
         """Tokens after the first `num_device_tokens` (a whole number of blocks) that the
         tiers hold, in whole blocks, leaving at least one token to compute."""
         rid = request.request_id
-        if request.sampling_params.prompt_logprobs is not None or rid in self._no_load:
+        if (request.sampling_params.prompt_logprobs is not None
+                or self._no_load.get(rid, 0) >= self._MAX_RESTARTS):
             return 0  # every prompt position must be computed to score it
         bs = self.block_size
         start = num_device_tokens // bs
         end = min(len(request.block_hashes), (request.num_tokens - 1) // bs)
         if end <= start:
             return 0
-        wanted = [(g, p) for p in range(start, end) for g in range(len(self.windows))]
+        wanted = [(g, p) for p in range(start, end) for g in self._block_groups]
         where = self.stack.locate([self.key(request.block_hashes[p], g) for g, p in wanted])
         found = dict(zip(wanted, where))
-        # full attention bounds the hit by its leading run; windows may shorten it further
+        # full attention bounds the hit by its leading run; windows may shorten it further,
+        # and recurrent groups to a boundary with a whole checkpoint
         n = end
         for g, w in enumerate(self.windows):
             if w is None:
                 n = next((p for p in range(start, n) if found[(g, p)] is None), n)
-        while n > start and any(found[gp] is None for gp in self._needed(start, n)):
+        ckpts = self.checkpoints.lookup(self.stack, request, start, n) if self.checkpoints else {}
+        while n > start and (
+            any(found[gp] is None for gp in self._needed(start, n))
+            or (self.checkpoints and not self.checkpoints.whole(ckpts, n))
+        ):
             n -= 1
         if n == start:
             return 0
+        if self.checkpoints:  # page p of group g's checkpoint at n: entry (g, -1 - p)
+            pages = dict.fromkeys(self.checkpoints.pages, 0)
+            for (g, _), tier in zip(self.checkpoints.keys(request, n), ckpts[n], strict=True):
+                pages[g] += 1
+                found[(g, -pages[g])] = tier
         self._pending_lookup[rid] = found
         return (n - start) * bs
 
@@ -158,7 +184,7 @@ class KVConnectorScheduler:
         """Queue the load of `num_tokens` external tokens into the request's blocks that
         follow its `num_device_tokens` device-hit tokens. `tables`: the request's block
         table of each group (a window's blocks outside the hit's window already given
-        back)."""
+        back; a recurrent group's: the pages its checkpoint at the end is loaded into)."""
         bs = self.block_size
         first, n = num_device_tokens // bs, (num_device_tokens + num_tokens) // bs
         found = self._pending_lookup.pop(request.request_id, {})
@@ -166,12 +192,21 @@ class KVConnectorScheduler:
         blocks = [
             BlockTransfer(tables[g][p], self.key(request.block_hashes[p], g)) for g, p in needed
         ]
+        tiers = [(g, found.get((g, p))) for g, p in needed]
+        if self.checkpoints:  # the recurrent groups' checkpoint at n, last
+            pages = dict.fromkeys(self.checkpoints.pages, 0)
+            for g, transfer in self.checkpoints.load_blocks(request, tables, n):
+                pages[g] += 1
+                blocks.append(transfer)
+                tiers.append((g, found.get((g, -pages[g]))))
         self._loads[request.request_id] = _Load(
-            LoadJob(request.request_id, blocks), num_device_tokens,
-            [(g, found.get((g, p))) for g, p in needed],
+            LoadJob(request.request_id, blocks), num_device_tokens, tiers
         )
 
     _MAX_SESSIONS = 65536  # hints kept, oldest dropped first
+    # loads a request may restart after (a restarted one looks the tiers up again: the
+    # corrupt objects are gone, so it loads the longest prefix still whole)
+    _MAX_RESTARTS = 2
 
     def session_returns(self, session_id: str) -> None:
         """The session's last turn ended in a tool call: prefetch its next turn."""
@@ -188,8 +223,13 @@ class KVConnectorScheduler:
             return
         del self._returning[sid]
         self._prefetch.extend(
-            self.key(h, g) for h in request.block_hashes for g in range(len(self.windows))
+            self.key(h, g) for h in request.block_hashes for g in self._block_groups
         )
+        if self.checkpoints and request.block_hashes:  # and the latest whole checkpoint
+            ckpts = self.checkpoints.lookup(self.stack, request, 0, len(request.block_hashes))
+            last = max((j for j in ckpts if self.checkpoints.whole(ckpts, j)), default=0)
+            if last:
+                self._prefetch.extend(k for _, k in self.checkpoints.keys(request, last))
 
     def is_loading(self, request_id: str) -> bool:
         return request_id in self._loads
@@ -199,10 +239,14 @@ class KVConnectorScheduler:
         return len(self._loads)
 
     def build_step_meta(
-        self, scheduled: list[tuple[Request, list[list[int]], int, int]]
+        self,
+        scheduled: list[tuple[Request, list[list[int]], int, int]],
+        checkpoint_saves: list[tuple[bytes, int]] = (),
     ) -> ConnectorStepMeta:
         """`scheduled`: (request, its block table of each group, first token computed,
-        tokens computed) for each request in the step."""
+        tokens computed) for each request in the step. `checkpoint_saves`: (prefix-cache
+        key, block id) of the kept recurrent checkpoint pages the step writes
+        (`KVCacheManager.checkpoint_saves`)."""
         meta = ConnectorStepMeta(prefetch=self._prefetch)
         self._prefetch = []
         for load in self._loads.values():
@@ -212,6 +256,8 @@ class KVConnectorScheduler:
         bs = self.block_size
         for request, tables, start, num_new in scheduled:
             for g, table in enumerate(tables):
+                if g in self.checkpoints.pages:
+                    continue  # a state slot: never an object (checkpoints are, below)
                 end = min((start + num_new) // bs, len(request.block_hashes), len(table))
                 for i in range(start // bs, end):
                     if self.windows[g] is not None and table[i] == NULL_BLOCK.block_id:
@@ -222,6 +268,11 @@ class KVConnectorScheduler:
                         continue
                     self._saving.add(key)
                     meta.saves.append(BlockTransfer(table[i], key))
+        for transfer in self.checkpoints.saves(list(checkpoint_saves)):
+            if transfer.key not in self._saving and not self.stack.fastest_holds(transfer.key):
+                self._saving.add(transfer.key)
+                meta.saves.append(transfer)
+        meta.saves.extend(self.checkpoints.take_unsent())  # held: in `_saving` already
         self._pending_lookup.clear()
         return meta
 
@@ -229,10 +280,9 @@ class KVConnectorScheduler:
         if isinstance(self.stack, TierDirectory):
             self.stack.apply(report)  # first: the counts below land on its fresh counters
         self.num_prefetched += report.num_prefetched
-        for key in report.saved_keys:
+        for key in (*report.saved_keys, *report.failed_save_keys):
             self._saving.discard(key)
-        for key in report.failed_save_keys:
-            self._saving.discard(key)
+            self.checkpoints.save_ended(key)
         return [o for o in map(self._load_ended, report.loads) if o is not None]
 
     def _load_ended(self, result: LoadResult) -> LoadOutcome | None:
@@ -240,10 +290,14 @@ class KVConnectorScheduler:
         if load is None:
             return None
         bs = self.block_size
-        for (g, _), tier_name in zip(load.tiers, result.tiers):
+        # several groups (or checkpoints) and a failure: nothing of the load is kept
+        restart = result.num_loaded < result.num_requested and (
+            len(self.windows) > 1 or bool(self.checkpoints))
+        kept = 0 if restart else result.num_loaded
+        for (g, _), tier_name in zip(load.tiers[:kept], result.tiers):
             if g == self._token_group:
                 self.stack.count(tier_name, tokens_loaded=bs)
-        for g, promised in load.tiers[result.num_loaded :]:
+        for g, promised in load.tiers[kept:]:
             if promised is not None and g == self._token_group:
                 self.stack.count(promised, tokens_recomputed=bs)
         num_blocks = sum(1 for g, _ in load.tiers if g == self._token_group)
@@ -253,8 +307,8 @@ class KVConnectorScheduler:
             "KV load for %s stopped at object %d of %d; recomputing from there",
             result.request_id, result.num_loaded, result.num_requested,
         )
-        if len(self.windows) > 1:
-            self._no_load.add(result.request_id)
+        if restart:
+            self._no_load[result.request_id] = self._no_load.get(result.request_id, 0) + 1
             return LoadOutcome(result.request_id, 0, num_blocks * bs, restart=True)
         return LoadOutcome(
             result.request_id,
@@ -262,11 +316,37 @@ class KVConnectorScheduler:
             (result.num_requested - result.num_loaded) * bs,
         )
 
+    def save_rolling_checkpoints(self, pages: list) -> list:
+        """A finishing or preempted request's rolling checkpoint `pages` (KVBlocks the
+        scheduler holds, `KVCacheManager.hold_rolling_checkpoints`): saved with the next
+        step. Returns the pages to release now (already saved or being saved); the
+        others come back from `take_released` once the worker reports their save."""
+        def skip(key: ObjectKey) -> bool:
+            if key in self._saving or self.stack.fastest_holds(key):
+                return True
+            self._saving.add(key)
+            return False
+        return self.checkpoints.hold(pages, skip)
+
+    def take_released(self) -> list:
+        """Held checkpoint pages whose save ended (see `save_rolling_checkpoints`)."""
+        return self.checkpoints.take_released()
+
+    @property
+    def has_unsent_saves(self) -> bool:
+        """Held saves wait for a step to carry them (the engine runs one)."""
+        return self.checkpoints.has_unsent
+
+    @property
+    def holds_blocks(self) -> bool:
+        """Held pages wait for a worker report (a step brings it)."""
+        return self.checkpoints.num_held > 0
+
     def request_finished(self, request: Request) -> bool:
         """True: keep the request's blocks until a report ends its load (the worker may
         still be writing into them); False: free them now. Saves never hold blocks: the
         worker copies a block out during the step that fills it."""
-        self._no_load.discard(request.request_id)
+        self._no_load.pop(request.request_id, None)
         load = self._loads.get(request.request_id)
         if load is not None and not load.started:
             del self._loads[request.request_id]  # never sent: nothing writes into the blocks

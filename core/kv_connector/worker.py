@@ -39,7 +39,7 @@ class KVConnectorWorker:
     ) -> None:
         self.stack = stack
         self.layout = layout
-        self._caches: list[torch.Tensor] = []
+        self._rows: list[torch.Tensor] = []  # per slot: uint8 [H, num_blocks, page // H]
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-connector")
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._in_flight: set[Future] = set()
@@ -59,11 +59,21 @@ class KVConnectorWorker:
         )
 
     def register_kv_caches(self, caches: list[torch.Tensor]) -> None:
-        """The arena's per-layer caches, [2, num_blocks, block_size, kv_heads, head_size]."""
+        """Per-layer attention caches in the standard layout, [2, num_blocks, block_size,
+        kv_heads, head_size] (one layer per arena slot)."""
         shapes = tuple((c.shape[0], *c.shape[2:]) for c in caches)
         if shapes != self.layout.layer_shapes:
             raise ValueError(f"KV caches of shapes {shapes} do not match the layout {self.layout}")
-        self._caches = caches
+        self._rows = [c.view(torch.uint8).view(2, c.shape[1], -1) for c in caches]
+
+    def register_page_rows(self, rows: list[torch.Tensor]) -> None:
+        """The arena's slots as bytes, [H, num_blocks, page // H] each (`KVArena.page_rows`):
+        a block's object is rows [:, block] of every slot, whatever the block holds
+        (attention KV, MLA latents, recurrent state pages)."""
+        shapes = tuple((r.shape[0], r.shape[2]) for r in rows)
+        if shapes != self.layout.layer_shapes or self.layout.itemsize != 1:
+            raise ValueError(f"KV page rows of shapes {shapes} do not match the layout {self.layout}")
+        self._rows = rows
 
     # ---- loads ------------------------------------------------------------------------
     def start_loads(self, jobs: list[LoadJob]) -> None:
@@ -83,9 +93,10 @@ class KVConnectorWorker:
 
     def _write_block(self, block_id: int, payload: memoryview) -> None:
         self._staging.numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
-        pages = self._staging.view(self._caches[0].dtype).view(len(self._caches), 2, -1)
-        for layer, cache in enumerate(self._caches):
-            cache.view(2, cache.shape[1], -1)[:, block_id].copy_(pages[layer])
+        first = self._rows[0]
+        pages = self._staging.view(len(self._rows), first.shape[0], first.shape[2])
+        for slot, rows in enumerate(self._rows):
+            rows[:, block_id].copy_(pages[slot])
 
     def start_prefetch(self, keys: list[bytes]) -> None:
         """Copy `keys` up into the fastest tier where only slower ones hold them."""
@@ -111,19 +122,17 @@ class KVConnectorWorker:
                 self._dropped.extend(s.key for s in saves)
                 return
             self._pending_save_blocks += len(saves)
-        ids = torch.tensor([s.block_id for s in saves], dtype=torch.int64)
-        ids = ids.to(self._caches[0].device)
-        # [num_blocks, layers, 2, page elements]: a layer's K (or V) page of one block is one
-        # contiguous row of its cache, so each copy is a row gather (a permute of the 6-d
-        # view would be an element-wise strided copy, ~100x slower on the CPU)
-        first = self._caches[0]
-        out = torch.empty((len(saves), len(self._caches), 2, first[0, 0].numel()),
-                          dtype=first.dtype, device=first.device)
-        for layer, cache in enumerate(self._caches):
-            rows = cache.view(2, cache.shape[1], -1)
-            for kv in (0, 1):
-                out[:, layer, kv] = rows[kv].index_select(0, ids)
-        host = out.cpu().view(torch.uint8).reshape(len(saves), -1).numpy()
+        first = self._rows[0]
+        ids = torch.tensor([s.block_id for s in saves], dtype=torch.int64).to(first.device)
+        # [num_blocks, slots, H, page // H] bytes: a slot's page half of one block is one
+        # contiguous row, so each copy is a row gather (a permute of the 6-d view was an
+        # element-wise strided copy, ~100x slower on the CPU)
+        out = torch.empty((len(saves), len(self._rows), first.shape[0], first.shape[2]),
+                          dtype=torch.uint8, device=first.device)
+        for slot, rows in enumerate(self._rows):
+            for h in range(rows.shape[0]):
+                out[:, slot, h] = rows[h].index_select(0, ids)
+        host = out.cpu().reshape(len(saves), -1).numpy()
         self._submit(self._write, saves, host)
 
     def _write(self, saves: list[BlockTransfer], host: np.ndarray) -> tuple[list, list]:
