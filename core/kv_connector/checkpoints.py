@@ -56,12 +56,17 @@ class CheckpointObjects:
             for g, n in self.pages.items() for p in range(n)
         ]
 
-    def lookup(self, stack, request: Request, start: int, end: int) -> dict[int, list[str | None]]:
+    def lookup(
+        self, stack, request: Request, start: int, end: int,
+        saving: set[ObjectKey] = frozenset(), fastest: str | None = None,
+    ) -> dict[int, list[str | None]]:
         """Boundary j (blocks, start < j <= end) -> where each page of its checkpoint is
-        (`keys` order; None: no tier), in one batched lookup."""
+        (`keys` order; None: no tier), in one batched lookup. A key in `saving` (its save
+        in flight) counts as in the `fastest` tier, as the scheduler side counts blocks."""
         boundaries = list(range(start + 1, end + 1))
         keys = [k for j in boundaries for _, k in self.keys(request, j)]
         where = stack.locate(keys) if keys else []
+        where = [w if w is not None or k not in saving else fastest for k, w in zip(keys, where)]
         per = sum(self.pages.values())
         return {j: where[i * per : (i + 1) * per] for i, j in enumerate(boundaries)}
 
