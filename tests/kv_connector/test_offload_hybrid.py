@@ -111,6 +111,12 @@ def test_hybrid_sessions_load_state_and_latents_from_the_tiers(hybrid, tmp_path)
     stats = llm.engine.offload.snapshot()
     assert stats["host"].tokens_loaded + stats["disk"].tokens_loaded > 0
     assert stats["disk"].tokens_recomputed == stats["host"].tokens_recomputed == 0
+    groups = llm.engine.kv.groups
+    pages = sum(g.state_pages for g in groups if g.kind == AttentionKind.LINEAR)
+    if pages:  # every load read a whole checkpoint besides the attention blocks
+        positions = (stats["host"].tokens_loaded + stats["disk"].tokens_loaded) // BS
+        attention = sum(1 for g in groups if g.kind != AttentionKind.LINEAR)
+        assert stats["host"].hits + stats["disk"].hits >= positions * attention + pages
     object_bytes = llm.engine.offload.layout.object_bytes
     assert stats["disk"].bytes_written == expected_objects(llm, records) * object_bytes
     assert llm.engine.kv.usage == 0.0  # held checkpoint pages were given back
