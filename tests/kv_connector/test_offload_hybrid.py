@@ -121,7 +121,7 @@ def test_hybrid_sessions_load_state_and_latents_from_the_tiers(hybrid, tmp_path)
     assert stats["disk"].bytes_written == expected_objects(llm, records) * object_bytes
     assert llm.engine.kv.usage == 0.0  # held checkpoint pages were given back
     # the control: the same pool without tiers computes earlier turns again
-    if arch == "qwen3_next":
+    if arch == "bamba":  # (the fastest of the four)
         control = replay(llm_for(path, num_kv_blocks=pool, max_model_len=MAX_LEN))
         assert [r["output"] for r in control] == [r["output"] for r in reference]
         assert any(r["computed"] > r["new"] + BS for r in control[NUM_SESSIONS:])
