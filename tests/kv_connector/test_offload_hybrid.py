@@ -25,6 +25,8 @@ import pytest
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.kv.hashing import hash_blocks
+from tokenmill.kv.recurrent import checkpoint_key
+from tokenmill.kv_connector.objects import object_key
 from tokenmill.platforms.interfaces import AttentionKind
 from tokenmill_conformance.tiny_models import make_tiny_model
 
@@ -130,7 +132,9 @@ def test_hybrid_sessions_load_state_and_latents_from_the_tiers(hybrid, tmp_path)
 
 def test_a_new_mp_engine_reuses_the_disk_and_survives_corruption(hybrid, tmp_path):
     """Turn 1 in one engine; turn 2 in a new engine whose worker runs in its own process,
-    from the disk tier alone; turn 3 after a third of the disk objects were corrupted."""
+    from the disk tier alone; turn 3 in a third engine after disk objects were corrupted:
+    one checkpoint page (only what follows the checkpoint before is computed), then a
+    third of all objects."""
     arch, path, reference, pool = hybrid
     if arch != "qwen3_next":
         pytest.skip("one hybrid is enough here: the objects' format is the same for all")
@@ -154,17 +158,39 @@ def test_a_new_mp_engine_reuses_the_disk_and_survives_corruption(hybrid, tmp_pat
     assert again.engine.offload.snapshot()["disk"].tokens_loaded > 0
     again.engine.shutdown()
 
-    files = sorted(tmp_path.rglob("*.kv"))
-    for f in files[::3]:
+    third_llm = llm_for(path, num_kv_blocks=pool, max_model_len=MAX_LEN,
+                        kv_offload_disk_path=str(tmp_path), kv_offload_disk_bytes="16MiB")
+    offload = third_llm.engine.offload
+    disk = offload.stack.tier("disk")
+
+    def corrupt(f):
         raw = bytearray(f.read_bytes())
         raw[-1] ^= 0x5A
         f.write_bytes(bytes(raw))
+
+    # session 0: one page of its latest checkpoint (turn 2's end) is corrupt. The load
+    # fails there and restarts; the next lookup no longer finds it and loads up to the
+    # checkpoint before (turn 2's prompt end): only the suffix after it is computed.
+    kv = third_llm.engine.kv
+    linear = [g.group_id for g in kv.groups if g.kind == AttentionKind.LINEAR]
+    context = want[0]["prompt"] + want[0]["output"][:-1]
+    hashes = hash_blocks(context, BS)
+    last = len(context) // BS
+    corrupt(disk.file_for(object_key(offload.layout.fingerprint(),
+                                     checkpoint_key(hashes[last - 1], linear[0], 0))))
     history = {r["session"]: r["prompt"] + r["output"] for r in want}
-    third_llm = llm_for(path, num_kv_blocks=pool, max_model_len=MAX_LEN,
-                        kv_offload_disk_path=str(tmp_path), kv_offload_disk_bytes="16MiB")
-    third = replay(third_llm, turns[2 * NUM_SESSIONS :], history)
+    third = replay(third_llm, turns[2 * NUM_SESSIONS : 2 * NUM_SESSIONS + 1], history)
+    assert third[0]["output"] == reference[2 * NUM_SESSIONS]["output"]
+    prompt_end = (len(want[0]["prompt"]) - 1) // BS * BS
+    assert third[0]["computed"] == len(third[0]["prompt"]) - prompt_end
+    assert offload.stack.stats["disk"].corrupt == 1
+
+    # sessions 1 and 2: a third of all disk objects corrupt
+    for f in sorted(tmp_path.rglob("*.kv"))[::3]:
+        corrupt(f)
+    third += replay(third_llm, turns[2 * NUM_SESSIONS + 1 :], history)
     assert [r["output"] for r in third] == [r["output"] for r in reference[2 * NUM_SESSIONS :]]
     third_llm.engine.drain_kv_offload()
     stats = third_llm.engine.offload.snapshot()
-    assert stats["disk"].corrupt > 0 and stats["disk"].tokens_recomputed > 0
+    assert stats["disk"].corrupt > 1 and stats["disk"].tokens_recomputed > 0
     third_llm.engine.shutdown()
