@@ -262,6 +262,12 @@ class LLMEngine:
         self.check_health()
         if self._sleep_level is not None:
             raise RuntimeError(f"the engine is already asleep (level {self._sleep_level})")
+        if self.offload is not None and not self.scheduler.requests:
+            # recurrent checkpoints held for their save (kv_connector/checkpoints.py): a
+            # step carries them, the drain releases them, so the prefix cache can be reset
+            while self.scheduler.connector.has_unsent_saves:
+                self.core_step()
+            self.drain_kv_offload()
         if self.has_unfinished_requests():
             raise RuntimeError(
                 f"cannot sleep with {len(self.scheduler.requests)} requests in flight; let "

@@ -20,6 +20,7 @@ with host + disk tiers; each is checked against the same replay on an unlimited 
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 
@@ -194,3 +195,30 @@ def test_a_new_mp_engine_reuses_the_disk_and_survives_corruption(hybrid, tmp_pat
     stats = third_llm.engine.offload.snapshot()
     assert stats["disk"].corrupt > 1 and stats["disk"].tokens_recomputed > 0
     third_llm.engine.shutdown()
+
+
+def test_sleep_with_a_held_checkpoint_resets_the_prefix_cache(hybrid):
+    """A finished request's rolling checkpoint is held until its save reports; sleeping
+    right after must still drop the prefix cache (the KV is discarded): the engine
+    carries and drains the held save first, and the next request loads from the tier."""
+    arch, path, reference, pool = hybrid
+    if arch != "qwen3_next":
+        pytest.skip("one hybrid is enough here")
+    llm = llm_for(path, num_kv_blocks=pool, max_model_len=MAX_LEN, platform="cpu",
+                  kv_offload_host_bytes="256KiB")
+    prompt = {"prompt_token_ids": reference[0]["prompt"]}
+    # the worker's save thread is busy for a while: the held save cannot report yet
+    busy = threading.Event()
+    llm.engine.offload.worker_side._pool.submit(busy.wait, 30)
+    first = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert list(first.outputs[0].token_ids) == reference[0]["output"]
+    assert llm.engine.scheduler.connector.holds_blocks
+    threading.Timer(0.5, busy.set).start()
+    llm.sleep(level=1)
+    llm.wake_up()
+    again = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert list(again.outputs[0].token_ids) == reference[0]["output"]
+    assert again.num_cached_tokens > 0  # from the host tier: the device's cache was reset
+    llm.engine.drain_kv_offload()
+    assert llm.engine.offload.snapshot()["host"].tokens_loaded == again.num_cached_tokens
+    llm.engine.shutdown()
