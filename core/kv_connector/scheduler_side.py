@@ -7,7 +7,8 @@ Pure Python (no device import). The scheduler calls, in order:
    always asynchronous: the scheduler allocates blocks for them, calls
    `start_load(request, tables, num_device_tokens, num_external_tokens)` with the
    request's block table of every KV group, and parks the request until the load
-   reports. A block whose save is still in flight counts as held (`_locate`).
+   reports. A block whose save is still in flight counts as held (the worker writes it
+   before it runs a load queued later).
 2. `build_step_meta(scheduled)` once per step: the loads to start and the blocks the
    step fills, to save after its forward pass. A block whose object is being saved or
    is already in the fastest tier is not saved again.
@@ -138,8 +139,19 @@ class KVConnectorScheduler:
         if end <= start:
             return 0
         wanted = [(g, p) for p in range(start, end) for g in range(len(self.windows))]
-        found = dict(zip(wanted, self._locate([self.key(request.block_hashes[p], g)
-                                               for g, p in wanted])))
+        keys = [self.key(request.block_hashes[p], g) for g, p in wanted]
+        where = self.stack.locate(keys)
+        # A key whose save is in flight is as good as held: its pages were copied out when
+        # the block filled, and the worker runs saves and loads on one thread in order, so
+        # the write lands before a load queued after it reads the key. Without this, a
+        # block the device evicts while the save thread is behind (a busy machine) is
+        # recomputed although its bytes are on their way to the host.
+        fastest = self._fastest_tier()
+        where = [
+            w if w is not None or k not in self._saving else fastest
+            for k, w in zip(keys, where)
+        ]
+        found = dict(zip(wanted, where))
         # full attention bounds the hit by its leading run; windows may shorten it further
         n = end
         for g, w in enumerate(self.windows):
@@ -152,17 +164,13 @@ class KVConnectorScheduler:
         self._pending_lookup[rid] = found
         return (n - start) * bs
 
-    def _locate(self, keys: list[ObjectKey]) -> list[str | None]:
-        """For each key, the tier a load will find it in (None: none). A key whose save is
-        in flight counts as held by the fastest tier: the worker runs its jobs in the order
-        they were sent (worker.py), so a load sent from now on reads what that save
-        writes. Asking the tiers instead would miss it (the save not yet written, or the
-        mirror not yet told) and recompute a block the tiers are about to hold. A save
-        that fails after all fails the load there, and only that suffix is recomputed."""
-        asked = [k for k in keys if k not in self._saving]
-        where = iter(self.stack.locate(asked) if asked else [])
-        fastest = self.stack.tier_names[0] if self._saving else None
-        return [fastest if k in self._saving else next(where) for k in keys]
+    def _fastest_tier(self) -> str | None:
+        """The tier a save in flight writes first (None: the stack has no tier)."""
+        names = (
+            self.stack.tier_names if isinstance(self.stack, TierDirectory)
+            else [t.name for t in self.stack.tiers]
+        )
+        return names[0] if names else None
 
     def start_load(
         self, request: Request, tables: list[list[int]], num_device_tokens: int, num_tokens: int

@@ -38,11 +38,6 @@ class TierStack:
         self._lock = threading.Lock()  # guards the counters and the change log
         self._changes: list[TierChange] | None = None  # None: not recording
 
-    @property
-    def tier_names(self) -> list[str]:
-        """The tiers' names, fastest first."""
-        return [t.name for t in self.tiers]
-
     # ---- a mirror in another process ---------------------------------------------------
     def record_changes(self) -> None:
         """From now on, log every object each tier gains or loses (`take_changes`)."""
