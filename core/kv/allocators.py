@@ -78,8 +78,8 @@ class FullAttentionAllocator:
     def take_hits(self, request: Request, hits: list[KVBlock]) -> None:
         """Start the request's table with a prefix-cache hit's blocks (taking a reference).
 
-        Take every group's hits before any group allocates: a fresh allocation takes the
-        least recently freed blocks, which may be another group's cached hits.
+        Take every group's hits before any group allocates: a fresh allocation may evict
+        free cached blocks, which may be another group's cached hits.
         """
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         self.pool.touch(b for b in hits if b is not NULL_BLOCK)
