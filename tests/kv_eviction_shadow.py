@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 
+from tokenmill.kv.allocators import SlidingWindowAllocator
 from tokenmill.kv.block_pool import BlockPool, KVBlock
 from tokenmill.kv.manager import KVCacheManager
 from tokenmill.kv.recurrent import RecurrentStateAllocator
@@ -27,6 +28,17 @@ from tokenmill.sampling_params import SamplingParams
 
 class CheckedPool(BlockPool):
     num_evictions = 0  # cached blocks taken under "benefit"
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.freed_clock: dict[int, float] = {}  # block id -> the clock when it was freed
+
+    def free(self, blocks, reuse_first: bool = False) -> None:
+        blocks = list(blocks)
+        super().free(blocks, reuse_first)
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.freed_clock[block.block_id] = self.clock
 
     def _take(self) -> KVBlock:
         free = [b for b in self.blocks[self.num_reserved :] if b.ref_cnt == 0]
@@ -65,17 +77,18 @@ def prefix_cost(specs: list[AttentionSpec], t: int) -> float:
     return total
 
 
-def _prefix_pages(kv: KVCacheManager, request: Request, n: int) -> list[KVBlock]:
-    pages = []
+def _prefix_pages(kv: KVCacheManager, request: Request, n: int) -> dict[int, bool]:
+    """Block id -> whether it is a window block, for every cached page of the prefix."""
+    pages = {}
     for alloc in kv.allocators:
         if isinstance(alloc, RecurrentStateAllocator):
             for j in range(1, n + 1):
-                pages += alloc.checkpoint_at(request, j) or []
+                pages.update((b.block_id, False) for b in alloc.checkpoint_at(request, j) or [])
             continue
         for h in request.block_hashes[:n]:
             block = kv.pool.get_cached_block(alloc.key(h))
             if block is not None:
-                pages.append(block)
+                pages[block.block_id] = isinstance(alloc, SlidingWindowAllocator)
     return pages
 
 
@@ -93,7 +106,7 @@ def expected_benefits(
         hit, num = kv.find_cached_prefix(probe)
         if num == j * bs:
             uses[j] = {b.block_id for b in hit.blocks()}
-    out = {b.block_id: 0.0 for b in _prefix_pages(kv, request, n)}
+    out = dict.fromkeys(_prefix_pages(kv, request, n), 0.0)
     segments, seen, lo = [], set(), 0
     for j in sorted(uses):
         own = uses[j] - seen
@@ -110,10 +123,13 @@ def expected_benefits(
 
 def free_and_check_scores(kv: KVCacheManager, specs: list[AttentionSpec], request: Request) -> None:
     """`kv.free(request)`, checking after it that every cached page of its prefix has the
-    stated score: a free one priority max(its priority before, clock + benefit), a held
-    one that benefit (its priority when it becomes free)."""
+    stated score: a free one priority max(its priority before, base + benefit), base the
+    clock when it was freed for a window block, the clock now for others; a held one that
+    benefit (its priority when it becomes free)."""
     pool = kv.pool
+    assert isinstance(pool, CheckedPool)
     expected = expected_benefits(kv, specs, request)
+    windowed = _prefix_pages(kv, request, len(request.block_hashes))
     before = {i: pool.blocks[i].priority for i in expected if pool.blocks[i].ref_cnt == 0}
     clock = pool.clock
     kv.free(request)
@@ -124,6 +140,9 @@ def free_and_check_scores(kv: KVCacheManager, specs: list[AttentionSpec], reques
             block_id, block.benefit, benefit)
         if block.ref_cnt:
             continue
-        want = max(before.get(block_id, -math.inf), clock + benefit)
+        base = clock
+        if windowed[block_id] and block_id in before:
+            base = pool.freed_clock[block_id]
+        want = max(before.get(block_id, -math.inf), base + benefit)
         assert block.entry >= 0 and math.isclose(block.priority, want, rel_tol=1e-9), (
             block_id, block.priority, want)

@@ -42,9 +42,11 @@ class KVBlock:
     ref_cnt: int = 0
     block_hash: BlockHash | None = None  # set once the block is full and cached
     # "benefit" eviction: recompute saved per block id (set by the manager's scorer), the
-    # heap key while free and cached, the tick of its live heap entry (-1: none) and the
-    # other pages of its unit (a recurrent checkpoint), if any
+    # clock when it last became free, the heap key while free and cached, the tick of its
+    # live heap entry (-1: none) and the other pages of its unit (a recurrent
+    # checkpoint), if any
     benefit: float = 0.0
+    freed_at: float = 0.0
     priority: float = 0.0
     entry: int = -1
     unit: tuple[KVBlock, ...] | None = None
@@ -178,6 +180,7 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt:
                 continue
+            block.freed_at = self.clock
             if self.eviction == "benefit" and block.block_hash is not None:
                 self._push(block, self.clock + block.benefit)
                 self._num_free_cached += 1
@@ -194,14 +197,16 @@ class BlockPool:
             self._heap = [e for e in self._heap if e[2].entry == e[1]]
             heapq.heapify(self._heap)
 
-    def rescore(self, block: KVBlock, benefit: float) -> None:
+    def rescore(self, block: KVBlock, benefit: float, used_now: bool = True) -> None:
         """Set a cached block's benefit (recompute saved per block id). A free one's
-        priority becomes max(its priority, clock + benefit): re-scoring only ever keeps a
-        page longer, so a prefix block never drops below the pages hanging from it that
-        were scored before. No-op under "lru"."""
+        priority becomes max(its priority, base + benefit), base the clock now if the
+        page counts as used now (`used_now`), else when it became free: re-scoring only
+        ever keeps a page longer, so a prefix block never drops below the pages hanging
+        from it that were scored before. Only the benefit under "lru"."""
         block.benefit = benefit
-        if block.entry >= 0 and self.clock + benefit > block.priority:
-            self._push(block, self.clock + benefit)
+        base = self.clock if used_now else block.freed_at
+        if block.entry >= 0 and base + benefit > block.priority:
+            self._push(block, base + benefit)
 
     def link(self, pages: list[KVBlock]) -> None:
         """Make cached `pages` one unit: dropping any one from the cache drops them all

@@ -35,6 +35,10 @@ whole computed prefix: O(blocks x groups) lookups, the order of freeing its tabl
 Pages a running request frees earlier (window blocks leaving the window, checkpoints
 once written) get `provisional` scores when published: the segment from the previous
 checkpoint (or block) to the boundary just published, as if the prefix ended there.
+Re-scored at the end, a checkpoint counts as used then (it is state of the prefix the
+request used to its end, like the full-attention blocks before it, which are useless
+without it), while a window block keeps the clock of when it left the window: no deeper
+hit point needs it, so a long context's early window blocks age as they would under LRU.
 
 What the others do. vLLM's v1 KV manager evicts from one LRU free queue for every
 group (a request's blocks freed tail first; with Mamba layers, states are kept on the
@@ -59,7 +63,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tokenmill.kv.allocators import FullAttentionAllocator, SlidingWindowAllocator
-from tokenmill.kv.block_pool import NULL_BLOCK, KVBlock
+from tokenmill.kv.block_pool import NULL_BLOCK, BlockPool, KVBlock
 from tokenmill.kv.groups import KVGroup
 from tokenmill.kv.recurrent import RecurrentStateAllocator
 from tokenmill.platforms.interfaces import AttentionKind, AttentionSpec
@@ -144,11 +148,14 @@ class PrefixScorer:
         ]
         # every cached page of the prefix, by group: 0 unless a segment claims it
         scores: dict[int, float] = {}
-        pages_of: list[tuple[object, list[KVBlock]]] = []
-        for a, col in zip((*self.full, *self.windows), (*full, *windows), strict=True):
-            pages_of.append((a.pool, [b for b in col if b is not None]))
+        # (pool, pages, whether they count as used now: see "When" in the module doc)
+        pages_of: list[tuple[BlockPool, list[KVBlock], bool]] = []
+        for a, col in zip(self.full, full, strict=True):
+            pages_of.append((a.pool, [b for b in col if b is not None], True))
+        for a, col in zip(self.windows, windows, strict=True):
+            pages_of.append((a.pool, [b for b in col if b is not None], False))
         for a, col in zip(self.recurrent, ckpts, strict=True):
-            pages_of.append((a.pool, [p for pages in col for p in pages or ()]))
+            pages_of.append((a.pool, [p for pages in col for p in pages or ()], True))
         segments, values, lo = [], [], 0
         for hi in points:
             pages = [b for col in full for b in col[lo:hi]]
@@ -163,9 +170,9 @@ class PrefixScorer:
             best = max(best, value)  # never below a segment hanging from this one
             for p in pages:
                 scores[id(p)] = best
-        for pool, pages in pages_of:
+        for pool, pages, used_now in pages_of:
             for p in pages:
-                pool.rescore(p, scores.get(id(p), 0.0))
+                pool.rescore(p, scores.get(id(p), 0.0), used_now)
 
     # ---- pages a running request publishes -------------------------------------------
     def provisional(self, request: Request, tables: Sequence[list[KVBlock]], first: int,
