@@ -164,3 +164,13 @@ def test_benefit_keeps_the_prompt_end_checkpoint_lru_evicts():
         assert pool.num_free_blocks == 60 - need == 8  # the prompt's 5 blocks + checkpoint
         hits[eviction] = kv.find_cached_prefix(_request("retry", list(range(50, 74))))[1]
     assert hits == {"benefit": 20, "lru": 0}
+
+
+def test_reset_prefix_cache_under_benefit_eviction():
+    pool, blocks = _cached_pool([1.0, 2.0])
+    pool.link(blocks)
+    assert not pool.reset_prefix_cache()  # blocks in use
+    pool.free(blocks)
+    assert pool.reset_prefix_cache()
+    assert pool.num_free_blocks == 4 and pool.get_cached_block(b"h0") is None
+    assert len(pool.allocate(4)) == 4 and pool.num_free_blocks == 0
