@@ -36,11 +36,12 @@ class FullAttentionAllocator:
         self.pool = pool
         self.block_size = block_size
         self.group_id = group.group_id if group is not None else 0
+        self._key_tag = b"/g%d" % self.group_id if self.group_id else b""
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
 
     def key(self, block_hash: BlockHash) -> BlockHash:
         """The prefix-cache key of a block of this group."""
-        return block_hash if self.group_id == 0 else block_hash + b"/g%d" % self.group_id
+        return block_hash + self._key_tag
 
     def num_blocks_needed(self, request: Request, num_tokens: int, hits: list[KVBlock]) -> int:
         """Fresh blocks needed so `request` can hold `num_tokens` tokens after `hits`."""

@@ -84,22 +84,20 @@ class RecomputeCost:
     @classmethod
     def for_groups(cls, groups: Sequence[KVGroup], width: int = DEFAULT_WIDTH) -> RecomputeCost:
         """The cost of `groups`' layers at `width` (query heads x head size)."""
-        shape = tuple(
+        return cls(_merged(
             (max(1, len(g.layers)), 0 if g.kind == AttentionKind.LINEAR else g.sliding_window)
             for g in groups
-        )
-        return cls(shape, 6.0 * width)
+        ), 6.0 * width)
 
     @classmethod
     def from_specs(cls, specs: Sequence[AttentionSpec]) -> RecomputeCost:
         """The cost of a model's layers, the width its widest attention layer's."""
         widths = [s.num_heads * s.head_size for s in specs if s.kind != AttentionKind.LINEAR]
-        shape = tuple(
+        return cls(_merged(
             (1, 0 if s.kind == AttentionKind.LINEAR
              else s.sliding_window if s.kind == AttentionKind.SLIDING_WINDOW else None)
             for s in specs
-        )
-        return cls(shape, 6.0 * max(widths, default=DEFAULT_WIDTH))
+        ), 6.0 * max(widths, default=DEFAULT_WIDTH))
 
     def __call__(self, t: int) -> float:
         total = 0.0
@@ -113,6 +111,15 @@ class RecomputeCost:
                 visible = window * (window + 1) / 2 + (t - window) * window
             total += layers * (t + visible / self.attention_span)
         return total
+
+
+def _merged(groups) -> tuple[tuple[int, int | None], ...]:
+    """(layers, window) pairs with the layers of one window summed (the cost is linear
+    in the layer count), in first-seen order."""
+    layers: dict[int | None, int] = {}
+    for count, window in groups:
+        layers[window] = layers.get(window, 0) + count
+    return tuple((count, window) for window, count in layers.items())
 
 
 class PrefixScorer:
@@ -135,44 +142,75 @@ class PrefixScorer:
         if n == 0:
             return
         hashes = request.block_hashes[:n]
-        full = [[a.pool.get_cached_block(a.key(h)) for h in hashes] for a in self.full]
-        run = min((_leading(col) for col in full), default=n)
-        windows = [[a.pool.get_cached_block(a.key(h)) for h in hashes] for a in self.windows]
-        misses = [list(itertools.accumulate((b is None for b in c), initial=0)) for c in windows]
+        full = [self._column(a, request, hashes) for a in self.full]
+        windows = [self._column(a, request, hashes) for a in self.windows]
         ckpts = [[a.checkpoint_at(request, j) for j in range(1, n + 1)] for a in self.recurrent]
-        points = [
+        points = self._hit_points(full, windows, ckpts, n)
+        # S of each segment (hit point p_k, blocks since p_{k-1}), then the running max
+        # from the deepest: a segment never ranks below one hanging from it
+        lo, values, cost_lo = 0, [], 0.0
+        reach = [a.window - 1 for a in self.windows]  # a query at t reads from t - reach
+        for hi in points:
+            pages = (hi - lo) * len(full) + self.checkpoint_pages
+            pages += sum(hi - max(lo, max(0, hi * bs - r) // bs) for r in reach)
+            cost_hi = self.cost(hi * bs)
+            values.append((cost_hi - cost_lo) / pages)
+            lo, cost_lo = hi, cost_hi
+        for k in range(len(values) - 2, -1, -1):
+            values[k] = max(values[k], values[k + 1])
+        # the value of each block index for full attention (its segment's), 0 past p_K
+        by_block = [0.0] * n
+        lo = 0
+        for hi, value in zip(points, values, strict=True):
+            by_block[lo:hi] = [value] * (hi - lo)
+            lo = hi
+        for a, col in zip(self.full, full, strict=True):
+            _score(a.pool, zip(col, by_block), True)
+        for a, col in zip(self.windows, windows, strict=True):
+            _score(a.pool, zip(col, self._window_values(a, points, values, n)), False)
+        at = dict(zip(points, values, strict=True))
+        for a, col in zip(self.recurrent, ckpts, strict=True):
+            _score(a.pool, ((p, at.get(j, 0.0)) for j, pages in enumerate(col, 1)
+                            for p in pages or ()), True)
+
+    def _column(self, alloc: FullAttentionAllocator, request: Request,
+                hashes: list) -> list[KVBlock | None]:
+        """The cached block of each of the prefix's blocks in `alloc`'s group (None: not
+        cached): the request's own where it holds the cached one, else by key."""
+        table = alloc.req_to_blocks.get(request.request_id, [])
+        get, key = alloc.pool.get_cached_block, alloc.key
+        col: list[KVBlock | None] = []
+        for j, h in enumerate(hashes):
+            b = table[j] if j < len(table) else NULL_BLOCK
+            # a held block with a hash is the cached one of its index (published there,
+            # or a hit matched there)
+            col.append(b if b is not NULL_BLOCK and b.block_hash is not None else get(key(h)))
+        return col
+
+    def _hit_points(self, full: list, windows: list, ckpts: list, n: int) -> list[int]:
+        """The block counts j at which a hit can end (`find_cached_prefix`'s rule)."""
+        bs = self.block_size
+        run = min((_leading(col) for col in full), default=n)
+        # per window group: misses among its first j blocks, and how far back it reads
+        misses = [(list(itertools.accumulate((b is None for b in c), initial=0)), a.window - 1)
+                  for a, c in zip(self.windows, windows, strict=True)]
+        return [
             j for j in range(1, run + 1)
-            if all(m[j] == m[a.first_needed_block(j * bs)]
-                   for a, m in zip(self.windows, misses, strict=True))
+            if all(m[j] == m[max(0, j * bs - r) // bs] for m, r in misses)
             and all(col[j - 1] is not None for col in ckpts)
         ]
-        # every cached page of the prefix, by group: 0 unless a segment claims it
-        scores: dict[int, float] = {}
-        # (pool, pages, whether they count as used now: see "When" in the module doc)
-        pages_of: list[tuple[BlockPool, list[KVBlock], bool]] = []
-        for a, col in zip(self.full, full, strict=True):
-            pages_of.append((a.pool, [b for b in col if b is not None], True))
-        for a, col in zip(self.windows, windows, strict=True):
-            pages_of.append((a.pool, [b for b in col if b is not None], False))
-        for a, col in zip(self.recurrent, ckpts, strict=True):
-            pages_of.append((a.pool, [p for pages in col for p in pages or ()], True))
-        segments, values, lo = [], [], 0
-        for hi in points:
-            pages = [b for col in full for b in col[lo:hi]]
-            for a, col in zip(self.windows, windows, strict=True):
-                pages += col[max(lo, a.first_needed_block(hi * bs)) : hi]
-            pages += [p for col in ckpts for p in col[hi - 1]]
-            segments.append(pages)
-            values.append((self.cost(hi * bs) - self.cost(lo * bs)) / len(pages))
+
+    def _window_values(self, alloc: SlidingWindowAllocator, points: list[int],
+                       values: list[float], n: int) -> list[float]:
+        """Per block index: the value of the first hit point after it whose query reads
+        it (a shallower one would have claimed it), 0 if none reads it."""
+        out = [0.0] * n
+        lo = 0
+        for hi, value in zip(points, values, strict=True):
+            start = max(lo, alloc.first_needed_block(hi * self.block_size))
+            out[start:hi] = [value] * (hi - start)
             lo = hi
-        best = 0.0
-        for pages, value in zip(reversed(segments), reversed(values), strict=True):
-            best = max(best, value)  # never below a segment hanging from this one
-            for p in pages:
-                scores[id(p)] = best
-        for pool, pages, used_now in pages_of:
-            for p in pages:
-                pool.rescore(p, scores.get(id(p), 0.0), used_now)
+        return out
 
     # ---- pages a running request publishes -------------------------------------------
     def provisional(self, request: Request, tables: Sequence[list[KVBlock]], first: int,
@@ -213,6 +251,18 @@ class PrefixScorer:
         prompt_end = (request.num_prompt_tokens - 1) // self.block_size
         kept = (j - 1) // interval * interval
         return max(kept, prompt_end if prompt_end < j else 0)
+
+
+def _score(pool: BlockPool, pages, used_now: bool) -> None:
+    """Set the benefit of (page, value) pairs; a free page's priority through
+    `BlockPool.rescore`, a held one's when it becomes free."""
+    for page, value in pages:
+        if page is None:
+            continue
+        if page.entry >= 0:
+            pool.rescore(page, value, used_now)
+        else:
+            page.benefit = value
 
 
 def _leading(col: list[KVBlock | None]) -> int:
