@@ -234,6 +234,9 @@ class RecurrentStateAllocator:
                 block_hash = request.block_hashes[ckpt.num_tokens // self.block_size - 1]
                 for p, page in enumerate(ckpt.pages):
                     self.pool.cache(page, self.key(block_hash, p))
+                published = self._published(request, ckpt)
+                if len(published) == len(ckpt.pages):  # one unit: evicted together
+                    self.pool.link(published)
 
     def step_ops(self, request: Request) -> tuple[list[int], list[tuple[int, list[int]]]]:
         """What the worker does with this group's state in the step just allocated: the
