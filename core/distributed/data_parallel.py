@@ -112,10 +112,13 @@ class DataParallelClient:
                 if self._dead:
                     return
                 self._dead = True
-            on_dead(error)
+            # the front is gone: the other replicas stop too, asked first (each exits at
+            # once, tokenmill.engine_core) and whatever the frontend's callback does
             for i, client in enumerate(self.clients):
-                if i != replica:  # the front is gone: the other replicas stop too
-                    threading.Thread(target=client.shutdown, daemon=True).start()
+                if i != replica:
+                    threading.Thread(target=client.shutdown, name=f"tokenmill-dp-stop-{i}",
+                                     daemon=True).start()
+            on_dead(error)
 
         return handle
 
