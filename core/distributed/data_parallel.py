@@ -9,7 +9,9 @@ Two fronts:
   (`tokenmill serve -dp N`: the replicas step in parallel) or an engine thread each
   (in-process `AsyncLLM`). Outputs of every replica reach the frontend as they come;
   the scheduler stats it reports are the replicas' summed. One replica that dies ends
-  the whole front (its `on_dead`), as one engine's death would.
+  the whole front (its `on_dead`), as one engine's death would, and the others are asked
+  to stop. With the "ray" executor each engine process joins a Ray cluster as any
+  `ray.init()` does: RAY_ADDRESS, else this machine's current cluster.
 - `DataParallelEngine` is `LLM`'s: the replicas are `LLMEngine`s in this process,
   stepped in turn (their workers, with "mp", run in processes of their own).
 
