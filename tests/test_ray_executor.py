@@ -13,7 +13,8 @@ greedy tokens identical to one process (the in-process "uni" executor), on a tin
 The bytes each rank counted through its communicator say that the dimension ran (the
 all-reduces of TP, the all-to-all of EP, the all-gathers of DCP and PCP, SP's
 reduce-scatters in place of every all-reduce). A killed actor makes the engine unhealthy
-and fails its requests with an error naming the rank, within seconds.
+and fails its requests with an error naming the rank, within seconds; under `serve -dp 2`
+it ends its replica's engine process and the front, and the other replica stops cleanly.
 """
 
 from __future__ import annotations
@@ -210,7 +211,8 @@ def test_serve_dp2_engine_processes_share_the_ray_cluster(cluster, models, refer
                                                          monkeypatch):
     """`tokenmill serve -dp 2` over Ray: each replica's engine process joins the cluster
     named by RAY_ADDRESS (Ray's own variable, inherited by the engine processes) and
-    places its ranks there; the front in this process routes and streams."""
+    places its ranks there; the front in this process routes and streams. A killed
+    actor ends the front; the other replica stops."""
     monkeypatch.setenv("RAY_ADDRESS", cluster.address)
     from ray.util import placement_group_table
 
@@ -239,12 +241,43 @@ def test_serve_dp2_engine_processes_share_the_ray_cluster(cluster, models, refer
         assert asyncio.run(every_prompt()) == want
         assert llm._client.router.stats.num_routed == 3
         assert llm.stats.prefix_cache_queries > 0
+        # a killed actor ends its replica's engine process (it reports the dead rank),
+        # which ends the front; the other replica is asked to stop and exits cleanly
+        actors = _ray_worker_pids()
+        assert len(actors) == 2, actors  # one rank per replica
+        os.kill(actors[0], signal.SIGKILL)
+        killed_at = time.monotonic()
+        while not llm.is_dead:
+            assert time.monotonic() - killed_at < 15, "the front did not notice"
+            time.sleep(0.05)
+        procs = [c.proc for c in llm._client.clients]
+        for proc in procs:
+            proc.join(max(0.0, killed_at + 10 - time.monotonic()))
+        assert sorted(p.exitcode for p in procs) == [0, 1]  # the failed one, the stopped one
+        with pytest.raises(EngineDeadError):
+            asyncio.run(generate(9, "late"))
     finally:
         llm.shutdown()
     deadline = time.monotonic() + 10
     while created() != before:  # each replica removed its group on the way out
         assert time.monotonic() < deadline, placement_group_table()
         time.sleep(0.1)
+
+
+def _ray_worker_pids() -> list[int]:
+    """The live RayWorker actor processes on this machine (Ray titles them)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                title = f.read().split(b"\0")[0]
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue  # not a process, or it just ended
+        if title.startswith(b"ray::RayWorker") and state != b"Z":
+            pids.append(int(entry))
+    return sorted(pids)
 
 
 def test_killed_ray_actor_fails_requests_cleanly(cluster, models):
