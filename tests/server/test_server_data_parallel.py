@@ -112,11 +112,13 @@ def test_serve_dp2_affinity_and_replica_death(tiny_model):
             late = c.post("/v1/completions", json={"model": TINY_NAME, "prompt": "hi",
                                                    "max_tokens": 2})
             assert late.status_code == 503 and late.json()["error"]["type"] == "server_error"
-            # the survivor was asked to stop and did, by itself
-            procs[0].join(max(0.0, killed_at + SURVIVOR_STOP_S - time.monotonic()))
-            assert procs[0].exitcode == 0, (
+            # the survivor was asked to stop and did, by itself (its client reaps it: a
+            # join from here too would race the client's in waitpid)
+            survivor = engine._client.clients[0]
+            survivor.wait_exit(max(0.0, killed_at + SURVIVOR_STOP_S - time.monotonic()))
+            assert survivor.exitcode == 0, (
                 f"the surviving replica did not exit cleanly within {SURVIVOR_STOP_S} s of "
-                f"the kill (exit code {procs[0].exitcode}; None: still running, -15: "
+                f"the kill (exit code {survivor.exitcode}; None: still running, -15: "
                 "SIGTERMed once its front's grace ran out)")
     finally:
         engine.shutdown()
