@@ -250,10 +250,11 @@ def test_serve_dp2_engine_processes_share_the_ray_cluster(cluster, models, refer
         while not llm.is_dead:
             assert time.monotonic() - killed_at < 15, "the front did not notice"
             time.sleep(0.05)
-        procs = [c.proc for c in llm._client.clients]
-        for proc in procs:
-            proc.join(max(0.0, killed_at + 10 - time.monotonic()))
-        assert sorted(p.exitcode for p in procs) == [0, 1]  # the failed one, the stopped one
+        clients = llm._client.clients  # they reap their processes (see wait_exit)
+        for client in clients:
+            client.wait_exit(max(0.0, killed_at + 10 - time.monotonic()))
+        # the failed one, the stopped one
+        assert sorted(c.exitcode for c in clients) == [0, 1], [c.exitcode for c in clients]
         with pytest.raises(EngineDeadError):
             asyncio.run(generate(9, "late"))
     finally:
