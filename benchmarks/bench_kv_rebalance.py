@@ -1,6 +1,8 @@
-"""The shared KV pool against static per-type splits on a moving mixed workload.
+"""The shared KV pool against static per-type splits on a moving mixed workload, and
+eviction by benefit per byte against LRU.
 
     python benchmarks/bench_kv_rebalance.py [--pool-gib 8] [--splits 0.2 0.3 ... 0.8]
+        [--model gemma3|qwen3_next] [--phases short long mixed agent]
 
 Runs the real scheduler and KV manager (no model: each step's sampled rows get a dummy
 token) on Gemma 3 27B's layer layout (bf16, blocks of 16: 5 full-attention groups and 26
@@ -10,7 +12,14 @@ The shared pool (one free list, every group draws what it needs) is compared wit
 splits that give a fixed fraction of the blocks to the full-attention groups and the rest
 to the windows (evenly within each type), swept over `--splits`. Per phase: the most
 sequences running at once, steps to finish the phase (each step schedules at most 2,048
-tokens, so fewer steps is more throughput) and preemptions.
+tokens, so fewer steps is more throughput), preemptions and the prefix-cache hit rate.
+
+A fourth phase, agents, reuses prefixes: 16 sessions at once, each of 4 turns whose
+prompt is the previous turn's prompt and output plus a new tool result (200-1,500
+tokens), after a 1,000-3,000-token start; after turn 1 and 3 the same prompt is sampled
+again (a retry), after turn 2 the last tool result is replaced (an edit: the history up to
+it again, another result). Every arena runs with `eviction="benefit"` (the default) and
+the shared pool also with "lru".
 
 Then the KV bytes a 12-token and a 2,000-token request hold while decoding, from the
 shared pool, next to vLLM's page-unification rule computed for the same layout.
@@ -19,8 +28,10 @@ shared pool, next to vLLM's page-unification rule computed for the same layout.
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +39,7 @@ from transformers import Gemma3TextConfig
 
 from tokenmill.kv.arena import KVArena
 from tokenmill.kv.block_pool import BlockPool
+from tokenmill.kv.eviction import RecomputeCost
 from tokenmill.kv.groups import plan_groups
 from tokenmill.kv.manager import KVCacheManager, PrefixHit
 from tokenmill.model.llama import attention_specs
@@ -38,16 +50,23 @@ from tokenmill.scheduler import Scheduler, SchedulerConfig
 
 BLOCK = 16
 GIB = 1 << 30
+PHASE_NAMES = {
+    "short": "short (96 x 12-400 tok)",
+    "long": "long (6 x 8k-24k tok)",
+    "mixed": "mixed (48 short + 3 long)",
+    "agent": "agents (16 x 4 turns + 3)",
+}
 
 
 class StaticSplitKV(KVCacheManager):
     """The baseline: every group has a pool of its own, of a fixed size."""
 
-    def __init__(self, shares: list[int], block_size: int, groups) -> None:
-        super().__init__(sum(shares), block_size, True, groups)
+    def __init__(self, shares: list[int], block_size: int, groups, **kw) -> None:
+        super().__init__(sum(shares), block_size, True, groups, **kw)
         for alloc, share, group in zip(self.allocators, shares, groups, strict=True):
             windowed = group.kind == AttentionKind.SLIDING_WINDOW
-            alloc.pool = BlockPool(share + windowed, True, reserve_null=windowed)
+            alloc.pool = BlockPool(share + windowed, True, reserve_null=windowed,
+                                   eviction=self.pool.eviction)
 
     @property
     def usage(self) -> float:
@@ -75,6 +94,7 @@ class StaticSplitKV(KVCacheManager):
         self.update_block_hashes(request)
         for alloc in self.allocators:
             alloc.cache_full_blocks(request, total)
+        self._score_published(request, num_computed, total)
         return True
 
 
@@ -83,34 +103,75 @@ class PhaseResult:
     max_running: int = 0
     steps: int = 0
     preemptions: int = 0
+    hit_rate: float = 0.0  # prompt tokens found in the prefix cache / looked up
 
 
-def phases(seed: int = 0) -> list[list[tuple[int, int]]]:
-    """(prompt tokens, output tokens) per request, per phase."""
-    rng = random.Random(seed)
-    short = [(rng.randint(12, 400), 64) for _ in range(96)]
-    long = [(rng.randint(8000, 24000), 64) for _ in range(6)]
-    mixed = [(rng.randint(12, 400), 64) for _ in range(48)] + [
-        (rng.randint(8000, 24000), 64) for _ in range(3)
+OUT = 64  # output tokens of every request; the driver samples token 1 each time
+# A phase is a list of sessions; a session's requests (prompt token ids) run one after
+# the other, each submitted when the previous finishes; the sessions run at once.
+Phase = list[list[list[int]]]
+
+
+class _Tokens:
+    """Distinct token ids: no two calls share a prefix."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def __call__(self, count: int) -> list[int]:
+        self.n += 1
+        return [(self.n * 7919 + i) % 50000 + 2 for i in range(count)]
+
+
+def phases(seed: int = 0) -> dict[str, Phase]:
+    """The phases by name: plain ones are sessions of one request each."""
+    rng, fresh = random.Random(seed), _Tokens()
+    short = [[fresh(rng.randint(12, 400))] for _ in range(96)]
+    long = [[fresh(rng.randint(8000, 24000))] for _ in range(6)]
+    mixed = [[fresh(rng.randint(12, 400))] for _ in range(48)] + [
+        [fresh(rng.randint(8000, 24000))] for _ in range(3)
     ]
     rng.shuffle(mixed)
-    return [short, long, mixed]
+    return {"short": short, "long": long, "mixed": mixed, "agent": agent_sessions(rng, fresh)}
 
 
-def run(kv: KVCacheManager, workload: list[list[tuple[int, int]]]) -> list[PhaseResult]:
+def agent_sessions(rng: random.Random, fresh: _Tokens, num_sessions: int = 16,
+                   turns: int = 4) -> Phase:
+    """Agent sessions: turn i's prompt is turn i-1's prompt, its output and a new tool
+    result; a retry (the same prompt again) after turns 1 and 3, an edit (the history up
+    to the last tool result, then another one) after turn 2."""
+    sessions = []
+    for _ in range(num_sessions):
+        history, items = fresh(rng.randint(1000, 3000)), []
+        for turn in range(1, turns + 1):
+            prompt = history + fresh(rng.randint(200, 1500))
+            items.append(prompt)
+            if turn % 2:
+                items.append(prompt)
+            elif turn == 2:
+                items.append(history + fresh(rng.randint(200, 1500)))
+            history = prompt + [1] * OUT
+        sessions.append(items)
+    return sessions
+
+
+def run(kv: KVCacheManager, workload: list[Phase]) -> list[PhaseResult]:
     config = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=2048, max_model_len=32768,
                              long_prefill_token_threshold=512)
     scheduler = Scheduler(config, kv)
-    results, ids = [], 0
+    results, ids = [], itertools.count()
+    pending: dict[str, list[list[int]]] = {}  # request id -> the rest of its session
+
+    def submit(session: list[list[int]]) -> None:
+        rid = f"r{next(ids)}"
+        scheduler.add_request(Request(rid, session[0], SamplingParams(max_tokens=OUT)))
+        pending[rid] = session[1:]
+
     for phase in workload:
         result, before = PhaseResult(), scheduler.num_preemptions
-        limits = {}
-        for prompt, out in phase:
-            ids += 1
-            rid = f"r{ids}"
-            tokens = [(ids * 7919 + i) % 50000 for i in range(prompt)]  # distinct prompts
-            scheduler.add_request(Request(rid, tokens, SamplingParams(max_tokens=out)))
-            limits[rid] = out
+        queries, hits = kv.stats.queries, kv.stats.hits
+        for session in phase:
+            submit(session)
         while scheduler.has_unfinished_requests():
             plan = scheduler.schedule()
             if plan.is_empty:
@@ -123,14 +184,20 @@ def run(kv: KVCacheManager, workload: list[list[tuple[int, int]]]) -> list[Phase
                     continue
                 request = scheduler.requests[s.request_id]
                 request.append_output_token(1)
-                if request.num_output_tokens >= limits[s.request_id]:
+                if request.num_output_tokens >= OUT:
                     scheduler.finish(s.request_id, RequestStatus.FINISHED_LENGTH)
+                    rest = pending.pop(s.request_id)
+                    if rest:
+                        submit(rest)
         result.preemptions = scheduler.num_preemptions - before
+        looked_up = kv.stats.queries - queries
+        result.hit_rate = (kv.stats.hits - hits) / looked_up if looked_up else 0.0
         results.append(result)
     return results
 
 
 def _layout(model: str = "gemma3"):
+    """(the KV layout, bytes of one page, the recompute cost of the model's layers)."""
     if model == "qwen3_next":
         from transformers import Qwen3NextConfig
 
@@ -138,7 +205,7 @@ def _layout(model: str = "gemma3"):
 
         specs = qwen3_next_specs(Qwen3NextConfig(), torch.bfloat16, BLOCK)
         layout = plan_groups(specs)
-        return layout, layout.page_bytes
+        return layout, layout.page_bytes, RecomputeCost.from_specs(specs)
     config = Gemma3TextConfig(
         hidden_size=5376, num_hidden_layers=62, num_attention_heads=32, num_key_value_heads=16,
         head_dim=128, sliding_window=1024, max_position_embeddings=131072,
@@ -146,7 +213,7 @@ def _layout(model: str = "gemma3"):
     specs = attention_specs(config, torch.bfloat16, BLOCK)
     layout = plan_groups(specs)
     page = KVArena.page_bytes_for(specs[0])
-    return layout, page
+    return layout, page, RecomputeCost.from_specs(specs)
 
 
 def static_shares(layout, num_blocks: int, full_fraction: float) -> list[int]:
@@ -177,27 +244,39 @@ def main() -> None:
                         "DeltaNet layers with float32 state, 12 full attention)")
     parser.add_argument("--splits", type=float, nargs="+",
                         default=[0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8])
+    parser.add_argument("--phases", nargs="+", choices=list(PHASE_NAMES),
+                        default=list(PHASE_NAMES))
     args = parser.parse_args()
-    layout, page = _layout(args.model)
+    layout, page, cost = _layout(args.model)
     block_bytes = layout.num_slots * page
     num_blocks = int(args.pool_gib * GIB) // block_bytes
-    workload = phases()
-    names = ["short (96 x 12-400 tok)", "long (6 x 8k-24k tok)", "mixed (48 short + 3 long)"]
-    rows = {"shared pool": run(KVCacheManager(num_blocks + 1, BLOCK, True, layout.groups), workload)}
+    every = phases()
+    workload = [every[p] for p in args.phases]
+    names = [PHASE_NAMES[p] for p in args.phases]
+    started = time.perf_counter()
+    rows = {}
+    for eviction in ("benefit", "lru"):
+        kv = KVCacheManager(num_blocks + 1, BLOCK, True, layout.groups, eviction=eviction,
+                            recompute_cost=cost)
+        rows[f"shared pool, {eviction}"] = run(kv, workload)
     for f in args.splits:
-        kv = StaticSplitKV(static_shares(layout, num_blocks, f), BLOCK, layout.groups)
+        kv = StaticSplitKV(static_shares(layout, num_blocks, f), BLOCK, layout.groups,
+                           recompute_cost=cost)
         try:
-            rows[f"static {f:.0%} full"] = run(kv, workload)
+            rows[f"static {f:.0%} full, benefit"] = run(kv, workload)
         except RuntimeError:
-            rows[f"static {f:.0%} full"] = None  # a long request does not fit its share
+            rows[f"static {f:.0%} full, benefit"] = None  # a long request does not fit
     title = {"gemma3": "Gemma 3 27B", "qwen3_next": "Qwen3-Next-80B-A3B"}[args.model]
     print(f"{title} layout, {args.pool_gib:g} GiB pool = {num_blocks} blocks of "
-          f"{block_bytes // 1024} KiB ({len(layout.groups)} groups)\n")
-    print("| arena | " + " | ".join(f"{n}: max running / steps / preemptions" for n in names) + " |")
+          f"{block_bytes // 1024} KiB ({len(layout.groups)} groups); "
+          f"{time.perf_counter() - started:.0f} s\n")
+    print("| arena, eviction | " + " | ".join(
+        f"{n}: max running / steps / preemptions / hit %" for n in names) + " |")
     print("|---|" + "---:|" * len(names))
     for name, results in rows.items():
         cells = ["cannot hold a long request"] * len(names) if results is None else [
-            f"{r.max_running} / {r.steps} / {r.preemptions}" for r in results
+            f"{r.max_running} / {r.steps} / {r.preemptions} / {100 * r.hit_rate:.0f}"
+            for r in results
         ]
         print(f"| {name} | " + " | ".join(cells) + " |")
 

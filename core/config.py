@@ -36,6 +36,12 @@ class EngineArgs(BaseModel):
     )
     block_size: int = Field(16, ge=1)
     enable_prefix_caching: bool = True
+    kv_eviction: Literal["benefit", "lru"] = Field(
+        "benefit",
+        description="which free cached KV pages go first under pressure: 'benefit' (least "
+        "recompute saved per byte, every attention type and recurrent checkpoint weighed "
+        "alike, aged GreedyDual-style) or 'lru' (least recently freed, vLLM's order)",
+    )
     kv_cache_memory_bytes: int | None = Field(
         None, ge=1, description="KV cache size in bytes; wins over memory_utilization"
     )

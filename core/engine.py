@@ -18,6 +18,7 @@ from tokenmill.distributed.config import WorkerConfig
 from tokenmill.distributed.errors import ExecutorError
 from tokenmill.distributed.executor import Executor, UniExecutor, make_executor
 from tokenmill.distributed.in_flight import InFlightSteps
+from tokenmill.kv.eviction import RecomputeCost
 from tokenmill.kv.groups import plan_groups
 from tokenmill.kv.manager import KVCacheManager
 from tokenmill.kv_connector.engine_setup import (
@@ -121,7 +122,9 @@ class LLMEngine:
                 "gets one block table per request: run it on a platform without one"
             )
         self.kv = KVCacheManager(
-            self.num_kv_blocks, args.block_size, args.enable_prefix_caching, groups
+            self.num_kv_blocks, args.block_size, args.enable_prefix_caching, groups,
+            eviction=args.kv_eviction,
+            recompute_cost=RecomputeCost.from_specs(specs),
         )
         threshold = args.long_prefill_token_threshold
         if threshold is None:

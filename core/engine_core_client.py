@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import queue
 import shutil
@@ -210,6 +211,11 @@ class EngineCoreProcClient:
         self._sleep_lock = threading.Lock()  # one sleep-mode change at a time
         self._sleep_replies: queue.Queue[EngineCoreSleepState] = queue.Queue()
         self._reader: threading.Thread | None = None
+        # every waitpid on the process goes through here: two threads joining one
+        # multiprocessing.Process race, and the loser's join returns with the process
+        # still "alive" (its waitpid failed with ECHILD before the winner recorded the
+        # exit code), which is how a stopped replica looked running (serve -dp)
+        self._reap_lock = threading.Lock()
         spawn = multiprocessing.get_context("spawn")
         self.proc = spawn.Process(
             target=run_engine_core,
@@ -233,8 +239,8 @@ class EngineCoreProcClient:
                 return message
             error = message.error if isinstance(message, EngineCoreDead) else repr(message)
         elif events:
-            self.proc.join(5)
-            error = f"the engine process exited with code {self.proc.exitcode} while starting"
+            self.wait_exit(5)
+            error = f"the engine process exited with code {self.exitcode} while starting"
         else:
             error = f"the engine process did not load its model within {timeout_s:.0f} s"
         self.shutdown()
@@ -251,12 +257,34 @@ class EngineCoreProcClient:
 
     @property
     def is_dead(self) -> bool:
-        return self._dead.is_set() or not self.proc.is_alive()
+        return self._dead.is_set() or self.exitcode is not None
+
+    @property
+    def exitcode(self) -> int | None:
+        """The engine process's exit code; None while it runs (thread-safe)."""
+        with self._reap_lock:
+            return self.proc.exitcode  # a waitpid that does not block
+
+    def wait_exit(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for the engine process to end; True once it has (and
+        is reaped). Thread-safe, unlike joining `proc` from several threads."""
+        if not multiprocessing.connection.wait([self.proc.sentinel], timeout_s):
+            return False
+        with self._reap_lock:
+            self.proc.join()  # it has exited (its sentinel is ready): only reaps it
+        return True
+
+    def _signal(self, stop: Callable[[], None]) -> None:
+        """Send `proc.terminate` / `proc.kill` unless the process is reaped already (the
+        lock keeps its pid from being reaped, and reused, in between)."""
+        with self._reap_lock:
+            if self.proc.exitcode is None:
+                stop()
 
     def add(self, requests: list[EngineCoreRequest]) -> None:
         if self.is_dead or self._stopping.is_set():
             raise EngineDeadError(
-                f"the engine process is not running (exit code {self.proc.exitcode})"
+                f"the engine process is not running (exit code {self.exitcode})"
             )
         self._send(*requests)
 
@@ -305,9 +333,9 @@ class EngineCoreProcClient:
                         self._in.send(data, zmq.NOBLOCK, copy=False)
                         break
                     except zmq.Again:
-                        if not self.proc.is_alive():
+                        if self.exitcode is not None:
                             raise EngineDeadError(
-                                f"the engine process died (exit code {self.proc.exitcode})"
+                                f"the engine process died (exit code {self.exitcode})"
                             ) from None
                         self._in.poll(100, zmq.POLLOUT)
 
@@ -318,18 +346,16 @@ class EngineCoreProcClient:
             return
         self._stopping.set()
         atexit.unregister(self.shutdown)
-        if self.proc.is_alive():
+        if self.exitcode is None:
             try:
                 self._send(EngineCoreShutdown())
             except (zmq.ZMQError, EngineDeadError):
                 pass  # it is exiting already, or the signals below stop it
-            self.proc.join(timeout_s)
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(5)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
+            if not self.wait_exit(timeout_s):
+                self._signal(self.proc.terminate)
+                if not self.wait_exit(5):
+                    self._signal(self.proc.kill)
+                    self.wait_exit(5)
         if self._reader is not None and self._reader is not threading.current_thread():
             self._reader.join(timeout_s)
         if self._reader is None:
@@ -356,15 +382,15 @@ class EngineCoreProcClient:
                 if self._out in events:
                     error = self._receive(on_outputs)
                 elif events:  # the process exited; nothing is left to read
-                    self.proc.join(1)
+                    self.wait_exit(1)
                     if self._stopping.is_set():
                         error = EngineDeadError("the engine was shut down")
                     else:
                         error = EngineDeadError(
-                            f"the engine process died (exit code {self.proc.exitcode})"
+                            f"the engine process died (exit code {self.exitcode})"
                         )
                         logger.error("%s; every request fails now", error)
-                elif self._stopping.is_set() and not self.proc.is_alive():
+                elif self._stopping.is_set() and self.exitcode is not None:
                     error = EngineDeadError("the engine was shut down")
         except BaseException as e:  # noqa: BLE001 - a bug here must still fail the requests
             logger.exception("reading the engine's outputs failed; the engine is now dead")

@@ -228,7 +228,7 @@ class Scheduler:
             if not admitting or len(self.running) + len(self.loading) >= self.config.max_num_seqs:
                 continue
             # The hits counted for sorting may be gone: an allocation earlier in this loop
-            # takes the least recently freed blocks, cached ones included. Look them up
+            # may evict free cached blocks, hits included. Look them up
             # again right before allocating, with nothing in between.
             hits, num_hit = self.kv.find_cached_prefix(request)
             if self.connector is not None and self._start_external_load(request, hits, num_hit):

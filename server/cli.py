@@ -102,6 +102,7 @@ def _serve(args: argparse.Namespace) -> int:
         "data_parallel_size": args.data_parallel_size,
         "memory_utilization": args.memory_utilization,
         "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
+        "kv_eviction": args.kv_eviction,
         "generation_config": args.generation_config,
     }
     try:
@@ -188,6 +189,9 @@ def _add_serve_parser(sub) -> None:
                         "(default 0.9; like vLLM's --gpu-memory-utilization)")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                    help="KV cache size in bytes (wins over --memory-utilization)")
+    p.add_argument("--kv-eviction", choices=["benefit", "lru"], default=None,
+                   help="which free cached KV pages go first under pressure: benefit (least "
+                        "recompute saved per byte, the default) or lru (least recently freed)")
     p.add_argument("--dtype", default=None,
                    choices=["auto", "bfloat16", "bf16", "float32", "fp32", "float16", "fp16"])
     p.add_argument("--seed", type=int, default=None)

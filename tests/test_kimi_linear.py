@@ -94,3 +94,24 @@ def test_prefix_cache_cold_and_warm(tiny):
     assert again.num_cached_tokens > 8
     assert again.outputs[0].token_ids == cold.outputs[0].token_ids
     _expect(hf, llm, prompts, [cold, *warm], 8)
+
+
+def test_a_tied_config_keeps_its_own_head_as_transformers_does(tmp_path):
+    """transformers' Kimi Linear never ties its LM head (no tied weights declared), even
+    when the config says `tie_word_embeddings=True`: the head saved is its own."""
+    tokenizer = make_tokenizer(300)
+    config = tiny_config(len(tokenizer))
+    config.tie_word_embeddings = True
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1 and "A_log" not in name:
+                p.normal_(0, 0.15)
+    assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    llm = _llm(tmp_path)
+    prompt = PROMPTS[1]
+    _expect(hf, llm, [prompt], llm.generate([prompt], _greedy(6), use_tqdm=False), 6)

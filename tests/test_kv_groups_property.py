@@ -8,7 +8,8 @@ what each block holds (the group and token ids of the block it was computed for)
 every step: no block is in two places unless it is one shared, cached prefix block; no
 block leaks (free + held = usable); each block's reference count is its number of
 table entries; per-group counts are exact; and every prefix-cache hit returns blocks
-holding exactly the request's tokens.
+holding exactly the request's tokens. Under "benefit" eviction every eviction and every
+freed prefix's scores are checked against tests/kv_eviction_shadow.py.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from kv_eviction_shadow import free_and_check_scores, install_checked_pool
 
 from tokenmill.kv.allocators import SlidingWindowAllocator
 from tokenmill.kv.block_pool import NULL_BLOCK
+from tokenmill.kv.eviction import RecomputeCost
 from tokenmill.kv.groups import plan_groups
 from tokenmill.kv.manager import KVCacheManager, PrefixHit
 from tokenmill.platforms.interfaces import AttentionKind, AttentionSpec
@@ -48,7 +51,9 @@ def _cdiv(a: int, b: int) -> int:
 class ArenaMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.kv = KVCacheManager(NUM_BLOCKS, BLOCK, True, LAYOUT.groups)
+        self.kv = KVCacheManager(NUM_BLOCKS, BLOCK, True, LAYOUT.groups,
+                                 recompute_cost=RecomputeCost.from_specs(SPECS))
+        self.pool = install_checked_pool(self.kv)
         self.running: dict[str, Request] = {}
         self.preempted: list[Request] = []
         self.ids = 0
@@ -132,13 +137,13 @@ class ArenaMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def finish(self, data) -> None:
         rid = data.draw(st.sampled_from(sorted(self.running)))
-        self.kv.free(self.running.pop(rid))
+        free_and_check_scores(self.kv, SPECS, self.running.pop(rid))
 
     @precondition(lambda self: self.running)
     @rule(data=st.data())
     def preempt(self, data) -> None:
         request = self.running.pop(data.draw(st.sampled_from(sorted(self.running))))
-        self.kv.free(request)
+        free_and_check_scores(self.kv, SPECS, request)
         request.num_computed_tokens = 0
         self.preempted.append(request)
 
@@ -157,7 +162,7 @@ class ArenaMachine(RuleBasedStateMachine):
         if self.kv.allocate_slots(request, size):
             request.num_computed_tokens = size
             self._record_content(request)
-            self.kv.free(request)
+            free_and_check_scores(self.kv, SPECS, request)
 
     # ---- invariants --------------------------------------------------------------
     @invariant()
@@ -198,8 +203,18 @@ class ArenaMachine(RuleBasedStateMachine):
         assert sum(len(s) for s in per_group) == len(refs)  # no block in two groups
 
 
+    def teardown(self) -> None:
+        ArenaMachine.num_evictions += self.pool.num_evictions
+
+
+ArenaMachine.num_evictions = 0  # over every run: the pool must come under pressure
 ArenaMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
 TestArena = ArenaMachine.TestCase
+
+
+def test_the_machine_evicted():
+    """The runs above (in file order) put the pool under pressure."""
+    assert ArenaMachine.num_evictions > 0
 
 
 def test_layout_groups_each_type():

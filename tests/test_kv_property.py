@@ -38,11 +38,13 @@ class KVAccounting(RuleBasedStateMachine):
         budget=st.integers(1, 12),
         max_seqs=st.integers(1, 4),
         long_prefill=st.integers(0, 4),
+        eviction=st.sampled_from(["benefit", "lru"]),
     )
-    def setup(self, num_blocks, block_size, budget, max_seqs, long_prefill):
+    def setup(self, num_blocks, block_size, budget, max_seqs, long_prefill, eviction):
         self.bs = block_size
         self.capacity = num_blocks * block_size
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True)
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True,
+                                 eviction=eviction)
         config = SchedulerConfig(max_seqs, budget, self.capacity, long_prefill)
         self.sched = Scheduler(config, self.kv)
         # block id -> per slot: the token ids the KV there encodes (None: never written)
@@ -167,9 +169,10 @@ class KVAccounting(RuleBasedStateMachine):
             for block in blocks:
                 refs[block.block_id] += 1
         assert [b.ref_cnt for b in pool.blocks] == refs
-        free = set(pool._free)
-        assert free == {b.block_id for b in pool.blocks if b.ref_cnt == 0}
-        assert all(pool._free[i] is pool.blocks[i] for i in free)
+        free = [b.block_id for b in pool.free_blocks()]
+        assert len(set(free)) == len(free), "a block is free twice"
+        assert set(free) == {b.block_id for b in pool.blocks if b.ref_cnt == 0}
+        assert all(pool.blocks[i].ref_cnt == 0 for i in free)
         assert pool.num_free_blocks == len(free)
 
     @invariant()

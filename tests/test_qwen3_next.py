@@ -5,7 +5,8 @@ a shared expert and one dense layer, blocks of 4) must give transformers' greedy
 for single requests, a mixed batch under a small token budget (chunked prefill beside
 decodes), preemption, and prefix caching cold vs warm: the same prompt again (the
 prompt-end checkpoint) and an agent's next turn that repeats the conversation (the
-rolling checkpoint at the end of the previous output). Few tokens, so it stays fast.
+rolling checkpoint at the end of the previous output); and, under a tight pool, a retry
+that benefit eviction keeps hitting where LRU does not. Few tokens, so it stays fast.
 """
 
 from __future__ import annotations
@@ -162,3 +163,35 @@ def test_live_split_between_attention_types(tiny, llm):
             assert stats.kv_blocks_by_type == {"linear": sum(per_group[:3]), "full": per_group[3]}
     assert seen and all(s["full"] >= -(-len(prompt) // 4) and s["linear"] >= 12 for s in seen)
     assert engine.scheduler_stats().kv_blocks_by_type == {"linear": 0, "full": 0}
+
+
+
+def test_benefit_eviction_keeps_the_checkpoint_lru_evicts(tiny):
+    """A prompt, another one, then a long cold request that presses the pool, then the
+    first prompt again (a retry, a parallel sample). LRU evicts the first prompt's
+    prompt-end checkpoint (the oldest freed pages: freed when that prompt was written) and
+    keeps attention blocks useless without it: the retry hits less. Benefit eviction
+    reuses the pages holding nothing first (superseded rolling checkpoints, slots), then
+    the cheapest segments (output tokens' blocks with their rolling checkpoints, the
+    shorter prompt's: little recompute for 12 checkpoint pages each), and the retry hits
+    the whole prompt. Greedy outputs equal the cold run's and
+    transformers' under both."""
+    path, hf = tiny
+    hits, evicted = {}, {}
+    for eviction in ("benefit", "lru"):
+        llm = _llm(path, num_kv_blocks=80, kv_eviction=eviction, max_num_batched_tokens=16)
+        kv = llm.engine.kv
+        prompt = llm.get_tokenizer().encode(PROMPTS[2])
+        cold = llm.generate({"prompt_token_ids": prompt}, _greedy(), use_tqdm=False)[0]
+        llm.generate(PROMPTS[1], _greedy(), use_tqdm=False)  # cached pages of its own
+        cached = {b.block_id for b in kv.pool.free_blocks() if b.block_hash is not None}
+        other = [(7 * i + 3) % 280 + 10 for i in range(llm.engine.max_model_len - 1)]
+        llm.generate({"prompt_token_ids": other}, _greedy(1), use_tqdm=False)
+        evicted[eviction] = len(cached - {b.block_id for b in kv.pool.blocks if b.block_hash})
+        retry = llm.generate({"prompt_token_ids": prompt}, _greedy(), use_tqdm=False)[0]
+        hits[eviction] = retry.num_cached_tokens
+        assert retry.outputs[0].token_ids == cold.outputs[0].token_ids
+        _check(hf, llm, [prompt], [retry])
+        assert kv.usage == 0.0
+    assert evicted["benefit"] > 0, evicted  # the pressure reached cached pages
+    assert hits["benefit"] == (len(prompt) - 1) // 4 * 4 > hits["lru"], (hits, evicted)

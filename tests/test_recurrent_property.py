@@ -16,6 +16,12 @@ blocks after the device hit and fresh pages for the checkpoint at the load's end
 slot) that reports (published, the first step restores from it) or fails (given back),
 and a finished request's rolling checkpoint held until its save is released: its pages
 are never handed out meanwhile and keep the state they hold.
+
+Eviction is "benefit" (and "lru" in a shorter run): every eviction is checked against a
+brute-force scan (no cached page taken while an uncached one is free, none of higher
+priority than a cached one left), and every request that frees its KV leaves its
+prefix's pages scored as the shadow computes them from the stated score
+(tests/kv_eviction_shadow.py).
 """
 
 from __future__ import annotations
@@ -26,8 +32,10 @@ import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from kv_eviction_shadow import free_and_check_scores, install_checked_pool
 
 from tokenmill.kv.block_pool import NULL_BLOCK
+from tokenmill.kv.eviction import RecomputeCost
 from tokenmill.kv.groups import plan_groups
 from tokenmill.kv.manager import KVCacheManager, PrefixHit
 from tokenmill.kv.recurrent import CheckpointPolicy, RecurrentStateAllocator
@@ -50,9 +58,15 @@ PREFIXES = [[7] * 13, list(range(20)), [3, 1, 4, 1, 5, 9, 2, 6] * 2]
 
 
 class RecurrentArena(RuleBasedStateMachine):
+    eviction = "benefit"
+    num_evictions = 0  # over every run: the pool must come under pressure
+
     def __init__(self) -> None:
         super().__init__()
-        self.kv = KVCacheManager(NUM_BLOCKS, BLOCK, True, LAYOUT.groups, CheckpointPolicy(2))
+        self.kv = KVCacheManager(NUM_BLOCKS, BLOCK, True, LAYOUT.groups, CheckpointPolicy(2),
+                                 eviction=self.eviction,
+                                 recompute_cost=RecomputeCost.from_specs(SPECS))
+        self.pool = install_checked_pool(self.kv)
         self.recurrent = self.kv.recurrent_group_ids
         self.running: dict[str, Request] = {}
         self.preempted: list[Request] = []
@@ -144,7 +158,7 @@ class RecurrentArena(RuleBasedStateMachine):
         if hold:  # KV offload: the rolling checkpoint stays held until its save reports
             pages = self.kv.hold_rolling_checkpoints(request)
             self.held.append((pages, [self.content.get(b.block_id) for b in pages]))
-        self.kv.free(request)
+        self._free(request)
 
     @precondition(lambda self: self.held)
     @rule()
@@ -207,11 +221,17 @@ class RecurrentArena(RuleBasedStateMachine):
             request.num_computed_tokens = 0
             self.preempted.append(request)
 
+    def _free(self, request: Request) -> None:
+        if self.eviction == "benefit":
+            free_and_check_scores(self.kv, SPECS, request)
+        else:
+            self.kv.free(request)
+
     @precondition(lambda self: self.running)
     @rule(data=st.data())
     def preempt(self, data) -> None:
         request = self.running.pop(data.draw(st.sampled_from(sorted(self.running))))
-        self.kv.free(request)
+        self._free(request)
         request.num_computed_tokens = 0
         self.preempted.append(request)
 
@@ -229,7 +249,7 @@ class RecurrentArena(RuleBasedStateMachine):
         if self.kv.allocate_slots(request, size):
             request.num_computed_tokens = size
             self._run_step(request, 0, size)
-            self.kv.free(request)
+            self._free(request)
 
     # ---- invariants --------------------------------------------------------------
     @invariant()
@@ -276,6 +296,23 @@ class RecurrentArena(RuleBasedStateMachine):
                     assert pool.blocks[block_id].ref_cnt == 1
 
 
+    def teardown(self) -> None:
+        if self.eviction == "benefit":
+            RecurrentArena.num_evictions += self.pool.num_evictions
+
+
+class RecurrentArenaLRU(RecurrentArena):
+    eviction = "lru"
+
+
 RecurrentArena.TestCase.settings = settings(max_examples=50, stateful_step_count=40,
                                             deadline=None)
 TestRecurrentArena = RecurrentArena.TestCase
+RecurrentArenaLRU.TestCase.settings = settings(max_examples=15, stateful_step_count=40,
+                                               deadline=None)
+TestRecurrentArenaLRU = RecurrentArenaLRU.TestCase
+
+
+def test_the_machines_evicted():
+    """The runs above (in file order) put the pool under pressure."""
+    assert RecurrentArena.num_evictions > 0

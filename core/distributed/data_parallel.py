@@ -9,7 +9,9 @@ Two fronts:
   (`tokenmill serve -dp N`: the replicas step in parallel) or an engine thread each
   (in-process `AsyncLLM`). Outputs of every replica reach the frontend as they come;
   the scheduler stats it reports are the replicas' summed. One replica that dies ends
-  the whole front (its `on_dead`), as one engine's death would.
+  the whole front (its `on_dead`), as one engine's death would, and the others are asked
+  to stop. With the "ray" executor each engine process joins a Ray cluster as any
+  `ray.init()` does: RAY_ADDRESS, else this machine's current cluster.
 - `DataParallelEngine` is `LLM`'s: the replicas are `LLMEngine`s in this process,
   stepped in turn (their workers, with "mp", run in processes of their own).
 
@@ -112,10 +114,13 @@ class DataParallelClient:
                 if self._dead:
                     return
                 self._dead = True
-            on_dead(error)
+            # the front is gone: the other replicas stop too, asked first (each exits at
+            # once, tokenmill.engine_core) and whatever the frontend's callback does
             for i, client in enumerate(self.clients):
-                if i != replica:  # the front is gone: the other replicas stop too
-                    threading.Thread(target=client.shutdown, daemon=True).start()
+                if i != replica:
+                    threading.Thread(target=client.shutdown, name=f"tokenmill-dp-stop-{i}",
+                                     daemon=True).start()
+            on_dead(error)
 
         return handle
 

@@ -106,6 +106,7 @@ class MultiprocExecutor(Executor):
         self._early: dict[int, list[Response]] = {}  # their replies that came first
         self._failure: ExecutorError | None = None
         self._stopping = threading.Event()
+        self._reap_lock = threading.Lock()  # the monitor and shutdown both reap (_reap)
         self._dir = tempfile.mkdtemp(prefix="tokenmill-mp-")
         self._zmq = zmq.Context()
         self._replies = self._zmq.socket(zmq.PULL)
@@ -134,7 +135,7 @@ class MultiprocExecutor(Executor):
         )
         self._monitor.start()
         self._finalizer = weakref.finalize(
-            self, _stop_processes, self.processes, self._zmq, self._dir
+            self, _stop_processes, self.processes, self._zmq, self._dir, self._reap_lock
         )
 
     @property
@@ -210,7 +211,7 @@ class MultiprocExecutor(Executor):
             return
         rank = sentinels[ready[0]]
         process = self.processes[rank]
-        process.join(1.0)  # the exit code is known once the process is reaped
+        _reap(process, self._reap_lock, 1.0)  # the exit code is known once it is reaped
         self._failure = WorkerDiedError(rank, process.pid, process.exitcode)
         logger.error("%s", self._failure)
 
@@ -227,18 +228,33 @@ class MultiprocExecutor(Executor):
         self._finalizer()
 
 
+def _reap(process: multiprocessing.process.BaseProcess, lock: threading.Lock,
+          timeout_s: float) -> bool:
+    """Wait up to `timeout_s` for `process` to exit; True once it has and is reaped. The
+    reaping is under `lock`: two threads joining one process race in waitpid, and the
+    loser's join returns with the process still looking alive."""
+    if not multiprocessing.connection.wait([process.sentinel], timeout_s):
+        return False
+    with lock:
+        process.join()  # it has exited (its sentinel is ready): only reaps it
+    return True
+
+
 def _stop_processes(
-    processes: list[multiprocessing.process.BaseProcess], context: zmq.Context, folder: str
+    processes: list[multiprocessing.process.BaseProcess], context: zmq.Context, folder: str,
+    lock: threading.Lock,
 ) -> None:
     """Join the workers (killing those that do not stop), close the sockets, remove the
     socket folder. Also runs when the executor is collected without a shutdown."""
     deadline = time.monotonic() + _JOIN_S
     for process in processes:
-        process.join(max(0.0, deadline - time.monotonic()))
-        if process.is_alive():
-            logger.warning("worker %s did not stop in %s s; killing it", process.pid, _JOIN_S)
-            process.kill()
-            process.join(_JOIN_S)
+        if _reap(process, lock, max(0.0, deadline - time.monotonic())):
+            continue
+        logger.warning("worker %s did not stop in %s s; killing it", process.pid, _JOIN_S)
+        with lock:  # not reaped in between: its pid cannot have been reused
+            if process.exitcode is None:
+                process.kill()
+        _reap(process, lock, _JOIN_S)
     context.destroy(linger=0)
     shutil.rmtree(folder, ignore_errors=True)
 

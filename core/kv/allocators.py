@@ -36,11 +36,12 @@ class FullAttentionAllocator:
         self.pool = pool
         self.block_size = block_size
         self.group_id = group.group_id if group is not None else 0
+        self._key_tag = b"/g%d" % self.group_id if self.group_id else b""
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
 
     def key(self, block_hash: BlockHash) -> BlockHash:
         """The prefix-cache key of a block of this group."""
-        return block_hash if self.group_id == 0 else block_hash + b"/g%d" % self.group_id
+        return block_hash + self._key_tag
 
     def num_blocks_needed(self, request: Request, num_tokens: int, hits: list[KVBlock]) -> int:
         """Fresh blocks needed so `request` can hold `num_tokens` tokens after `hits`."""
@@ -78,8 +79,8 @@ class FullAttentionAllocator:
     def take_hits(self, request: Request, hits: list[KVBlock]) -> None:
         """Start the request's table with a prefix-cache hit's blocks (taking a reference).
 
-        Take every group's hits before any group allocates: a fresh allocation takes the
-        least recently freed blocks, which may be another group's cached hits.
+        Take every group's hits before any group allocates: a fresh allocation may evict
+        free cached blocks, which may be another group's cached hits.
         """
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         self.pool.touch(b for b in hits if b is not NULL_BLOCK)

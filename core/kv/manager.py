@@ -9,6 +9,9 @@ admission. One allocator per KV group (core/kv/groups.py) draws from the shared
   context; the pool's split moves with the workload on its own.
 - A prefix-cache hit is as long as every group allows: full attention needs every block
   of the prefix cached, a sliding window only the blocks its next query reads.
+- Under pressure, free cached pages of any type are evicted by benefit per byte
+  (`eviction="benefit"`, the default: the recompute a page saves per block id it takes,
+  core/kv/eviction.py), or least recently freed first (`eviction="lru"`).
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import itertools
 from dataclasses import dataclass, field
 
 from tokenmill.kv.allocators import FullAttentionAllocator, SlidingWindowAllocator
-from tokenmill.kv.block_pool import NULL_BLOCK, BlockPool, KVBlock
+from tokenmill.kv.block_pool import NULL_BLOCK, BlockPool, EvictionPolicy, KVBlock
+from tokenmill.kv.eviction import PrefixScorer, RecomputeCost
 from tokenmill.kv.groups import KVGroup
 from tokenmill.kv.hashing import hash_blocks
 from tokenmill.kv.recurrent import CheckpointPolicy, RecurrentStateAllocator
@@ -54,7 +58,8 @@ class KVCacheManager:
     Groups of LINEAR layers get a `RecurrentStateAllocator` (core/kv/recurrent.py) whose
     checkpoints follow `checkpoint_policy`; None: `CheckpointPolicy.for_budget` with
     `checkpoint_ratio` (kept checkpoints take at most that share of the attention KV of
-    the same tokens).
+    the same tokens). `eviction`: see `BlockPool`; `recompute_cost` prices a prefix for
+    "benefit" eviction (None: `RecomputeCost.for_groups(groups)`, a default width).
     """
 
     def __init__(
@@ -65,12 +70,17 @@ class KVCacheManager:
         groups: tuple[KVGroup, ...] | None = None,
         checkpoint_policy: CheckpointPolicy | None = None,
         checkpoint_ratio: float = 0.5,
+        eviction: EvictionPolicy = "benefit",
+        recompute_cost: RecomputeCost | None = None,
     ):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         groups = groups or (KVGroup(0, AttentionKind.FULL, None, ()),)
         windowed = any(g.kind == AttentionKind.SLIDING_WINDOW for g in groups)
-        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching, reserve_null=windowed)
+        self.pool = BlockPool(
+            num_blocks, enable_caching=enable_prefix_caching, reserve_null=windowed,
+            eviction=eviction,
+        )
         recurrent = [g for g in groups if g.kind == AttentionKind.LINEAR]
         if checkpoint_policy is None and recurrent:
             checkpoint_policy = CheckpointPolicy.for_budget(
@@ -83,6 +93,10 @@ class KVCacheManager:
         ]
         self.groups = groups
         self.stats = PrefixCacheStats()
+        self.scorer = PrefixScorer(
+            self.allocators, block_size, recompute_cost or RecomputeCost.for_groups(groups)
+        )
+        self._published: dict[str, int] = {}  # request id -> blocks scored at publication
 
     def _allocator(
         self, group: KVGroup, block_size: int
@@ -174,9 +188,9 @@ class KVCacheManager:
         """Reserve KV for `num_new_tokens` more tokens (after `hits`, if any).
 
         `hits` are for a request that holds no KV yet, and must be what
-        `find_cached_prefix` returned with no allocation in between: allocating takes the
-        least recently freed blocks, cached ones included, so an older lookup may name a
-        block that now holds another request's tokens. Stale hits raise RuntimeError.
+        `find_cached_prefix` returned with no allocation in between: allocating may evict
+        cached blocks, so an older lookup may name a block that now holds another
+        request's tokens. Stale hits raise RuntimeError.
 
         First every sliding-window group gives back the blocks no query of the request
         reads any more (always safe: they are never needed again). Then, if the fresh
@@ -223,7 +237,21 @@ class KVCacheManager:
             self.update_block_hashes(request)
             for alloc in self.allocators:
                 alloc.cache_full_blocks(request, total)
+            self._score_published(request, num_computed, total)
         return True
+
+    def _score_published(self, request: Request, num_computed: int, total: int) -> None:
+        """Provisional benefits for the pages just published (`PrefixScorer.provisional`):
+        blocks from the last scored one (at first: the end of the hit) to `total` tokens."""
+        if self.pool.eviction != "benefit":
+            return
+        rid = request.request_id
+        first = self._published.setdefault(rid, num_computed // self.block_size)
+        last = min(total // self.block_size, len(request.block_hashes))
+        tables = [a.req_to_blocks.get(rid, []) for a in self.allocators
+                  if not isinstance(a, RecurrentStateAllocator)]
+        self.scorer.provisional(request, tables, first, last)
+        self._published[rid] = max(first, last)
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Publish, in every group, the request's blocks that its first `num_tokens`
@@ -232,6 +260,7 @@ class KVCacheManager:
             self.update_block_hashes(request)
             for alloc in self.allocators:
                 alloc.cache_full_blocks(request, num_tokens)
+            self._score_published(request, request.num_computed_tokens, num_tokens)
 
     def _check_hits(self, request: Request, hits: PrefixHit, check_recurrent: bool = True) -> None:
         if request.num_computed_tokens or any(
@@ -260,6 +289,11 @@ class KVCacheManager:
                 )
 
     def free(self, request: Request) -> None:
+        """Give back the request's KV. Under "benefit" eviction its computed prefix's
+        cached pages are scored first (`PrefixScorer.score_chain`)."""
+        if self.enable_prefix_caching and self.pool.eviction == "benefit":
+            self.scorer.score_chain(request)
+        self._published.pop(request.request_id, None)
         for alloc in self.allocators:
             alloc.free(request)
 

@@ -267,6 +267,9 @@ class RecurrentStateAllocator:
                 block_hash = request.block_hashes[ckpt.num_tokens // self.block_size - 1]
                 for p, page in enumerate(ckpt.pages):
                     self.pool.cache(page, self.key(block_hash, p))
+                published = self._published(request, ckpt)
+                if len(published) == len(ckpt.pages):  # one unit: evicted together
+                    self.pool.link(published)
 
     def kept_checkpoints(self, request: Request) -> list[tuple[BlockHash, int]]:
         """The kept checkpoints the step just allocated writes and this request published:

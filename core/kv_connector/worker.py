@@ -7,6 +7,11 @@ compute on a loading request's blocks until the load has reported, so the thread
 model never touch the same page. A save copies its pages out of the arena at once (the
 block may be freed and reused by the next step) and leaves the framing, checksum and tier
 writes to the background thread.
+
+Ordering contract (the scheduler side relies on it): loads, saves and prefetches run on
+that one thread in the order they were sent, so a load sent after the save of a block
+reads what the save wrote, even while the save was still pending when the load was
+planned.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ class KVConnectorWorker:
         self.stack = stack
         self.layout = layout
         self._rows: list[torch.Tensor] = []  # per slot: uint8 [H, num_blocks, page // H]
+        # one thread: jobs run in the order sent (the ordering contract above)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-connector")
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._in_flight: set[Future] = set()

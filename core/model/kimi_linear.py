@@ -141,6 +141,10 @@ class KimiLinearModel(nn.Module):
 class KimiLinearForCausalLM(DeepseekV3ForCausalLM):
     """Kimi Linear over the KV arena (latent pages for MLA, state slots for KDA)."""
 
+    # transformers' KimiLinearForCausalLM declares no tied weights: it keeps its own
+    # lm_head whatever `tie_word_embeddings` says, and so does this
+    ties_embeddings = False
+
     @classmethod
     def attention_specs_for(
         cls, hf_config: Any, dtype: torch.dtype, block_size: int

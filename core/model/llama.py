@@ -211,6 +211,10 @@ class CausalLM(nn.Module):
     otherwise, `_convert` (HF tensor -> our parameters).
     """
 
+    # whether `tie_word_embeddings` in the config ties the LM head to the embedding, as
+    # transformers' class for the family does (False: it always keeps its own head)
+    ties_embeddings: bool = True
+
     def __init__(
         self,
         hf_config: Any,
@@ -251,7 +255,9 @@ class CausalLM(nn.Module):
         self.model = self._build_model(hf_config, self.attention_specs, backends, ops, dtype)
         self.ops = ops
         self._logits_fn = None
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.tie_word_embeddings = self.ties_embeddings and bool(
+            getattr(hf_config, "tie_word_embeddings", False)
+        )
         self.lm_head = None
         if not self.tie_word_embeddings:
             self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, False, dtype)

@@ -49,6 +49,11 @@ def test_gpu_plugin_certifies_t0_to_t3_in_the_triton_interpreter(tmp_path, platf
         "t1/test_ops.py::test_apply_token_bitmask_matches_reference[float32]",
         "t1/test_collectives.py::test_collective[world4-reduce_scatter-bfloat16]",
         "t3/test_greedy.py::test_greedy_matches_reference[qwen3]",
+        # every LINEAR variant on the Triton backend (T1 checks each declared variant)
+        "t1/test_linear_attention.py::test_backends_match_the_reference[0]",
+        "t3/test_greedy.py::test_greedy_matches_reference[qwen3_next]",
+        "t3/test_greedy.py::test_greedy_matches_reference[kimi_linear]",
+        "t3/test_greedy.py::test_greedy_matches_reference[bamba]",
     ):
         assert ids.get(expected) == "passed", (expected, ids.get(expected))
     assert "tokenmill-conformance: " + repr(platform) in output

@@ -69,12 +69,6 @@ def replay(llm: LLM, requests: list[dict]) -> list[dict]:
     return records
 
 
-@pytest.mark.xfail(
-    strict=False, raises=AssertionError,
-    reason="1 of 3 full-suite runs on 2026-12-01 (never alone): a turn computed 13 prompt "
-    "tokens for 5 new (trace_0057 at t=32); suspected race between a block's save and its "
-    "eviction since offload moved to the mp-capable mirror; open bug, see the session note",
-)
 def test_claude_code_replay_with_a_quarter_size_pool(tiny_dirs, tmp_path):
     path = str(tiny_dirs["llama"])
     unlimited = LLM(path, dtype="float32", block_size=BS, num_kv_blocks=4096)

@@ -7,7 +7,7 @@ from tokenmill.server.cli import build_parser, main
 FLAGS = ["--host", "--port", "--served-model-name", "--api-key", "--platform", "--max-model-len",
          "--max-num-seqs", "--max-num-batched-tokens", "--dtype", "--chat-template",
          "--enable-auto-tool-choice", "--tool-call-parser", "--distributed-executor-backend",
-         "--memory-utilization", "--kv-cache-memory-bytes", "--reasoning-parser",
+         "--memory-utilization", "--kv-cache-memory-bytes", "--kv-eviction", "--reasoning-parser",
          "--max-stored-responses", "--kv-offload-host-bytes", "--kv-offload-disk-path",
          "--kv-offload-disk-bytes", "--kv-offload-remote"]
 

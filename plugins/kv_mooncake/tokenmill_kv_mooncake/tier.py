@@ -11,8 +11,18 @@ Objects go under `tokenmill:kv:<key hex>`. A put of a key the store holds is ski
 (`is_exist` first; the store also keeps the first value of a key). Capacity and eviction
 are the master's, out of our sight (like Redis under maxmemory), so `keys()` lists only
 what this client stored and has not seen go; a stale one fails its load and that suffix is
-recomputed. Error codes (negative ints) from the store fail the call with
-`TierUnavailableError`, and a store that stops answering is skipped for `retry_after_s`.
+recomputed.
+
+Failures. The client keeps a pool of connections to the master (one per thread that has
+called at once: ours and its own heartbeat thread). A connection that dropped while idle
+fails the next call made on it with RPC_FAIL (-900) at once, and the pool replaces it;
+with several pooled connections, several calls in a row fail so. Such a call is tried
+again, up to `rpc_attempts` times in all: a turn no longer loses the tier for
+`retry_after_s` (and recomputes what it holds) because of one dropped link. RPC_FAIL on
+every attempt, or after the pool's own reconnects (over a second: the master gone),
+marks the tier down: it is skipped for `retry_after_s`, then tried again. Any other error code fails only that call (`TierUnavailableError`,
+logged): the store full (-200, every object under a lease or pinned), an object over
+the client's buffer (-600).
 """
 
 from __future__ import annotations
@@ -20,7 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -32,6 +42,11 @@ logger = logging.getLogger(__name__)
 
 _PREFIX = "tokenmill:kv:"
 _OBJECT_NOT_FOUND = -704  # mooncake's ErrorCode::OBJECT_NOT_FOUND
+_OBJECT_EXISTS = -705  # ErrorCode::OBJECT_ALREADY_EXISTS: another writer stored it first
+_RPC_FAIL = -900  # ErrorCode::RPC_FAIL: the call did not reach the master, or no answer
+# A dropped pooled connection fails at once; a call that failed only after this long went
+# through the pool's own connect retries (seconds), so the master is unreachable
+_SLOW_FAILURE_S = 1.0
 
 
 class MooncakeTier(KVTier):
@@ -40,6 +55,7 @@ class MooncakeTier(KVTier):
     def __init__(
         self, url: str, *, segment_bytes: int, buffer_bytes: int, metadata: str,
         protocol: str = "tcp", local_host: str = "127.0.0.1", retry_after_s: float = 5.0,
+        rpc_attempts: int = 4,
     ) -> None:
         try:
             from mooncake.store import MooncakeDistributedStore
@@ -60,7 +76,9 @@ class MooncakeTier(KVTier):
             raise ValueError(f"kv_offload_remote={url!r}: Mooncake setup failed with code {rc} "
                              f"(is mooncake_master running there, metadata at {metadata}?)")
         self._retry_after_s = retry_after_s
+        self._rpc_attempts = rpc_attempts
         self._down_until = 0.0
+        self.num_rpc_retries = 0  # calls tried again after a dropped connection
         self._lock = threading.Lock()
         self._sizes: dict[ObjectKey, int] = {}  # what this client stored (insertion order)
         self.num_evicted = 0
@@ -69,14 +87,34 @@ class MooncakeTier(KVTier):
     def store_key(key: ObjectKey) -> str:
         return _PREFIX + key.hex()
 
-    def _check(self, what: str, rc: int) -> int:
-        if rc < 0:
+    def _call(self, what: str, fn: Callable[[], Any], codes: Callable[[Any], list[int]]):
+        """`fn()` (one store call), tried again while it fails with RPC_FAIL, up to
+        `rpc_attempts` times; `codes(result)`: its error codes. Raises
+        TierUnavailableError on any error code left."""
+        self._up()
+        for attempt in range(1, self._rpc_attempts + 1):
+            start = time.monotonic()
+            result = fn()
+            failed = [rc for rc in codes(result) if rc < 0 and rc != _OBJECT_NOT_FOUND]
+            if not failed or _RPC_FAIL not in failed or attempt == self._rpc_attempts:
+                break
+            if time.monotonic() - start > _SLOW_FAILURE_S:
+                break  # the pool's own reconnects ran and failed: the master is gone
+            self.num_rpc_retries += 1
+            logger.warning("mooncake tier %s: %s failed with RPC_FAIL (attempt %d of %d: a "
+                           "dropped connection to the master?); trying again",
+                           self.url, what, attempt, self._rpc_attempts)
+        if not failed:
+            return result
+        if _RPC_FAIL in failed:
             with self._lock:
                 self._down_until = time.monotonic() + self._retry_after_s
-            logger.warning("mooncake tier %s: %s failed with code %d; skipped for %.0f s",
-                           self.url, what, rc, self._retry_after_s)
-            raise TierUnavailableError(f"mooncake tier {self.url}: {what}: code {rc}")
-        return rc
+            logger.warning("mooncake tier %s: %s failed with RPC_FAIL %d times; the master "
+                           "does not answer: skipped for %.0f s", self.url, what,
+                           self._rpc_attempts, self._retry_after_s)
+        else:
+            logger.warning("mooncake tier %s: %s failed with code %d", self.url, what, failed[0])
+        raise TierUnavailableError(f"mooncake tier {self.url}: {what}: code {failed[0]}")
 
     def _up(self) -> None:
         if time.monotonic() < self._down_until:
@@ -96,10 +134,8 @@ class MooncakeTier(KVTier):
     def contains_many(self, keys: list[ObjectKey]) -> list[bool]:
         if not keys:
             return []
-        self._up()
-        found = self._store.batch_is_exist([self.store_key(k) for k in keys])
-        for rc in found:
-            self._check("exist", rc)
+        names = [self.store_key(k) for k in keys]
+        found = self._call("exist", lambda: self._store.batch_is_exist(names), list)
         return [rc == 1 for rc in found]
 
     def get(self, key: ObjectKey) -> bytes | None:
@@ -114,7 +150,11 @@ class MooncakeTier(KVTier):
     def put(self, key: ObjectKey, data: bytes | memoryview) -> bool:
         if self.contains(key):
             return False
-        self._check("put", self._store.put(self.store_key(key), bytes(data)))
+        name, value = self.store_key(key), bytes(data)
+        rc = self._call("put", lambda: self._store.put(name, value),
+                        lambda rc: [] if rc == _OBJECT_EXISTS else [rc])
+        if rc == _OBJECT_EXISTS:
+            return False  # another client (or our retry's first attempt) stored it
         with self._lock:
             self._sizes[key] = len(data)
         return True

@@ -12,10 +12,12 @@
 #    (bench_llama.py), and writes docs/hardware-results.md with date, versions, fractions;
 # 3. certifies the plugin T0-T5 (docs/certificates/nvidia-h200.{json,md});
 # 4. times the Triton kernels (benchmarks/bench_triton.py) against the HBM and bf16 peaks,
-#    and rewrites the report with the certificate's verdict and the kernel table;
+#    and rewrites the report with the certificate's verdict and the kernel table; times the
+#    LINEAR backend's three variants against the reference ($out/triton-linear.md,
+#    benchmarks/bench_triton_linear.py);
 # 5. (GPU only) runs the kernel cases of tests/triton on the device: the fused MoE, Gated
-#    DeltaNet (conv, chunked scan, recurrence, the LINEAR backend) and MLA kernels, which
-#    the interpreter has checked but no GPU yet ($out/kernel-cases.txt).
+#    DeltaNet, KDA and Mamba2 (conv, chunked scans, recurrences, the LINEAR backend) and
+#    MLA kernels, which the interpreter has checked but no GPU yet ($out/kernel-cases.txt).
 # Outputs go to $TOKENMILL_HW_OUT (default: the repository's docs/); scratch (the venv, the
 # 16 GB model) to $TOKENMILL_HW_WORKDIR (default /tmp/tokenmill-hardware). Exit status: the
 # certification's (0 certified), or 2 when the machine has no usable GPU.
@@ -87,6 +89,9 @@ timeout 420 tokenmill-conformance --platform nvidia --tier "$tiers" --quick -q \
 echo "== kernels"
 timeout 180 python3 benchmarks/bench_triton.py --platform nvidia --markdown "$work/kernels.md" \
     || echo "run.sh: bench_triton.py failed (status $?)" >&2
+timeout 180 python3 benchmarks/bench_triton_linear.py --platform nvidia \
+    --markdown "$out/triton-linear.md" \
+    || echo "run.sh: bench_triton_linear.py failed (status $?)" >&2
 if [[ -f "$work/llama-results.json" ]]; then
     python3 "$here/bench_llama.py" "${dry_flag[@]}" "${report[@]}" --render-only > /dev/null
 fi
@@ -94,7 +99,8 @@ fi
 if (( ! dry )); then  # in the interpreter these are the default suite's (tests/triton)
     echo "== kernel cases on the device"
     (cd tests/triton && timeout 240 python3 -m pytest -q -p no:cacheprovider --rootdir . \
-        kernel_cases.py gated_delta_cases.py linear_cases.py mla_cases.py) \
+        kernel_cases.py gated_delta_cases.py kda_cases.py mamba2_cases.py linear_cases.py \
+        mla_cases.py) \
         > "$out/kernel-cases.txt" 2>&1 || echo "run.sh: kernel cases failed (see $out/kernel-cases.txt)" >&2
     tail -3 "$out/kernel-cases.txt"
 fi

@@ -64,14 +64,20 @@ class MoEConfig:
 
 @dataclass(frozen=True, slots=True)
 class LinearAttentionConfig:
-    """Gated DeltaNet kernels (tokenmill_triton.gated_delta).
+    """The recurrent kernels: Gated DeltaNet (tokenmill_triton.gated_delta), KDA
+    (tokenmill_triton.kda) and Mamba2's SSD (tokenmill_triton.mamba2).
 
-    chunk_size: tokens per step of the chunked scan (a power of two, >= 16: the tl.dot
-    minimum); block_v: value columns per program (the state slice [dk, block_v] lives in
-    registers); conv_block_c / conv_block_t: channels and tokens per tile of the conv."""
+    chunk_size: tokens per step of the chunked scans (a power of two, >= 16: the tl.dot
+    minimum); block_v: value columns per program of the delta rules (the state slice
+    [dk, block_v] lives in registers); pair_block_k: key channels per [chunk, chunk,
+    channels] tile of KDA's per-channel pair decays; ssd_block_p: head-dim rows per
+    program of Mamba2's scan (the state slice [block_p, N] in registers); conv_block_c /
+    conv_block_t: channels and tokens per tile of the conv."""
 
     chunk_size: int = 64
     block_v: int = 32
+    pair_block_k: int = 16
+    ssd_block_p: int = 32
     conv_block_c: int = 128
     conv_block_t: int = 16
     num_warps: int = 4

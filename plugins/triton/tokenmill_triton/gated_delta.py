@@ -30,7 +30,8 @@ from tokenmill_triton.configs import KernelConfigs
 from tokenmill_triton.rounding import exact_bf16_casts, to_dtype
 
 
-def _starts(query_lens: list[int], device) -> torch.Tensor:
+def query_starts(query_lens: list[int], device) -> torch.Tensor:
+    """int32 [N + 1]: where each sequence's tokens start in the step, then the total."""
     starts = [0]
     for n in query_lens:
         starts.append(starts[-1] + n)
@@ -123,7 +124,7 @@ def causal_conv1d(
     grid = (len(query_lens), triton.cdiv(channels, block_c))
     _conv1d_kernel[grid](
         x, weight.contiguous(), bias if bias is not None else x, states, out,
-        _starts(query_lens, x.device), channels,
+        query_starts(query_lens, x.device), channels,
         x.stride(0), out.stride(0), states.stride(0), states.stride(1),
         WIDTH=width, WIDTH_PAD=triton.next_power_of_2(max(width - 1, 1)),
         HAS_BIAS=bias is not None, SILU=activation == "silu",
@@ -216,10 +217,11 @@ def _chunked_kernel(
     tl.store(state_ptr + state_off, s, mask=kv_mask)
 
 
-def _chunk_table(query_lens: list[int], chunk_size: int,
-                 checkpoints: list[list[int]] | None, device):
+def chunk_table(query_lens: list[int], chunk_size: int,
+                checkpoints: list[list[int]] | None, device):
     """(chunk offsets per sequence [N + 1], chunk ends [M] (query-relative), checkpoint slot
-    of each chunk [M] (-1: none)): ends at multiples of chunk_size and at each checkpoint."""
+    of each chunk [M] (-1: none), the number of checkpoints): ends at multiples of
+    chunk_size and at each checkpoint. Shared by every chunked scan of the package."""
     offsets, ends, slots = [0], [], []
     slot = 0
     for i, length in enumerate(query_lens):
@@ -257,7 +259,8 @@ def _check_shapes(q, k, v, g, beta, states, query_lens) -> tuple[int, int, int, 
     return num_tokens, num_k_heads, dk, num_v_heads, dv
 
 
-def _heads_last_contiguous(*ts: torch.Tensor) -> list[torch.Tensor]:
+def last_dim_contiguous(*ts: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors with a unit stride in their last dim (the kernels' column loads)."""
     return [t if t.stride(-1) == 1 else t.contiguous() for t in ts]
 
 
@@ -281,10 +284,10 @@ def gated_delta_chunked(
     checkpoint states float32 [number of checkpoints, Hv, dk, dv], in order of sequence
     then n)."""
     _, _, dk, num_v_heads, dv = _check_shapes(q, k, v, g, beta, states, query_lens)
-    q, k, v, g, beta = _heads_last_contiguous(q, k, v, g, beta)
+    q, k, v, g, beta = last_dim_contiguous(q, k, v, g, beta)
     cfg = configs.linear
     chunk_size = cfg.chunk_size
-    offsets, ends, slots, num_ckpt = _chunk_table(query_lens, chunk_size, checkpoints, v.device)
+    offsets, ends, slots, num_ckpt = chunk_table(query_lens, chunk_size, checkpoints, v.device)
     ckpts = torch.empty((num_ckpt, num_v_heads, dk, dv), dtype=torch.float32, device=v.device)
     out = torch.empty_like(v)
     if not query_lens or v.shape[0] == 0:
@@ -293,7 +296,7 @@ def gated_delta_chunked(
     grid = (len(query_lens), num_v_heads, triton.cdiv(dv, block_v))
     _chunked_kernel[grid](
         q, k, v, g, beta, out, states, ckpts if num_ckpt else states,
-        _starts(query_lens, v.device), offsets, ends, slots,
+        query_starts(query_lens, v.device), offsets, ends, slots,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), beta.stride(0), out.stride(0), out.stride(1),
         num_v_heads, num_v_heads // k.shape[1], dk ** -0.5,
@@ -361,7 +364,7 @@ def gated_delta_recurrent(
     each), `states` float32 [N, Hv, dk, dv] updated in place. Returns [T, Hv, dv] in v's
     dtype."""
     _, _, dk, num_v_heads, dv = _check_shapes(q, k, v, g, beta, states, query_lens)
-    q, k, v, g, beta = _heads_last_contiguous(q, k, v, g, beta)
+    q, k, v, g, beta = last_dim_contiguous(q, k, v, g, beta)
     out = torch.empty_like(v)
     if not query_lens or v.shape[0] == 0:
         return out
@@ -369,7 +372,7 @@ def gated_delta_recurrent(
     block_v = min(cfg.block_v, triton.next_power_of_2(dv))
     grid = (len(query_lens), num_v_heads, triton.cdiv(dv, block_v))
     _recurrent_kernel[grid](
-        q, k, v, g, beta, out, states, _starts(query_lens, v.device),
+        q, k, v, g, beta, out, states, query_starts(query_lens, v.device),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), beta.stride(0), out.stride(0), out.stride(1),
         num_v_heads, num_v_heads // k.shape[1], dk ** -0.5,
