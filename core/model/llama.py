@@ -235,6 +235,7 @@ class CausalLM(nn.Module):
         self.attention_specs: list[AttentionSpec] = self.attention_specs_for(
             hf_config, dtype, block_size
         )
+        model_specs = self.attention_specs  # every layer's, at this rank's TP shapes
         layers = range(len(self.attention_specs))
         if self.pp.world_size > 1:
             layers = pipeline.stage_layers(
@@ -246,8 +247,11 @@ class CausalLM(nn.Module):
         self.layer_backends: list[AttentionBackend] = backends
         # the distinct backends, for the runner's once-per-step `prepare`
         self.attention_backends = list({id(b): b for b in backends}.values())
-        # which layers share a block table (and metadata) and which arena slot each uses
+        # which layers share a block table (and metadata) and which arena slot each uses;
+        # a pipeline stage keeps the model's groups, which the engine's tables are for
         self.kv_layout: KVLayout = plan_groups(self.attention_specs)
+        if self.pp.world_size > 1:
+            self.kv_layout = pipeline.stage_kv_layout(plan_groups(model_specs), layers)
         self.model = self._build_model(hf_config, self.attention_specs, backends, ops, dtype)
         self.ops = ops
         self._logits_fn = None

@@ -21,7 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenmill.distributed.parallel_state import GroupCoordinator
 from tokenmill.model.layers import Linear, RMSNorm, RotaryEmbedding
+from tokenmill.model.parallel import RowParallelLinear, Slice
 from tokenmill.ops import Ops
 from tokenmill.platforms.interfaces import (
     AttentionBackend,
@@ -87,6 +89,21 @@ class MLAAttention(nn.Module):
         self.rope_interleave = rope_interleave
         self.__dict__["rotary"] = rotary  # shared by every layer: not a submodule
         self.backend = backend
+
+    def shard_for_tp(self, tp: GroupCoordinator) -> None:
+        """Make this layer (built at one rank's heads) tensor-parallel rank
+        `tp.rank_in_group`'s: q (or q_b) and kv_b keep this rank's heads' rows, o_proj
+        its columns and all-reduces. The latent path (q_a, kv_a_proj_with_mqa and their
+        norms) is replicated, and so is the latent cache: every rank caches each token's
+        whole latent row (kv_lora_rank + rope dims), as vLLM does, since the up-projections
+        of every rank's heads read all of it."""
+        d, h, rank = self.dims, self.num_heads, tp.rank_in_group
+        q = self.q_proj if self.q_proj is not None else self.q_b_proj
+        q.tp_shards = {"weight": Slice(0, rank * h * d.qk_head_dim, h * d.qk_head_dim)}
+        per_head = d.qk_nope_head_dim + d.v_head_dim
+        self.kv_b_proj.tp_shards = {"weight": Slice(0, rank * h * per_head, h * per_head)}
+        self.o_proj = RowParallelLinear(self.o_proj.weight, self.o_proj.bias, tp)
+        self.o_proj.tp_shards = {"weight": Slice(1, rank * h * d.v_head_dim, h * d.v_head_dim)}
 
     def up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w_uk [H, nope, rank], w_uv [H, v, rank]): views of `kv_b_proj.weight`."""
