@@ -133,7 +133,8 @@ def test_tp2_and_ep2_match_one_process(models, arch, ep):
 
 @pytest.mark.parametrize(
     "arch, tp",
-    [("gemma3", 1), ("gpt_oss", 1), ("deepseek_v3", 1), ("qwen3_next", 1), ("qwen3_next", 2)],
+    [("gemma3", 1), ("gpt_oss", 1), ("qwen3_moe", 1), ("deepseek_v3", 1), ("qwen3_next", 1),
+     ("qwen3_next", 2)],
 )
 def test_pp2_matches_one_process(models, arch, tp):
     path, want, _, full_param_bytes = models[arch]

@@ -115,7 +115,8 @@ class DeepseekV3Model(nn.Module):
     """Embedding, MLA decoder layers, final norm (HF's `model.` prefix)."""
 
     def __init__(self, hf_config: Any, specs: list[AttentionSpec],
-                 backends: list[AttentionBackend], ops: Ops, dtype: torch.dtype) -> None:
+                 backends: list[AttentionBackend], ops: Ops, dtype: torch.dtype,
+                 first_layer: int = 0) -> None:
         super().__init__()
         self.rotary_emb = RotaryEmbedding(
             rope_parameters(hf_config), hf_config.qk_rope_head_dim,
@@ -130,7 +131,8 @@ class DeepseekV3Model(nn.Module):
                              rope_interleave=interleave, backend=backend, ops=ops, dtype=dtype),
                 moe=i >= hf_config.first_k_dense_replace, ops=ops, dtype=dtype,
             )
-            for i, (spec, backend) in enumerate(zip(specs, backends, strict=True))
+            for i, spec, backend in zip(range(first_layer, first_layer + len(specs)), specs,
+                                        backends, strict=True)
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, ops, dtype)
 
@@ -163,7 +165,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         return [spec] * hf_config.num_hidden_layers
 
     def _build_model(self, hf_config, specs, backends, ops, dtype) -> nn.Module:
-        return DeepseekV3Model(hf_config, specs, backends, ops, dtype)
+        return DeepseekV3Model(hf_config, specs, backends, ops, dtype, self.first_layer)
 
     def _convert(
         self, hf_name: str, tensor: torch.Tensor

@@ -136,11 +136,13 @@ class KimiLinearModel(nn.Module):
     """Embedding, KDA and MLA decoder layers, final norm (HF's `model.` prefix)."""
 
     def __init__(self, hf_config: Any, specs: list[AttentionSpec],
-                 backends: list[AttentionBackend], ops: Ops, dtype: torch.dtype) -> None:
+                 backends: list[AttentionBackend], ops: Ops, dtype: torch.dtype,
+                 first_layer: int = 0) -> None:
         super().__init__()
         self.embed_tokens = Embedding(hf_config.vocab_size, hf_config.hidden_size, dtype)
         layers = []
-        for i, (spec, backend) in enumerate(zip(specs, backends, strict=True)):
+        for i, spec, backend in zip(range(first_layer, first_layer + len(specs)), specs,
+                                    backends, strict=True):
             if spec.kind == AttentionKind.MLA:
                 attention = MLAAttention(hf_config=hf_config, spec=spec, rotary=None,
                                          rope_interleave=False, backend=backend, ops=ops,
@@ -181,7 +183,7 @@ class KimiLinearForCausalLM(DeepseekV3ForCausalLM):
         return specs
 
     def _build_model(self, hf_config, specs, backends, ops, dtype) -> nn.Module:
-        return KimiLinearModel(hf_config, specs, backends, ops, dtype)
+        return KimiLinearModel(hf_config, specs, backends, ops, dtype, self.first_layer)
 
     def _convert(
         self, hf_name: str, tensor: torch.Tensor

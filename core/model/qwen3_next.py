@@ -281,18 +281,20 @@ class Qwen3NextModel(nn.Module):
 
     def __init__(
         self, hf_config: Any, specs: list[AttentionSpec], backends: list[AttentionBackend],
-        ops: Ops, dtype: torch.dtype,
+        ops: Ops, dtype: torch.dtype, first_layer: int = 0,
     ) -> None:
         super().__init__()
         c = hf_config
-        head = next(s.head_size for s in specs if s.kind == AttentionKind.FULL)
+        # from the config: a pipeline stage may hold no attention layer
+        head = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         params = rope_parameters(c)
         rotary_dim = int(head * params.get("partial_rotary_factor", 1.0))
         self.rotary_emb = RotaryEmbedding(params, rotary_dim, c.max_position_embeddings, ops)
         self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dtype)
         self.layers = nn.ModuleList(
             Qwen3NextDecoderLayer(c, i, spec, self.rotary_emb, backend, ops, dtype)
-            for i, (spec, backend) in enumerate(zip(specs, backends, strict=True))
+            for i, spec, backend in zip(range(first_layer, first_layer + len(specs)), specs,
+                                        backends, strict=True)
         )
         self.norm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps, ops, dtype)
 
@@ -320,7 +322,7 @@ class Qwen3NextForCausalLM(CausalLM):
         self, hf_config: Any, specs: list[AttentionSpec], backends: list[AttentionBackend],
         ops: Ops, dtype: torch.dtype,
     ) -> nn.Module:
-        return Qwen3NextModel(hf_config, specs, backends, ops, dtype)
+        return Qwen3NextModel(hf_config, specs, backends, ops, dtype, self.first_layer)
 
     def _convert(
         self, hf_name: str, tensor: torch.Tensor
