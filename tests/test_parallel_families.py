@@ -12,8 +12,10 @@ are checked against transformers' greedy here, for the two families new to TP).
 - tp=2: Kimi Linear (KDA by heads, MLA as DeepSeek's) and Bamba (Mamba2 heads with
   their B/C groups).
 - pp=2: Gemma 3 (scaled embedding, sliding + global layers in different stages),
-  gpt-oss (MoE, sinks, sliding + full), DeepSeek-V3 (MLA + MoE), Qwen3-Next (a hybrid:
-  the first stage holds only recurrent layers), and Qwen3-Next tp=2 x pp=2.
+  gpt-oss (MoE, sinks, sliding + full), Qwen3-MoE (its dense layer on the second stage),
+  DeepSeek-V3 (MLA, a dense then MoE layers), the hybrids Kimi Linear (KDA + MLA) and
+  Bamba (Mamba2 + attention, its `final_layernorm` on the last stage), and Qwen3-Next
+  tp=2 x pp=2 (its first stage holds only Gated DeltaNet layers).
 - sequence parallel (tp=2): Gemma 3, Qwen3-MoE (experts' intermediate split: tokens
   gathered into the MoE and its output reduce-scattered) and gpt-oss with expert
   parallel (each rank dispatches its own token slice): no all-reduce is left.
@@ -133,8 +135,8 @@ def test_tp2_and_ep2_match_one_process(models, arch, ep):
 
 @pytest.mark.parametrize(
     "arch, tp",
-    [("gemma3", 1), ("gpt_oss", 1), ("qwen3_moe", 1), ("deepseek_v3", 1), ("qwen3_next", 1),
-     ("qwen3_next", 2)],
+    [("gemma3", 1), ("gpt_oss", 1), ("qwen3_moe", 1), ("deepseek_v3", 1), ("kimi_linear", 1),
+     ("bamba", 1), ("qwen3_next", 2)],
 )
 def test_pp2_matches_one_process(models, arch, tp):
     path, want, _, full_param_bytes = models[arch]
