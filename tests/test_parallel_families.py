@@ -17,8 +17,10 @@ are checked against transformers' greedy here, for the two families new to TP).
   Bamba (Mamba2 + attention, its `final_layernorm` on the last stage), and Qwen3-Next
   tp=2 x pp=2 (its first stage holds only Gated DeltaNet layers).
 - sequence parallel (tp=2): Gemma 3, Qwen3-MoE (experts' intermediate split: tokens
-  gathered into the MoE and its output reduce-scattered) and gpt-oss with expert
-  parallel (each rank dispatches its own token slice): no all-reduce is left.
+  gathered into the MoE and its output reduce-scattered), gpt-oss with expert parallel
+  (each rank dispatches its own token slice) and DeepSeek-V3 with and without EP (MLA
+  gathers the tokens; the shared experts' partial sum is reduce-scattered): no
+  all-reduce is left.
 
 Every run uses a 16-token step budget, so the longest prompt prefills in chunks (a
 recurrent state carried across chunks and, under pp, across stages).
@@ -154,7 +156,9 @@ def test_pp2_matches_one_process(models, arch, tp):
 
 
 @pytest.mark.parametrize(
-    "arch, ep", [("gemma3", False), ("qwen3_moe", False), ("gpt_oss", True)]
+    "arch, ep",
+    [("gemma3", False), ("qwen3_moe", False), ("gpt_oss", True), ("deepseek_v3", False),
+     ("deepseek_v3", True)],
 )
 def test_sequence_parallel_matches_one_process(models, arch, ep):
     path, want, _, _ = models[arch]

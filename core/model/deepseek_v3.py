@@ -138,12 +138,15 @@ class DeepseekV3Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], metadata: list[AttentionMetadata]) -> torch.Tensor:
+        sp = self.__dict__.get("sequence_parallel")  # tensor parallel's SequenceParallel
+        if sp is not None:
+            sp.num_tokens = input_ids.shape[0]
         hidden = self.embed_tokens(input_ids)
         residual = None
         for layer, kv_cache, meta in zip(self.layers, kv_caches, metadata, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
         hidden, _ = self.norm(hidden, residual)
-        return hidden
+        return hidden if sp is None else sp.gather(hidden)
 
 
 def convert_moe_name(hf_name: str) -> str | None:

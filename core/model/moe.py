@@ -198,7 +198,11 @@ class FusedMoE(nn.Module):
         if sp is not None and self.ep.world_size == 1:
             x = sp.gather(x)  # every rank's slice of every expert needs every token
         routed, partial = self.routed(x)
-        shared = None if self.shared_experts is None else self.shared_experts(x)
+        shared = None
+        if self.shared_experts is not None:
+            split = sp is not None and self.ep.world_size > 1  # x is this rank's token slice
+            # sharded shared experts need every token on every rank (reduce-scattered back)
+            shared = self.shared_experts(sp.gather(x) if split else x)
         return self.combine(routed, partial, shared)
 
     def routed(self, x: torch.Tensor) -> tuple[torch.Tensor, bool]:

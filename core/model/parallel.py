@@ -174,9 +174,11 @@ def _shrink_qwen3_next(local: Any, hf_config: Any, tp: int) -> None:
     local.shared_expert_intermediate_size = hf_config.shared_expert_intermediate_size // tp
 
 
-# the MoE families (no shared experts) included: FusedMoE gathers a TP layer's tokens and
-# reduce-scatters its output, and under EP dispatches each rank's own slice
-SP_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma3_text", "gpt_oss", "qwen3_moe", "mixtral")
+# the MoE families included: FusedMoE gathers a TP layer's tokens and reduce-scatters its
+# output, and under EP dispatches each rank's own slice; DeepSeek-V3's MLA gathers too
+SP_MODEL_TYPES = (
+    "llama", "qwen2", "qwen3", "gemma3_text", "gpt_oss", "qwen3_moe", "mixtral", "deepseek_v3",
+)
 
 
 class SequenceParallel:
@@ -320,7 +322,10 @@ def apply_tensor_parallel(
                     shard_gated_mlp(module.shared_experts, tp, sp=None, reduce=False)
                     module.__dict__["shared_tp"] = tp  # see FusedMoE.combine
             elif hasattr(module, "shard_for_tp"):  # a family's own layer (MLA, DeltaNet)
-                module.shard_for_tp(tp)
+                if sp is None:
+                    module.shard_for_tp(tp)
+                else:  # only SP_MODEL_TYPES' layers get here with sp (MLA takes it)
+                    module.shard_for_tp(tp, sp)
 
 
 def _shard_attention(attn: Attention, shards: HeadShards, tp: GroupCoordinator,
