@@ -7,7 +7,8 @@ Pure Python (no device import). The scheduler calls, in order:
    always asynchronous: the scheduler allocates blocks for them, calls
    `start_load(request, tables, num_device_tokens, num_external_tokens)` with the
    request's block table of every KV group, and parks the request until the load
-   reports.
+   reports. A block whose save is still in flight counts as held (the worker writes it
+   before it runs a load queued later).
 2. `build_step_meta(scheduled)` once per step: the loads to start and the blocks the
    step fills, to save after its forward pass. A block whose object is being saved or
    is already in the fastest tier is not saved again.
@@ -138,7 +139,18 @@ class KVConnectorScheduler:
         if end <= start:
             return 0
         wanted = [(g, p) for p in range(start, end) for g in range(len(self.windows))]
-        where = self.stack.locate([self.key(request.block_hashes[p], g) for g, p in wanted])
+        keys = [self.key(request.block_hashes[p], g) for g, p in wanted]
+        where = self.stack.locate(keys)
+        # A key whose save is in flight is as good as held: its pages were copied out when
+        # the block filled, and the worker runs saves and loads on one thread in order, so
+        # the write lands before a load queued after it reads the key. Without this, a
+        # block the device evicts while the save thread is behind (a busy machine) is
+        # recomputed although its bytes are on their way to the host.
+        fastest = self._fastest_tier()
+        where = [
+            w if w is not None or k not in self._saving else fastest
+            for k, w in zip(keys, where)
+        ]
         found = dict(zip(wanted, where))
         # full attention bounds the hit by its leading run; windows may shorten it further
         n = end
@@ -151,6 +163,14 @@ class KVConnectorScheduler:
             return 0
         self._pending_lookup[rid] = found
         return (n - start) * bs
+
+    def _fastest_tier(self) -> str | None:
+        """The tier a save in flight writes first (None: the stack has no tier)."""
+        names = (
+            self.stack.tier_names if isinstance(self.stack, TierDirectory)
+            else [t.name for t in self.stack.tiers]
+        )
+        return names[0] if names else None
 
     def start_load(
         self, request: Request, tables: list[list[int]], num_device_tokens: int, num_tokens: int

@@ -5,6 +5,8 @@ its load is in flight (its blocks stay allocated until the load reports)."""
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from test_kv_tiers import staging
 
@@ -126,3 +128,53 @@ def test_abort_before_the_load_is_sent_frees_at_once():
     assert scheduler._start_external_load(req, hits, num_hit)
     scheduler.finish("b", RequestStatus.FINISHED_ABORTED)
     assert not scheduler.parked and scheduler.kv.pool.num_free_blocks == NUM_BLOCKS
+
+
+class SlowHostTier(HostMemoryTier):
+    """A host tier whose writes wait for `release`: the save thread of a busy machine."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.release = threading.Event()
+
+    def put(self, key, data):
+        assert self.release.wait(30), "the test never released the slow tier"
+        return super().put(key, data)
+
+
+def test_a_block_whose_save_is_in_flight_is_loaded_not_recomputed():
+    """The device evicts a finished request's blocks while their saves still wait on the
+    worker thread: the next request's lookup counts them (the save runs before the load on
+    the one thread), so it loads the whole prefix and computes only its new tokens."""
+    kv = KVCacheManager(NUM_BLOCKS, BS)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=64), kv)
+    tier = SlowHostTier(staging(), 64 * LAYOUT.object_bytes, LAYOUT.object_bytes)
+    stack = TierStack([tier])
+    scheduler.connector = KVConnectorScheduler(stack, LAYOUT.fingerprint(), BS)
+    worker = KVConnectorWorker(stack, LAYOUT)
+    caches = [torch.zeros(2, NUM_BLOCKS, BS, 1, 2) for _ in range(2)]
+    worker.register_kv_caches(caches)
+    prompt = list(range(10, 30))  # 5 blocks
+    scheduler.add_request(request("a", prompt))
+    plan = run_step(scheduler, worker, caches, wait=False)
+    assert len(plan.step.kv_connector.saves) == 5
+    scheduler.finish("a", RequestStatus.FINISHED_STOPPED)
+    scheduler.kv.pool.reset_prefix_cache()
+    for c in caches:
+        c.zero_()
+    assert not any(stack.locate([t.key for t in plan.step.kv_connector.saves]))
+    scheduler.add_request(request("b", prompt + [99, 98]))
+    plan = scheduler.schedule()
+    (job,) = plan.step.kv_connector.loads
+    assert len(job.blocks) == 5  # every block, though no tier holds one yet
+    worker.start_loads(plan.step.kv_connector.loads)
+    tier.release.set()
+    scheduler.update_computed(plan)
+    scheduler.update_from_connector(worker.drain())
+    assert scheduler.requests["b"].num_computed_tokens == 20
+    plan = run_step(scheduler, worker, caches)
+    (s,) = plan.scheduled
+    assert (s.start_position, s.token_ids) == (20, [99, 98])
+    for pos, tok in enumerate(prompt):  # the pages the delayed saves wrote, loaded
+        assert caches[1][0, s.block_ids[pos // BS], pos % BS, 0, 0] == tok
+    assert stack.stats[tier.name].tokens_recomputed == 0
