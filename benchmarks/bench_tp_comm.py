@@ -45,6 +45,12 @@ Hq query heads, D head size, KVh KV heads, T a step's tokens, t the TP size.
   layers' all_reduce goes, (L+1) T H b stays per rank; per MoE layer, summed over the
   ranks, t^2 x 8 (row counts, all_to_all) + T k (2 H b + 8) (rows and their expert ids
   out, outputs back, all_to_all_single) + t^2 ceil(T/t) H b (all_gather of the slices).
+- DeepSeek-V3 (MLA split by heads, dense first layer, shared experts) and Qwen3-Next
+  (Gated DeltaNet by key-head groups, a dense layer, a gated shared expert): tp as the
+  llama formula, (2L+1) T H b per rank: the shared experts' partial sum joins the routed
+  experts' one all-reduce. ep: the dense layers keep their MLP's all-reduce and a MoE
+  layer's shared experts are reduced alone, so (L+1 + dense + shared MoE) T H b per rank
+  stays, plus the all-to-all and all-gather terms of the MoE layers only.
 - dcp n (x tp t): per rank and layer n T (Hq/t) (D+1) x 4 (float32 partial outputs and
   log-sum-exps, all_gather), besides tp's own.
 - pcp n (x tp t): a step of T >= 2n tokens, per rank: L x 2 n ceil(T/n) (KVh/t) D b
@@ -52,7 +58,7 @@ Hq query heads, D head size, KVh KV heads, T a step's tokens, t the TP size.
   tp group all-reduces its slice only (the slices add up to T). Decode steps run whole.
 
 Usage: python benchmarks/bench_tp_comm.py [--prompt-tokens 32] [--decode-tokens 16]
-       [--section tp|pp|dp|mix|scaling|all]
+       [--section tp|pp|dp|mix|scaling|all] [--models deepseek_v3,qwen3_next]
 """
 
 from __future__ import annotations
@@ -191,6 +197,18 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def moe_layers(hf) -> tuple[int, bool]:
+    """(how many layers are MoE, whether they have shared experts)."""
+    layers = hf.num_hidden_layers
+    if hf.model_type == "deepseek_v3":
+        return layers - hf.first_k_dense_replace, True
+    if hf.model_type == "qwen3_next":
+        dense = set(hf.mlp_only_layers or [])
+        step = hf.decoder_sparse_step
+        return sum(i not in dense and (i + 1) % step == 0 for i in range(layers)), True
+    return layers, False  # mixtral: every layer
+
+
 def formula(mode: dict, hf, num_tokens: int, sampled: int) -> int:
     """Bytes summed over every rank for one step of `num_tokens` tokens."""
     t, n_dcp, n_pcp = mode.get("tensor_parallel_size", 1), mode.get(
@@ -204,9 +222,10 @@ def formula(mode: dict, hf, num_tokens: int, sampled: int) -> int:
         if mode.get("enable_sequence_parallelism"):
             per_rank = 2 * (2 * layers + 1) * t * cdiv(T, t) * hidden * B
         elif mode.get("enable_expert_parallel"):
-            per_rank = (layers + 1) * T * hidden * B
+            moe, shared = moe_layers(hf)
+            per_rank = (layers + 1 + (layers - moe) + (moe if shared else 0)) * T * hidden * B
             k = hf.num_experts_per_tok
-            total += layers * (t * t * 8 + T * k * (2 * hidden * B + 8) + t * t * cdiv(T, t) * hidden * B)
+            total += moe * (t * t * 8 + T * k * (2 * hidden * B + 8) + t * t * cdiv(T, t) * hidden * B)
         else:
             per_rank = (2 * layers + 1) * T * hidden * B
         # a split prefill gives each pcp rank its slice: the tp groups' tokens add up to T
@@ -250,6 +269,10 @@ MODES = [
     ("mixtral", "tp2 (MoE)", {"tensor_parallel_size": 2}),
     ("mixtral", "ep2", {"tensor_parallel_size": 2, "enable_expert_parallel": True}),
     ("mixtral", "tp4 x ep4", {"tensor_parallel_size": 4, "enable_expert_parallel": True}),
+    ("deepseek_v3", "tp2 (MLA, dense + shared + routed experts)", {"tensor_parallel_size": 2}),
+    ("deepseek_v3", "ep2", {"tensor_parallel_size": 2, "enable_expert_parallel": True}),
+    ("qwen3_next", "tp2 (Gated DeltaNet + gated attention, MoE)", {"tensor_parallel_size": 2}),
+    ("qwen3_next", "ep2", {"tensor_parallel_size": 2, "enable_expert_parallel": True}),
     ("llama", "dcp2", {"decode_context_parallel_size": 2}),
     ("llama", "tp2 x dcp2", {"tensor_parallel_size": 2, "decode_context_parallel_size": 2}),
     ("llama", "pcp2", {"prefill_context_parallel_size": 2}),
@@ -257,14 +280,16 @@ MODES = [
 ]
 
 
-def mix_section(root: Path, prompt: list[int], decode: int) -> None:
-    paths = {arch: make_tiny_model(root / arch, arch) for arch in ("llama", "mixtral")}
+def mix_section(root: Path, prompt: list[int], decode: int,
+                models: tuple[str, ...] | None = None) -> None:
+    modes = [m for m in MODES if models is None or m[0] in models]
+    paths = {arch: make_tiny_model(root / arch, arch) for arch in {m[0] for m in modes}}
     P = len(prompt)
     print(f"\nmixes: float32, bytes summed over ranks, P={P}, K={decode}")
     print("| model | mix | ranks | counted / decode token | formula | counted / prefill "
           f"({P} tokens) | formula |")
     print("|---|---|---:|---:|---:|---:|---:|")
-    for arch, name, mode in MODES:
+    for arch, name, mode in modes:
         got = measure_mix(paths[arch], mode, prompt, decode)
         hf = got["hf"]
         ranks = 1
@@ -305,6 +330,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--decode-tokens", type=int, default=16)
     parser.add_argument("--section", choices=["tp", "pp", "dp", "mix", "scaling", "all"], default="all")
+    parser.add_argument("--models", default=None,
+                        help="mix section: only these models, comma-separated (e.g. deepseek_v3)")
     args = parser.parse_args()
     path = make_tiny_model(Path(tempfile.mkdtemp()) / "llama", "llama")
     prompt = list(range(5, 5 + args.prompt_tokens))
@@ -314,7 +341,8 @@ def main() -> None:
     if args.section in ("dp", "all"):
         dp_section(path, prompt, args.decode_tokens)
     if args.section in ("mix", "all"):
-        mix_section(path.parent / "mix", prompt, args.decode_tokens)
+        models = tuple(args.models.split(",")) if args.models else None
+        mix_section(path.parent / "mix", prompt, args.decode_tokens, models)
     if args.section in ("scaling", "all"):
         scaling_section(path, 16, args.prompt_tokens, args.decode_tokens)
     if args.section not in ("tp", "all"):

@@ -172,3 +172,26 @@ def test_serve_pp_flag_is_validated(capsys):
     assert "pipeline_parallel_size" in capsys.readouterr().err
     assert main(["serve", "-pp", "2", "--distributed-executor-backend", "uni", "--port", "1"]) == 2
     assert "distributed_executor_backend='uni'" in capsys.readouterr().err
+
+
+def test_a_stage_keeps_the_models_kv_groups_with_its_slots_renumbered():
+    import torch
+
+    from tokenmill.kv.groups import plan_groups
+    from tokenmill.model.pipeline import stage_kv_layout
+    from tokenmill.ops.linear_attention import gated_delta_state_spec
+    from tokenmill.platforms.interfaces import AttentionKind, AttentionSpec
+
+    full = AttentionSpec(AttentionKind.FULL, 4, 2, 16, torch.float32, 4)
+    state = gated_delta_state_spec(96, 4, 4, 16, 8, torch.float32)
+    linear = AttentionSpec(AttentionKind.LINEAR, 4, 2, 16, torch.float32, 4, state=state)
+    # Qwen3-Next's pattern: three recurrent layers, then full attention; gcd 1, so four
+    # groups of one layer sharing one slot
+    model = plan_groups([linear, linear, linear, full])
+    first, last = stage_kv_layout(model, range(0, 2)), stage_kv_layout(model, range(2, 4))
+    assert first.groups == last.groups == model.groups  # the engine's numbering
+    assert (first.layer_group, first.layer_slot, first.num_slots) == ((0, 1), (0, 0), 1)
+    assert (last.layer_group, last.layer_slot, last.num_slots) == ((2, 3), (0, 0), 1)
+    # one type: one group of every layer; the second stage's slots 2, 3 become 0, 1
+    plain = stage_kv_layout(plan_groups([full] * 4), range(2, 4))
+    assert (plain.layer_group, plain.layer_slot, plain.num_slots) == ((0, 0), (0, 1), 2)

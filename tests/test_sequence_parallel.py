@@ -58,6 +58,6 @@ def test_sp_matches_one_process_and_counts_the_formula(tiny_dirs):
 def test_sp_refuses_other_model_types(tmp_path):
     from tiny_models import make_tiny_model
 
-    path = make_tiny_model(tmp_path / "mixtral", "mixtral")
+    path = make_tiny_model(tmp_path / "qwen3_next", "qwen3_next")
     with pytest.raises(ValueError, match="enable_sequence_parallelism supports model types"):
         _llm(path, tensor_parallel_size=2, enable_sequence_parallelism=True)

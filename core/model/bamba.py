@@ -11,7 +11,8 @@ and weight loading it reuses):
 - names: the MLP is `feed_forward`, the norm before it `pre_ff_layernorm`, the final
   norm `model.final_layernorm`; `_convert` maps them onto the llama names.
 
-Not supported (a ValueError says so): tensor parallelism (the mixer is not sharded).
+Tensor parallel: the mixer by heads with their B/C groups (`Mamba2Mixer.shard_for_tp`;
+`mamba_n_groups` must split over the ranks), attention and MLP as llama's.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenmill.distributed.parallel_state import get_parallel_state
 from tokenmill.model.layers import (
     Attention,
     Embedding,
@@ -155,15 +155,6 @@ class BambaModel(Model):
 
 class BambaForCausalLM(CausalLM):
     """Bamba over the recurrent-state and paged KV arena; see the module docstring."""
-
-    def __init__(self, hf_config: Any, **kwargs: Any) -> None:
-        tp = get_parallel_state().tp.world_size
-        if tp > 1:
-            raise ValueError(
-                f"tensor parallel size {tp}: Bamba's Mamba2 mixer is not sharded; run it "
-                "with tensor parallel size 1"
-            )
-        super().__init__(hf_config, **kwargs)
 
     @classmethod
     def attention_specs_for(

@@ -13,10 +13,16 @@ What differs from the llama graph (core/model/llama.py, whose weight loading it 
   `e_score_correction_bias` ("sigmoid_group_topk"), weights renormalised
   (`norm_topk_prob`) and scaled by `routed_scaling_factor`, plus `n_shared_experts`
   shared experts (one gated MLP of n_shared x moe_intermediate_size) on every token.
-  Checkpoints store one tensor per expert (`experts.<e>.gate_proj.weight`, ...), which
-  `ExpertStacker` stacks into the op's layout as they stream in; transformers' fused
-  in-memory names (`experts.gate_up_proj` [E, 2I, H], gate rows then up, and
-  `experts.down_proj` [E, H, I]) are the op's layout already and load as they are.
+  Checkpoints store one tensor per expert (`experts.<e>.gate_proj.weight`, ...), each
+  loaded straight into its rows of the op's layout (`FusedMoE.load_checkpoint_tensor`,
+  which skips another rank's experts); transformers' fused in-memory names
+  (`experts.gate_up_proj` [E, 2I, H], gate rows then up, and `experts.down_proj`
+  [E, H, I]) are the op's layout already and load as they are.
+
+Tensor parallel (core/model/parallel.py): MLA split by heads (`MLAAttention.shard_for_tp`:
+q / q_b and kv_b rows, o_proj columns; the latent path and the latent cache replicated
+on every rank, as vLLM does), the dense MLPs and the shared experts by their intermediate
+dim, the routed experts by theirs or, with `enable_expert_parallel`, whole per rank.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenmill.distributed.parallel_state import get_parallel_state
 from tokenmill.model.layers import (
     Embedding,
     GatedMLP,
@@ -37,7 +44,8 @@ from tokenmill.model.layers import (
 )
 from tokenmill.model.llama import CausalLM
 from tokenmill.model.mla import MLAAttention, mla_spec
-from tokenmill.model.moe import ExpertStacker, FusedMoE
+from tokenmill.model.moe import FusedMoE
+from tokenmill.model.qwen3_moe import convert_expert_tensor
 from tokenmill.ops import Ops
 from tokenmill.platforms.interfaces import AttentionBackend, AttentionMetadata, AttentionSpec
 
@@ -45,8 +53,6 @@ from tokenmill.platforms.interfaces import AttentionBackend, AttentionMetadata, 
 _MOE_NAMES = {
     "gate.weight": "router.weight",
     "gate.e_score_correction_bias": "e_score_correction_bias",
-    "experts.gate_up_proj": "w13",
-    "experts.down_proj": "w2",
 }
 
 
@@ -63,11 +69,14 @@ def softmax_scale(hf_config: Any) -> float:
 
 
 def make_moe(hf_config: Any, ops: Ops, dtype: torch.dtype) -> FusedMoE:
-    """DeepSeek-V3's (and Kimi Linear's) routed + shared experts."""
+    """DeepSeek-V3's (and Kimi Linear's) routed + shared experts; under tensor parallel
+    the shared experts are built at this rank's slice of their intermediate dim (the
+    routed ones split themselves: FusedMoE)."""
     hidden, inter = hf_config.hidden_size, hf_config.moe_intermediate_size
     shared = None
     if getattr(hf_config, "n_shared_experts", 0):
-        shared = GatedMLP(hidden, inter * hf_config.n_shared_experts, False, ops, dtype)
+        tp = get_parallel_state().tp.world_size
+        shared = GatedMLP(hidden, inter * hf_config.n_shared_experts // tp, False, ops, dtype)
     return FusedMoE(
         hidden_size=hidden, intermediate_size=inter,
         num_experts=hf_config.num_local_experts, top_k=hf_config.num_experts_per_tok,
@@ -106,7 +115,8 @@ class DeepseekV3Model(nn.Module):
     """Embedding, MLA decoder layers, final norm (HF's `model.` prefix)."""
 
     def __init__(self, hf_config: Any, specs: list[AttentionSpec],
-                 backends: list[AttentionBackend], ops: Ops, dtype: torch.dtype) -> None:
+                 backends: list[AttentionBackend], ops: Ops, dtype: torch.dtype,
+                 first_layer: int = 0) -> None:
         super().__init__()
         self.rotary_emb = RotaryEmbedding(
             rope_parameters(hf_config), hf_config.qk_rope_head_dim,
@@ -121,18 +131,22 @@ class DeepseekV3Model(nn.Module):
                              rope_interleave=interleave, backend=backend, ops=ops, dtype=dtype),
                 moe=i >= hf_config.first_k_dense_replace, ops=ops, dtype=dtype,
             )
-            for i, (spec, backend) in enumerate(zip(specs, backends, strict=True))
+            for i, spec, backend in zip(range(first_layer, first_layer + len(specs)), specs,
+                                        backends, strict=True)
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, ops, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], metadata: list[AttentionMetadata]) -> torch.Tensor:
+        sp = self.__dict__.get("sequence_parallel")  # tensor parallel's SequenceParallel
+        if sp is not None:
+            sp.num_tokens = input_ids.shape[0]
         hidden = self.embed_tokens(input_ids)
         residual = None
         for layer, kv_cache, meta in zip(self.layers, kv_caches, metadata, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
         hidden, _ = self.norm(hidden, residual)
-        return hidden
+        return hidden if sp is None else sp.gather(hidden)
 
 
 def convert_moe_name(hf_name: str) -> str | None:
@@ -146,10 +160,6 @@ def convert_moe_name(hf_name: str) -> str | None:
 class DeepseekV3ForCausalLM(CausalLM):
     """DeepSeek-V3 over a paged latent cache; see the module docstring for what differs."""
 
-    def __init__(self, hf_config: Any, **kwargs: Any) -> None:
-        super().__init__(hf_config, **kwargs)
-        self._experts = ExpertStacker(hf_config.num_local_experts)  # for load_weights
-
     @classmethod
     def attention_specs_for(
         cls, hf_config: Any, dtype: torch.dtype, block_size: int
@@ -158,16 +168,17 @@ class DeepseekV3ForCausalLM(CausalLM):
         return [spec] * hf_config.num_hidden_layers
 
     def _build_model(self, hf_config, specs, backends, ops, dtype) -> nn.Module:
-        return DeepseekV3Model(hf_config, specs, backends, ops, dtype)
+        return DeepseekV3Model(hf_config, specs, backends, ops, dtype, self.first_layer)
 
     def _convert(
         self, hf_name: str, tensor: torch.Tensor
     ) -> Iterator[tuple[str, int | None, torch.Tensor]]:
-        stacked = self._experts.add(hf_name, tensor)
-        if stacked is not None:
-            for name, t in stacked:
-                yield name, None, t
-            return
+        prefix, sep, leaf = hf_name.partition(".mlp.experts.")
+        if sep:  # per expert (or stacked): FusedMoE narrows to this rank's share
+            converted = list(convert_expert_tensor(f"{prefix}.mlp", leaf, tensor))
+            if converted:
+                yield from converted
+                return
         name = convert_moe_name(hf_name)
         if name is not None:
             yield name, None, tensor

@@ -177,14 +177,21 @@ class Gemma3Model(nn.Module):
         metadata: list[AttentionMetadata],
     ) -> torch.Tensor:
         """`metadata[i]` is layer i's (its KV group's)."""
-        embed = self.embed_tokens(input_ids)
-        # the scale is rounded to the model dtype first, as in the checkpoints' training
-        hidden = embed * torch.tensor(self.embed_scale, dtype=embed.dtype, device=embed.device)
+        sp = self.__dict__.get("sequence_parallel")  # tensor parallel's SequenceParallel
+        if sp is not None:
+            sp.num_tokens = input_ids.shape[0]
+        hidden = self.embed(input_ids)
         residual = None
         for layer, kv_cache, meta in zip(self.layers, kv_caches, metadata, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
         hidden, _ = self.norm(hidden, residual)
-        return hidden
+        return hidden if sp is None else sp.gather(hidden)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The scaled embedding (a pipeline's first stage calls it too)."""
+        embed = self.embed_tokens(input_ids)
+        # the scale is rounded to the model dtype first, as in the checkpoints' training
+        return embed * torch.tensor(self.embed_scale, dtype=embed.dtype, device=embed.device)
 
 
 class Gemma3ForCausalLM(CausalLM):

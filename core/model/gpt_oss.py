@@ -78,7 +78,8 @@ class GptOssForCausalLM(CausalLM):
         ops: Ops,
         dtype: torch.dtype,
     ) -> nn.Module:
-        return Model(hf_config, specs, backends, ops, dtype, layer_cls=GptOssDecoderLayer)
+        return Model(hf_config, specs, backends, ops, dtype, layer_cls=GptOssDecoderLayer,
+                     first_layer=self.first_layer)
 
     def _convert(
         self, hf_name: str, tensor: torch.Tensor

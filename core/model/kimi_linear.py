@@ -11,6 +11,9 @@ DeepSeek-V3's MoE.
   qk_head_dim ** -0.5;
 - `mlp_layer_types[i]` "dense" (gated MLP) or "sparse" (`deepseek_v3.make_moe`: sigmoid
   group-limited routing with the correction bias, shared experts).
+
+Tensor parallel: KDA by heads (`KimiDeltaAttention.shard_for_tp`), MLA and the MoE as
+DeepSeek-V3's (core/model/deepseek_v3.py).
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenmill.distributed.parallel_state import GroupCoordinator
 from tokenmill.model.deepseek_v3 import DeepseekV3ForCausalLM, MLADecoderLayer
 from tokenmill.model.layers import Embedding, Linear, MergedLinear, RMSNorm
 from tokenmill.model.mla import MLAAttention, mla_spec
+from tokenmill.model.parallel import RowParallelLinear, Slice
 from tokenmill.ops import Ops
 from tokenmill.ops.linear_attention import KDAInputs, kda_state_spec
 from tokenmill.platforms.interfaces import (
@@ -82,6 +87,24 @@ class KimiDeltaAttention(nn.Module):
         self.o_proj = Linear(size, hidden, False, dtype)
         self.backend = backend
 
+    def shard_for_tp(self, tp: GroupCoordinator) -> None:
+        """Make this layer (built at one rank's heads) tensor-parallel rank
+        `tp.rank_in_group`'s: each head's channels are contiguous in every per-channel
+        tensor, so the rank keeps its heads' rows of q, k, v, f_b, g_b and b_proj, its
+        channels of the three convs and dt_bias, its heads of A_log, and o_proj's
+        columns, which all-reduces. The low-rank f_a / g_a and the per-head o_norm are
+        replicated; the recurrent state holds this rank's heads only."""
+        rank, size = tp.rank_in_group, self.heads * self.dim
+        channels = Slice(0, rank * size, size)
+        self.qkv_proj.tp_shards = {"weight": [channels] * 3}
+        for conv in (self.q_conv1d, self.k_conv1d, self.v_conv1d):
+            conv.tp_shards = {"weight": channels}
+        self.f_b_proj.tp_shards = self.g_b_proj.tp_shards = {"weight": channels}
+        self.b_proj.tp_shards = {"weight": Slice(0, rank * self.heads, self.heads)}
+        self.tp_shards = {"dt_bias": channels, "A_log": Slice(2, rank * self.heads, self.heads)}
+        self.o_proj = RowParallelLinear(self.o_proj.weight, None, tp)
+        self.o_proj.tp_shards = {"weight": Slice(1, rank * size, size)}
+
     def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
         """float32 [T, H, d] log decay, as transformers' KimiLinearForgetGate."""
         g = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).view(
@@ -113,11 +136,13 @@ class KimiLinearModel(nn.Module):
     """Embedding, KDA and MLA decoder layers, final norm (HF's `model.` prefix)."""
 
     def __init__(self, hf_config: Any, specs: list[AttentionSpec],
-                 backends: list[AttentionBackend], ops: Ops, dtype: torch.dtype) -> None:
+                 backends: list[AttentionBackend], ops: Ops, dtype: torch.dtype,
+                 first_layer: int = 0) -> None:
         super().__init__()
         self.embed_tokens = Embedding(hf_config.vocab_size, hf_config.hidden_size, dtype)
         layers = []
-        for i, (spec, backend) in enumerate(zip(specs, backends, strict=True)):
+        for i, spec, backend in zip(range(first_layer, first_layer + len(specs)), specs,
+                                    backends, strict=True):
             if spec.kind == AttentionKind.MLA:
                 attention = MLAAttention(hf_config=hf_config, spec=spec, rotary=None,
                                          rope_interleave=False, backend=backend, ops=ops,
@@ -162,7 +187,7 @@ class KimiLinearForCausalLM(DeepseekV3ForCausalLM):
         return specs
 
     def _build_model(self, hf_config, specs, backends, ops, dtype) -> nn.Module:
-        return KimiLinearModel(hf_config, specs, backends, ops, dtype)
+        return KimiLinearModel(hf_config, specs, backends, ops, dtype, self.first_layer)
 
     def _convert(
         self, hf_name: str, tensor: torch.Tensor

@@ -165,7 +165,9 @@ class Model(nn.Module):
         ops: Ops,
         dtype: torch.dtype,
         layer_cls: type[DecoderLayer] = DecoderLayer,
+        first_layer: int = 0,
     ) -> None:
+        """`first_layer`: the model index of `specs[0]`'s layer (a pipeline stage's first)."""
         super().__init__()
         head_size = specs[0].head_size
         params = rope_parameters(hf_config)
@@ -175,7 +177,8 @@ class Model(nn.Module):
         )
         self.embed_tokens = Embedding(hf_config.vocab_size, hf_config.hidden_size, dtype)
         self.layers = nn.ModuleList(
-            layer_cls(hf_config, spec, self.rotary_emb, backend, ops, dtype, layer_index=i)
+            layer_cls(hf_config, spec, self.rotary_emb, backend, ops, dtype,
+                      layer_index=first_layer + i)
             for i, (spec, backend) in enumerate(zip(specs, backends, strict=True))
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, ops, dtype)
@@ -239,6 +242,7 @@ class CausalLM(nn.Module):
         self.attention_specs: list[AttentionSpec] = self.attention_specs_for(
             hf_config, dtype, block_size
         )
+        model_specs = self.attention_specs  # every layer's, at this rank's TP shapes
         layers = range(len(self.attention_specs))
         if self.pp.world_size > 1:
             layers = pipeline.stage_layers(
@@ -250,8 +254,14 @@ class CausalLM(nn.Module):
         self.layer_backends: list[AttentionBackend] = backends
         # the distinct backends, for the runner's once-per-step `prepare`
         self.attention_backends = list({id(b): b for b in backends}.values())
-        # which layers share a block table (and metadata) and which arena slot each uses
+        # the model index of this stage's first layer: a family that builds a layer by
+        # its index (dense or MoE) reads it in `_build_model`
+        self.first_layer = layers.start
+        # which layers share a block table (and metadata) and which arena slot each uses;
+        # a pipeline stage keeps the model's groups, which the engine's tables are for
         self.kv_layout: KVLayout = plan_groups(self.attention_specs)
+        if self.pp.world_size > 1:
+            self.kv_layout = pipeline.stage_kv_layout(plan_groups(model_specs), layers)
         self.model = self._build_model(hf_config, self.attention_specs, backends, ops, dtype)
         self.ops = ops
         self._logits_fn = None
@@ -309,7 +319,7 @@ class CausalLM(nn.Module):
         ops: Ops,
         dtype: torch.dtype,
     ) -> nn.Module:
-        return Model(hf_config, specs, backends, ops, dtype)
+        return Model(hf_config, specs, backends, ops, dtype, first_layer=self.first_layer)
 
     def _convert(
         self, hf_name: str, tensor: torch.Tensor

@@ -16,7 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenmill.distributed.parallel_state import GroupCoordinator
 from tokenmill.model.layers import Linear
+from tokenmill.model.parallel import Pieces, RowParallelLinear, Slice
 from tokenmill.ops.mamba2 import Mamba2Dims, Mamba2Inputs, Mamba2Weights, gated_rms_norm
 from tokenmill.platforms.interfaces import AttentionMetadata, AttentionSpec, LinearAttentionBackend
 
@@ -70,6 +72,34 @@ class Mamba2Mixer(nn.Module):
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.empty(inner, dtype=dtype))
         self.out_proj = Linear(inner, hidden_size, proj_bias, dtype)
+
+    def shard_for_tp(self, tp: GroupCoordinator) -> None:
+        """Make this mixer (built at one rank's heads and B/C groups, `dims`) tensor-parallel
+        rank `tp.rank_in_group`'s: a contiguous run of heads with the groups they read, so
+        its share of in_proj's rows is five runs of the checkpoint's [z | x | B | C | dt]
+        (`Pieces`), of the conv's channels three ([x | B | C]); dt_bias, A_log, D by head,
+        the norm's weight by channel (its groups stay whole on one rank), out_proj's
+        columns, which all-reduces. The recurrent state holds this rank's heads only."""
+        d, rank, t = self.dims, tp.rank_in_group, tp.world_size
+        inner, bc, heads = d.intermediate_size, d.num_groups * d.state_size, d.num_heads
+        x = Slice(0, rank * inner, inner)  # offsets into the whole model's runs below
+        b = Slice(0, t * inner + rank * bc, bc)
+        c = Slice(0, t * (inner + bc) + rank * bc, bc)
+        conv = Pieces((x, b, c))
+        # in_proj: [z (t inner) | conv channels (t (inner + 2 bc)) | dt (t heads)]
+        shift = t * inner
+        proj = Pieces((
+            x,
+            *(Slice(0, s.start + shift, s.length) for s in conv.slices),
+            Slice(0, shift + t * (inner + 2 * bc) + rank * heads, heads),
+        ))
+        self.in_proj.tp_shards = {"weight": proj, "bias": proj}
+        self.conv1d.tp_shards = {"weight": conv, "bias": conv}
+        per_head = Slice(0, rank * heads, heads)
+        self.tp_shards = {"dt_bias": per_head, "A_log": per_head, "D": per_head}
+        self.norm.tp_shards = {"weight": x}
+        self.out_proj = RowParallelLinear(self.out_proj.weight, self.out_proj.bias, tp)
+        self.out_proj.tp_shards = {"weight": Slice(1, rank * inner, inner)}
 
     def scan_weights(self) -> Mamba2Weights:
         return Mamba2Weights(

@@ -68,7 +68,8 @@ class MixtralForCausalLM(CausalLM):
         ops: Ops,
         dtype: torch.dtype,
     ) -> nn.Module:
-        return Model(hf_config, specs, backends, ops, dtype, layer_cls=MixtralDecoderLayer)
+        return Model(hf_config, specs, backends, ops, dtype, layer_cls=MixtralDecoderLayer,
+                     first_layer=self.first_layer)
 
     def _convert(
         self, hf_name: str, tensor: torch.Tensor

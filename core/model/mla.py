@@ -21,7 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenmill.distributed.parallel_state import GroupCoordinator
 from tokenmill.model.layers import Linear, RMSNorm, RotaryEmbedding
+from tokenmill.model.parallel import RowParallelLinear, SequenceParallel, Slice
 from tokenmill.ops import Ops
 from tokenmill.platforms.interfaces import (
     AttentionBackend,
@@ -88,6 +90,23 @@ class MLAAttention(nn.Module):
         self.__dict__["rotary"] = rotary  # shared by every layer: not a submodule
         self.backend = backend
 
+    def shard_for_tp(self, tp: GroupCoordinator, sp: SequenceParallel | None = None) -> None:
+        """Make this layer (built at one rank's heads) tensor-parallel rank
+        `tp.rank_in_group`'s: q (or q_b) and kv_b keep this rank's heads' rows, o_proj
+        its columns and all-reduces. The latent path (q_a, kv_a_proj_with_mqa and their
+        norms) is replicated, and so is the latent cache: every rank caches each token's
+        whole latent row (kv_lora_rank + rope dims), as vLLM does, since the up-projections
+        of every rank's heads read all of it. Under sequence parallel (`sp`) the layer
+        all-gathers its token slice first and o_proj reduce-scatters."""
+        self.__dict__["sp"] = sp
+        d, h, rank = self.dims, self.num_heads, tp.rank_in_group
+        q = self.q_proj if self.q_proj is not None else self.q_b_proj
+        q.tp_shards = {"weight": Slice(0, rank * h * d.qk_head_dim, h * d.qk_head_dim)}
+        per_head = d.qk_nope_head_dim + d.v_head_dim
+        self.kv_b_proj.tp_shards = {"weight": Slice(0, rank * h * per_head, h * per_head)}
+        self.o_proj = RowParallelLinear(self.o_proj.weight, self.o_proj.bias, tp, sp)
+        self.o_proj.tp_shards = {"weight": Slice(1, rank * h * d.v_head_dim, h * d.v_head_dim)}
+
     def up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w_uk [H, nope, rank], w_uv [H, v, rank]): views of `kv_b_proj.weight`."""
         d = self.dims
@@ -103,6 +122,9 @@ class MLAAttention(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         d = self.dims
+        sp = self.__dict__.get("sp")
+        if sp is not None:  # the latent path and every head need every token
+            hidden = sp.gather(hidden)
         if self.q_proj is not None:
             q = self.q_proj(hidden)
         else:

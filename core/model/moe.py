@@ -22,6 +22,12 @@ Over several ranks (tokenmill.distributed.parallel_state) a layer is built at it
   (all-to-all combine), weights and sums them per token, and the slices are all-gathered
   so every rank again holds every token's output.
 
+Shared experts (DeepSeek, Kimi, Qwen3-Next) split by their intermediate dim under TP
+(`tokenmill.model.parallel`); their partial sum joins the routed one's reduction
+(`combine`). Under sequence parallel the layer all-gathers its token slice first (TP)
+and reduce-scatters its output, or (EP) routes the rank's own slice and skips the
+final all-gather.
+
 Weights are narrowed to the rank's share as they load (`load_checkpoint_tensor`): a rank
 never copies another rank's experts (or intermediate rows) to its device.
 """
@@ -188,16 +194,52 @@ class FusedMoE(nn.Module):
         return self.router(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.ep.world_size > 1:
-            routed = self._forward_expert_parallel(x)
-        else:
-            weights, ids = self._route(x)
-            routed = self._experts(x, weights, ids, with_down_bias=self.tp.rank_in_group == 0)
-            if self.tp.world_size > 1:
-                routed = self.tp.communicator.all_reduce(routed)
+        sp = self.__dict__.get("sp")
+        if sp is not None and self.ep.world_size == 1:
+            x = sp.gather(x)  # every rank's slice of every expert needs every token
+        routed, partial = self.routed(x)
+        shared = None
         if self.shared_experts is not None:
-            routed = routed + self.shared_experts(x)
-        return routed
+            split = sp is not None and self.ep.world_size > 1  # x is this rank's token slice
+            # sharded shared experts need every token on every rank (reduce-scattered back)
+            shared = self.shared_experts(sp.gather(x) if split else x)
+        return self.combine(routed, partial, shared)
+
+    def routed(self, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """The routed experts' output for `x`, and whether it is still a partial sum over
+        the `moe_tp` ranks (each holding a slice of every expert's intermediate dim).
+        Under expert parallel it is whole: combined all-to-all, and, unless `x` is a
+        sequence-parallel token slice already, all-gathered."""
+        if self.ep.world_size > 1:
+            return self._forward_expert_parallel(x), False
+        weights, ids = self._route(x)
+        routed = self._experts(x, weights, ids, with_down_bias=self.tp.rank_in_group == 0)
+        return routed, self.tp.world_size > 1
+
+    def combine(
+        self, routed: torch.Tensor, partial: bool, shared: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Routed plus shared output, reduced once. The shared experts' output is a
+        partial sum over the TP group when tensor parallel split them (`shared_tp`, set
+        by tokenmill.model.parallel): with the routed partial (same group) it joins one
+        all-reduce, beside a whole routed output (EP) it is reduced alone. Under sequence
+        parallel the reduction is a reduce-scatter to this rank's tokens."""
+        shared_tp = self.__dict__.get("shared_tp")
+        if shared is not None and shared_tp is None:  # whole on every rank
+            routed = self._reduce(routed) if partial else routed
+            return routed + shared
+        if shared is None:
+            return self._reduce(routed) if partial else routed
+        if partial:
+            return self._reduce(routed + shared)
+        return routed + self._reduce(shared)
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        sp = self.__dict__.get("sp")
+        if sp is not None:
+            return sp.scatter(partial)
+        tp = self.__dict__.get("shared_tp") or self.tp
+        return tp.communicator.all_reduce(partial)
 
     def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return select_experts(
@@ -227,10 +269,13 @@ class FusedMoE(nn.Module):
         """Dispatch this rank's slice of the tokens to the experts' owners, combine the
         outputs back, all-gather the slices (the module docstring's steps)."""
         comm, n = self.ep.communicator, self.ep.world_size
+        sp = self.__dict__.get("sp")
         num_tokens = x.shape[0]
         chunk = -(-num_tokens // n)
         lo = min(self.ep.rank_in_group * chunk, num_tokens)
-        local = x[lo : min(lo + chunk, num_tokens)]
+        # under sequence parallel `x` is this rank's slice of the tokens already (the same
+        # contiguous split, padded): route it all and hand back the slice
+        local = x if sp is not None else x[lo : min(lo + chunk, num_tokens)]
         weights, ids = self._route(local)
         flat_ids = ids.flatten()
         owner = flat_ids // self.num_local_experts
@@ -253,6 +298,8 @@ class FusedMoE(nn.Module):
         picks = per_pick.view(local.shape[0], self.top_k, x.shape[1]).float()
         for j in range(self.top_k):
             combined += picks[:, j] * weights[:, j, None]
+        if sp is not None:
+            return combined.to(x.dtype)
         padded = x.new_zeros((chunk, x.shape[1]))
         padded[: local.shape[0]] = combined.to(x.dtype)
         return comm.all_gather(padded)[:num_tokens]
@@ -301,8 +348,10 @@ class FusedMoE(nn.Module):
             target = param.data
         else:
             expert = shard // 2 if param_name == "w13" else shard
+            if not 0 <= expert < self.num_experts:
+                raise KeyError(f"{param_name} shard {shard}: expert {expert} of {self.num_experts}")
             if not e0 <= expert < e0 + ne:
-                return []
+                return []  # another rank's expert
             filled = [shard]
             if param_name == "w13":
                 part = tensor.narrow(0, i0, ni)
@@ -339,44 +388,3 @@ def deinterleave_gate_up(t: torch.Tensor, dim: int) -> torch.Tensor:
     dim = dim % t.dim()
     pairs = t.unflatten(dim, (-1, 2))
     return torch.cat((pairs.select(dim + 1, 0), pairs.select(dim + 1, 1)), dim=dim)
-
-
-class ExpertStacker:
-    """Stacks a checkpoint's per-expert MLP tensors (`<prefix>.experts.<e>.gate_proj.weight`,
-    `up_proj`, `down_proj`, as DeepSeek, Kimi, Qwen and Mixtral checkpoints store them)
-    into the op's `w13` [E, 2I, H] and `w2` [E, H, I], as the tensors stream in.
-
-    `add(hf_name, tensor)` returns None when the name is not a per-expert tensor; else a
-    list of (our parameter name, stacked tensor), empty until every expert of that
-    projection of the layer has arrived. Holds at most one layer's experts at a time in
-    a checkpoint stored layer by layer.
-    """
-
-    _LEAVES = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0)}
-
-    def __init__(self, num_experts: int) -> None:
-        self.num_experts = num_experts
-        # (layer prefix, our parameter) -> {(expert, part): tensor}
-        self.pending: dict[tuple[str, str], dict[tuple[int, int], torch.Tensor]] = {}
-
-    def add(self, hf_name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
-        parts = hf_name.split(".")
-        if len(parts) < 5 or parts[-4] != "experts" or parts[-1] != "weight":
-            return None
-        if parts[-2] not in self._LEAVES or not parts[-3].isdigit():
-            return None
-        prefix, expert = ".".join(parts[:-4]), int(parts[-3])
-        if not 0 <= expert < self.num_experts:
-            raise KeyError(f"checkpoint weight {hf_name!r}: expert {expert} of {self.num_experts}")
-        param, part = self._LEAVES[parts[-2]]
-        got = self.pending.setdefault((prefix, param), {})
-        got[(expert, part)] = tensor
-        num_parts = 2 if param == "w13" else 1
-        if len(got) < self.num_experts * num_parts:
-            return []
-        del self.pending[(prefix, param)]
-        stacked = torch.stack([
-            torch.cat([got[(e, p)] for p in range(num_parts)], dim=0)
-            for e in range(self.num_experts)
-        ])
-        return [(f"{prefix}.{param}", stacked)]

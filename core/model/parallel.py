@@ -19,6 +19,12 @@ are at least t of them (num_kv_heads % t == 0); with fewer, each KV head is repl
 t / num_kv_heads consecutive ranks (t % num_kv_heads == 0), so a rank's query heads always
 find their KV head locally. Vocab rows are split in ceil(vocab / t) blocks, the last
 zero-padded; logits are all-gathered on every rank and the padding cut off.
+
+Families beyond the llama layer (their rules live beside their layers): a layer's
+child module with a `shard_for_tp(tp)` method records its own `tp_shards` and swaps its
+output projection for a `RowParallelLinear` (MLA, Gated DeltaNet, Qwen3-Next's MoE); a
+MoE's shared experts are split like a dense MLP but not reduced on their own: their
+partial sum joins the routed experts' in one all-reduce (`FusedMoE.combine`).
 """
 
 from __future__ import annotations
@@ -32,17 +38,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed.parallel_state import GroupCoordinator
-from tokenmill.model.layers import Linear, MergedLinear
+from tokenmill.model.layers import Attention, GatedMLP, Linear, MergedLinear
 from tokenmill.model.moe import FusedMoE, check_moe_parallel
 from tokenmill.ops import Ops
 
-TP_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma3_text", "gpt_oss", "qwen3_moe", "mixtral")
+TP_MODEL_TYPES = (
+    "llama", "qwen2", "qwen3", "gemma3_text", "gpt_oss", "qwen3_moe", "mixtral", "deepseek_v3",
+    "qwen3_next", "kimi_linear", "bamba",
+)
 # MoE families: (the config attribute of the experts' intermediate size, of their count).
 # FusedMoE shards its own experts (core/model/moe.py), so local_config leaves these alone.
 MOE_SIZES = {
     "gpt_oss": ("intermediate_size", "num_local_experts"),
     "mixtral": ("intermediate_size", "num_local_experts"),
     "qwen3_moe": ("moe_intermediate_size", "num_experts"),
+    "deepseek_v3": ("moe_intermediate_size", "n_routed_experts"),
+    "qwen3_next": ("moe_intermediate_size", "num_experts"),
+    "kimi_linear": ("moe_intermediate_size", "num_local_experts"),
 }
 
 
@@ -55,6 +67,15 @@ class Slice:
     start: int
     length: int
     padded: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Pieces:
+    """Several `Slice`s of one dim, concatenated in order: a parameter whose rank share
+    is not contiguous in the checkpoint (Gated DeltaNet's conv channels: this rank's q,
+    then its k, then its v channels)."""
+
+    slices: tuple[Slice, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,10 +142,43 @@ def local_config(hf_config: Any, tp: int, expert_parallel: bool = False) -> Any:
     local.num_attention_heads = shards.num_heads
     local.num_key_value_heads = shards.num_kv_heads
     local.vocab_size = padded_vocab_shard(hf_config.vocab_size, tp)
+    if model_type == "qwen3_next":
+        _shrink_qwen3_next(local, hf_config, tp)
+    if model_type in ("deepseek_v3", "kimi_linear"):
+        shared = hf_config.moe_intermediate_size * (hf_config.n_shared_experts or 0)
+        _check_divides(tp, shared, "the shared experts' intermediate size")
+    if model_type == "kimi_linear":
+        _check_divides(tp, hf_config.linear_num_heads, "the model's KDA heads")
+        local.linear_num_heads = hf_config.linear_num_heads // tp
+    if model_type == "bamba":  # heads split with the B/C groups they read
+        _check_divides(tp, hf_config.mamba_n_groups, "the model's Mamba2 groups")
+        _check_divides(tp, hf_config.mamba_n_heads, "the model's Mamba2 heads")
+        local.mamba_n_heads = hf_config.mamba_n_heads // tp
+        local.mamba_n_groups = hf_config.mamba_n_groups // tp
     return local
 
 
-SP_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+def _check_divides(tp: int, size: int, what: str) -> None:
+    if size % tp:
+        raise ValueError(f"tensor_parallel_size={tp} does not divide {what} {size}")
+
+
+def _shrink_qwen3_next(local: Any, hf_config: Any, tp: int) -> None:
+    """Qwen3-Next's Gated DeltaNet heads (split by key-head groups: each key head with its
+    value heads) and its shared expert's intermediate size."""
+    _check_divides(tp, hf_config.linear_num_key_heads, "the model's Gated DeltaNet key heads")
+    _check_divides(tp, hf_config.shared_expert_intermediate_size,
+                   "the shared expert's intermediate size")
+    local.linear_num_key_heads = hf_config.linear_num_key_heads // tp
+    local.linear_num_value_heads = hf_config.linear_num_value_heads // tp
+    local.shared_expert_intermediate_size = hf_config.shared_expert_intermediate_size // tp
+
+
+# the MoE families included: FusedMoE gathers a TP layer's tokens and reduce-scatters its
+# output, and under EP dispatches each rank's own slice; DeepSeek-V3's MLA gathers too
+SP_MODEL_TYPES = (
+    "llama", "qwen2", "qwen3", "gemma3_text", "gpt_oss", "qwen3_moe", "mixtral", "deepseek_v3",
+)
 
 
 class SequenceParallel:
@@ -234,7 +288,7 @@ def gather_logits(local: torch.Tensor, vocab_size: int, tp: GroupCoordinator) ->
 def apply_tensor_parallel(
     lm: nn.Module, hf_config: Any, tp: GroupCoordinator, sequence_parallel: bool = False
 ) -> None:
-    """Make `lm` (a llama-family CausalLM built from `local_config`) this rank's shard;
+    """Make `lm` (a `CausalLM` of any family, built from `local_config`) this rank's shard;
     with `sequence_parallel`, its TP regions exchange token slices (SequenceParallel) and
     `lm.model.sequence_parallel` is set (its forward sets the token count and gathers
     the final hidden states)."""
@@ -256,26 +310,57 @@ def apply_tensor_parallel(
     if lm.lm_head is not None:
         lm.lm_head.tp_shards = {"weight": vocab}
     for layer in body.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        head = attn.head_size
-        q = Slice(0, rank * shards.num_heads * head, shards.num_heads * head)
-        kv = Slice(0, shards.kv_head_start * head, shards.num_kv_heads * head)
-        if sp is not None:
-            attn.qkv_proj = SequenceGatherLinear(attn.qkv_proj, sp)
-        attn.qkv_proj.tp_shards = {"weight": [q, kv, kv], "bias": [q, kv, kv]}
-        attn.o_proj = RowParallelLinear(attn.o_proj.weight, attn.o_proj.bias, tp, sp)
-        attn.o_proj.tp_shards = {"weight": Slice(1, q.start, q.length)}
-        if attn.sinks is not None:  # gpt-oss: one sink logit per query head
-            attn.tp_shards = {"sinks": Slice(0, rank * shards.num_heads, shards.num_heads)}
-        if isinstance(mlp, FusedMoE):
-            continue  # built at this rank's share of experts (core/model/moe.py)
-        inter = mlp.down_proj.weight.shape[1]
-        cols = Slice(0, rank * inter, inter)
-        if sp is not None:
-            mlp.gate_up_proj = SequenceGatherLinear(mlp.gate_up_proj, sp)
-        mlp.gate_up_proj.tp_shards = {"weight": [cols, cols], "bias": [cols, cols]}
+        for module in layer.children():
+            if isinstance(module, Attention):
+                _shard_attention(module, shards, tp, sp)
+            elif isinstance(module, GatedMLP):
+                shard_gated_mlp(module, tp, sp)
+            elif isinstance(module, FusedMoE):
+                if sp is not None:
+                    module.__dict__["sp"] = sp
+                if module.shared_experts is not None:
+                    shard_gated_mlp(module.shared_experts, tp, sp=None, reduce=False)
+                    module.__dict__["shared_tp"] = tp  # see FusedMoE.combine
+            elif hasattr(module, "shard_for_tp"):  # a family's own layer (MLA, DeltaNet)
+                if sp is None:
+                    module.shard_for_tp(tp)
+                else:  # only SP_MODEL_TYPES' layers get here with sp (MLA takes it)
+                    module.shard_for_tp(tp, sp)
+
+
+def _shard_attention(attn: Attention, shards: HeadShards, tp: GroupCoordinator,
+                     sp: SequenceParallel | None) -> None:
+    """Query heads (with Qwen3-Next's per-head gate: the q rows of `qkv_proj`'s first
+    output) and KV heads column-sharded, o_proj row-parallel, gpt-oss's sinks by head."""
+    rank, head = tp.rank_in_group, attn.head_size
+    q_rows = attn.qkv_proj.output_sizes[0]  # this rank's: heads x head (x 2 with a gate)
+    q = Slice(0, rank * q_rows, q_rows)
+    kv = Slice(0, shards.kv_head_start * head, shards.num_kv_heads * head)
+    if sp is not None:
+        attn.qkv_proj = SequenceGatherLinear(attn.qkv_proj, sp)
+    attn.qkv_proj.tp_shards = {"weight": [q, kv, kv], "bias": [q, kv, kv]}
+    attn.o_proj = RowParallelLinear(attn.o_proj.weight, attn.o_proj.bias, tp, sp)
+    o_cols = attn.o_proj.weight.shape[1]
+    attn.o_proj.tp_shards = {"weight": Slice(1, rank * o_cols, o_cols)}
+    if attn.sinks is not None:  # gpt-oss: one sink logit per query head
+        attn.tp_shards = {"sinks": Slice(0, rank * shards.num_heads, shards.num_heads)}
+
+
+def shard_gated_mlp(mlp: GatedMLP, tp: GroupCoordinator, sp: SequenceParallel | None = None,
+                    reduce: bool = True) -> None:
+    """A gated MLP built at this rank's intermediate size: gate/up column-sharded, down
+    row-sharded. `reduce` False (a MoE's shared experts): down_proj stays a plain Linear
+    whose output is this rank's partial sum, for its caller to reduce."""
+    rank, inter = tp.rank_in_group, mlp.down_proj.weight.shape[1]
+    cols = Slice(0, rank * inter, inter)
+    if sp is not None:
+        mlp.gate_up_proj = SequenceGatherLinear(mlp.gate_up_proj, sp)
+    mlp.gate_up_proj.tp_shards = {"weight": [cols, cols], "bias": [cols, cols]}
+    if reduce:
         mlp.down_proj = RowParallelLinear(mlp.down_proj.weight, mlp.down_proj.bias, tp, sp)
-        mlp.down_proj.tp_shards = {"weight": Slice(1, cols.start, cols.length)}
+    elif mlp.down_proj.bias is not None:
+        raise ValueError("an unreduced row-sharded down_proj cannot carry a bias (t copies)")
+    mlp.down_proj.tp_shards = {"weight": Slice(1, cols.start, cols.length)}
 
 
 def narrow_for_rank(
@@ -289,6 +374,9 @@ def narrow_for_rank(
         return tensor
     if isinstance(rule, list):
         rule = rule[shard]
+    if isinstance(rule, Pieces):
+        return torch.cat([tensor.narrow(p.dim, p.start, p.length) for p in rule.slices],
+                         dim=rule.slices[0].dim)
     part = tensor.narrow(rule.dim, rule.start, rule.length)
     if rule.padded is not None and rule.padded > rule.length:
         pad = [0, 0] * (part.dim() - 1 - rule.dim) + [0, rule.padded - rule.length]

@@ -1,5 +1,7 @@
-"""Pipeline parallelism for the llama-family model: which layers a stage owns, and the
-activations it hands on.
+"""Pipeline parallelism: which layers a stage owns, the KV groups it keeps, and the
+activations it hands on. Every family built on `CausalLM` (core/model/llama.py) whose
+body has `embed_tokens` (or an `embed` method), `layers` and `norm` splits this way,
+hybrids included.
 
 A model split over p stages (the "pp" dimension of tokenmill.distributed.parallel_state)
 is built per stage in `CausalLM.__init__`:
@@ -12,7 +14,13 @@ is built per stage in `CausalLM.__init__`:
    the checkpoint's (`model.layers.7...`), and drops what the stage does not run: the
    embedding off the first stage (kept on the last when the head is tied to it), the
    final norm and LM head off the last.
-3. The loader skips every checkpoint tensor `stage_weight_filter` gives to another stage
+3. `stage_kv_layout` keeps the whole model's KV groups (the engine plans its block
+   tables for those, so a step's metadata comes one per model group) and gives the
+   stage's layers their groups and slots, the slots renumbered densely: a stage's arena
+   holds its own layers' slots only. A hybrid stage may hold recurrent layers only; its
+   pages are then sized by its states, and a state still fits the block ids the engine
+   gives it (as many as the model-wide page size needs, each page at least as large).
+4. The loader skips every checkpoint tensor `stage_weight_filter` gives to another stage
    without reading it (safetensors), and `load_weights` skips any that still arrive: no
    stage's device holds another's weights.
 
@@ -34,7 +42,17 @@ import torch
 from torch import nn
 
 from tokenmill.distributed.parallel_state import GroupCoordinator
+from tokenmill.kv.groups import KVLayout
 from tokenmill.platforms.interfaces import AttentionMetadata
+
+# model types whose layers split into stages (their checkpoints name layers
+# `model.layers.N.`); the hybrids' recurrent groups split with their layers
+PP_MODEL_TYPES = (
+    "llama", "qwen2", "qwen3", "gemma3_text", "gpt_oss", "qwen3_moe", "mixtral", "deepseek_v3",
+    "qwen3_next", "kimi_linear", "bamba",
+)
+# the final norm's checkpoint names (Bamba calls it final_layernorm): the last stage's
+_FINAL_NORMS = ("model.norm.", "model.final_layernorm.")
 
 
 def stage_layers(num_layers: int, pp_size: int, stage: int) -> range:
@@ -79,6 +97,22 @@ def apply_pipeline_parallel(lm: nn.Module, hf_config: Any, layers: range,
         lm.lm_head = None
 
 
+def stage_kv_layout(model_layout: KVLayout, layers: range) -> KVLayout:
+    """The KV layout of the stage running `layers`: the model's groups (as the engine
+    numbers them), each stage layer's group, and its slot among the distinct slots the
+    stage uses, renumbered 0.. in order (layers of one group keep distinct slots; layers
+    that shared a slot across groups still share it)."""
+    used = sorted({model_layout.layer_slot[i] for i in layers})
+    dense = {slot: j for j, slot in enumerate(used)}
+    return KVLayout(
+        groups=model_layout.groups,
+        num_slots=len(used),
+        layer_group=tuple(model_layout.layer_group[i] for i in layers),
+        layer_slot=tuple(dense[model_layout.layer_slot[i]] for i in layers),
+        page_bytes=model_layout.page_bytes,
+    )
+
+
 def stage_weight_filter(hf_config: Any, pp_size: int, stage: int) -> Callable[[str], bool]:
     """Whether a checkpoint tensor (by HF name) belongs to `stage`: its layers', the
     embedding on the first stage (and on the last when the head is tied to it), the final
@@ -94,7 +128,7 @@ def stage_weight_filter(hf_config: Any, pp_size: int, stage: int) -> Callable[[s
             return int(parts[2]) in layers
         if hf_name.startswith("model.embed_tokens."):
             return is_first or (is_last and tied)
-        if hf_name.startswith(("model.norm.", "lm_head.")):
+        if hf_name.startswith((*_FINAL_NORMS, "lm_head.")):
             return is_last
         return True
 
@@ -112,8 +146,9 @@ def stage_forward(
     in order. Returns the final-normed hidden states on the last stage, None elsewhere."""
     pp: GroupCoordinator = body.pp
     layers = [body.layers[i] for i in body.stage_layers]
-    if pp.is_first:
-        hidden, residual = body.embed_tokens(input_ids), None
+    if pp.is_first:  # a family that scales its embedding (Gemma) has an `embed` method
+        embed = getattr(body, "embed", body.embed_tokens)
+        hidden, residual = embed(input_ids), None
     else:
         dtype = next(layers[0].parameters()).dtype
         pair = torch.empty(2, input_ids.shape[0], body.hidden_size, dtype=dtype,
@@ -134,17 +169,9 @@ def stage_forward(
 def check_pipeline(hf_config: Any, pp_size: int) -> None:
     """ValueError naming the problem when `hf_config` cannot be split into `pp_size`
     stages (checked by the engine before any worker starts)."""
-    from tokenmill.model.parallel import TP_MODEL_TYPES
-
-    if hf_config.model_type not in TP_MODEL_TYPES:
+    if hf_config.model_type not in PP_MODEL_TYPES:
         raise ValueError(
-            f"pipeline parallel supports model types {TP_MODEL_TYPES}, not "
+            f"pipeline parallel supports model types {PP_MODEL_TYPES}, not "
             f"{hf_config.model_type!r}; use pipeline_parallel_size=1"
         )
     stage_layers(hf_config.num_hidden_layers, pp_size, 0)
-    layer_types = set(getattr(hf_config, "layer_types", None) or ["full_attention"])
-    if len(layer_types) > 1:
-        raise ValueError(
-            f"pipeline parallel needs one attention type in every layer (a stage's KV groups "
-            f"must be the model's); this model mixes {sorted(layer_types)}"
-        )

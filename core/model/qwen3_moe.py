@@ -86,7 +86,8 @@ class Qwen3MoeForCausalLM(CausalLM):
         ops: Ops,
         dtype: torch.dtype,
     ) -> nn.Module:
-        return Model(hf_config, specs, backends, ops, dtype, layer_cls=Qwen3MoeDecoderLayer)
+        return Model(hf_config, specs, backends, ops, dtype, layer_cls=Qwen3MoeDecoderLayer,
+                     first_layer=self.first_layer)
 
     def _convert(
         self, hf_name: str, tensor: torch.Tensor

@@ -17,14 +17,18 @@ What differs from the llama graph (core/model/llama.py, whose loading it reuses)
 - the MLP is a `FusedMoE` (softmax then top-k, renormalised with `norm_topk_prob`) plus a
   shared expert scaled by sigmoid(shared_expert_gate(x)); layers in `mlp_only_layers`
   or off the `decoder_sparse_step` have a dense MLP. The checkpoint stores one tensor
-  per expert; `_convert` stacks them into the op's layout.
+  per expert, each loaded straight into its rows of the op's layout (FusedMoE skips
+  another rank's experts).
 
-Tensor parallelism is not supported for this family (a ValueError says so).
+Tensor parallel (core/model/parallel.py): a DeltaNet layer by key-head groups (each key
+head with its value heads: `GatedDeltaNet.shard_for_tp`), so a rank's conv channels and
+recurrent state hold its heads only; gated attention by heads like llama's; the routed
+experts as FusedMoE splits them, the shared expert by its intermediate dim, reduced with
+them in one all-reduce.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.distributed.parallel_state import GroupCoordinator
 from tokenmill.model.gemma3 import GemmaRMSNorm
 from tokenmill.model.layers import (
     Attention,
@@ -44,6 +49,8 @@ from tokenmill.model.layers import (
 )
 from tokenmill.model.llama import CausalLM
 from tokenmill.model.moe import FusedMoE
+from tokenmill.model.parallel import Pieces, RowParallelLinear, Slice, shard_gated_mlp
+from tokenmill.model.qwen3_moe import convert_expert_tensor
 from tokenmill.ops import Ops
 from tokenmill.ops.linear_attention import GatedDeltaInputs, gated_delta_state_spec
 from tokenmill.platforms.interfaces import (
@@ -52,8 +59,6 @@ from tokenmill.platforms.interfaces import (
     AttentionMetadata,
     AttentionSpec,
 )
-
-_EXPERT = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 def qwen3_next_specs(hf_config: Any, dtype: torch.dtype, block_size: int) -> list[AttentionSpec]:
@@ -128,6 +133,29 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.dv, c.rms_norm_eps, dtype)
         self.out_proj = Linear(value_dim, c.hidden_size, False, dtype)
 
+    def shard_for_tp(self, tp: GroupCoordinator) -> None:
+        """Make this layer (built at one rank's heads) tensor-parallel rank
+        `tp.rank_in_group`'s: it owns a contiguous run of key heads with their value
+        heads, so its rows of in_proj_qkvz and in_proj_ba (grouped per key head), its
+        value heads' dt_bias and A_log, its q, k and v conv channels (three runs of the
+        checkpoint's [q | k | v] channels), and out_proj's columns of its value heads,
+        which all-reduces. Its recurrent state holds these heads only."""
+        rank, hk, hv, dk, dv = tp.rank_in_group, self.hk, self.hv, self.dk, self.dv
+        per = hv // hk
+        qkvz, ba = hk * (2 * dk + 2 * per * dv), hk * 2 * per
+        self.in_proj_qkvz.tp_shards = {"weight": Slice(0, rank * qkvz, qkvz)}
+        self.in_proj_ba.tp_shards = {"weight": Slice(0, rank * ba, ba)}
+        heads = Slice(0, rank * hv, hv)
+        self.tp_shards = {"dt_bias": heads, "A_log": heads}
+        key_dim = tp.world_size * hk * dk  # the whole model's
+        self.conv1d.tp_shards = {"weight": Pieces((
+            Slice(0, rank * hk * dk, hk * dk),
+            Slice(0, key_dim + rank * hk * dk, hk * dk),
+            Slice(0, 2 * key_dim + rank * hv * dv, hv * dv),
+        ))}
+        self.out_proj = RowParallelLinear(self.out_proj.weight, None, tp)
+        self.out_proj.tp_shards = {"weight": Slice(1, rank * hv * dv, hv * dv)}
+
     def forward(
         self, hidden: torch.Tensor, state_cache: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
@@ -192,9 +220,18 @@ class SparseMoe(nn.Module):
                                       ops, dtype)
         self.shared_expert_gate = Linear(c.hidden_size, 1, False, dtype)
 
+    def shard_for_tp(self, tp: GroupCoordinator) -> None:
+        """The shared expert (built at this rank's intermediate slice) split like a dense
+        MLP, unreduced: its gated partial sum joins the routed experts' reduction
+        (`FusedMoE.combine`). The gate (hidden -> 1) is replicated."""
+        shard_gated_mlp(self.shared_expert, tp, reduce=False)
+        self.moe.__dict__["shared_tp"] = tp
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # sigmoid(gate) scales each token's row: it commutes with the ranks' partial sums
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return self.moe(x) + shared
+        routed, partial = self.moe.routed(x)
+        return self.moe.combine(routed, partial, shared)
 
 
 class Qwen3NextDecoderLayer(nn.Module):
@@ -244,18 +281,20 @@ class Qwen3NextModel(nn.Module):
 
     def __init__(
         self, hf_config: Any, specs: list[AttentionSpec], backends: list[AttentionBackend],
-        ops: Ops, dtype: torch.dtype,
+        ops: Ops, dtype: torch.dtype, first_layer: int = 0,
     ) -> None:
         super().__init__()
         c = hf_config
-        head = next(s.head_size for s in specs if s.kind == AttentionKind.FULL)
+        # from the config: a pipeline stage may hold no attention layer
+        head = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         params = rope_parameters(c)
         rotary_dim = int(head * params.get("partial_rotary_factor", 1.0))
         self.rotary_emb = RotaryEmbedding(params, rotary_dim, c.max_position_embeddings, ops)
         self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dtype)
         self.layers = nn.ModuleList(
             Qwen3NextDecoderLayer(c, i, spec, self.rotary_emb, backend, ops, dtype)
-            for i, (spec, backend) in enumerate(zip(specs, backends, strict=True))
+            for i, spec, backend in zip(range(first_layer, first_layer + len(specs)), specs,
+                                        backends, strict=True)
         )
         self.norm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps, ops, dtype)
 
@@ -273,12 +312,6 @@ class Qwen3NextModel(nn.Module):
 class Qwen3NextForCausalLM(CausalLM):
     """Qwen3-Next over the KV arena; see the module docstring for what differs."""
 
-    def __init__(self, hf_config: Any, **kwargs: Any) -> None:
-        self._experts: dict[str, dict[tuple[str, int], torch.Tensor]] = {}
-        super().__init__(hf_config, **kwargs)
-        if self.tp.world_size > 1:
-            raise ValueError("qwen3_next does not support tensor parallelism yet")
-
     @classmethod
     def attention_specs_for(
         cls, hf_config: Any, dtype: torch.dtype, block_size: int
@@ -289,7 +322,7 @@ class Qwen3NextForCausalLM(CausalLM):
         self, hf_config: Any, specs: list[AttentionSpec], backends: list[AttentionBackend],
         ops: Ops, dtype: torch.dtype,
     ) -> nn.Module:
-        return Qwen3NextModel(hf_config, specs, backends, ops, dtype)
+        return Qwen3NextModel(hf_config, specs, backends, ops, dtype, self.first_layer)
 
     def _convert(
         self, hf_name: str, tensor: torch.Tensor
@@ -297,17 +330,10 @@ class Qwen3NextForCausalLM(CausalLM):
         if hf_name.endswith(".mlp.gate.weight"):
             yield hf_name.replace(".mlp.gate.", ".mlp.moe.router."), None, tensor
             return
-        match = _EXPERT.match(hf_name)
-        if match is None:
-            yield from super()._convert(hf_name, tensor)
-            return
-        # one tensor per expert and projection: stack each layer's once all have come
-        prefix, expert, proj = match.group(1), int(match.group(2)), match.group(3)
-        parts = self._experts.setdefault(prefix, {})
-        parts[(proj, expert)] = tensor
-        num = self.hf_config.num_experts
-        if len(parts) == 3 * num:
-            del self._experts[prefix]
-            w13 = [torch.cat((parts[("gate_proj", e)], parts[("up_proj", e)])) for e in range(num)]
-            yield f"{prefix}.moe.w13", None, torch.stack(w13)
-            yield f"{prefix}.moe.w2", None, torch.stack([parts[("down_proj", e)] for e in range(num)])
+        prefix, sep, leaf = hf_name.partition(".mlp.experts.")
+        if sep:  # per expert (or stacked): FusedMoE narrows to this rank's share
+            converted = list(convert_expert_tensor(f"{prefix}.mlp.moe", leaf, tensor))
+            if converted:
+                yield from converted
+                return
+        yield from super()._convert(hf_name, tensor)
