@@ -231,8 +231,16 @@ class Scheduler:
             # may evict free cached blocks, hits included. Look them up
             # again right before allocating, with nothing in between.
             hits, num_hit = self.kv.find_cached_prefix(request)
-            if self.connector is not None and self._start_external_load(request, hits, num_hit):
-                continue  # admitted; computes once its load reports
+            if self.connector is not None:
+                loaded = self._start_external_load(request, hits, num_hit)
+                if loaded is True:
+                    continue  # admitted; computes once its load reports
+                if loaded is None:
+                    # a tier holds its next tokens but their blocks do not fit now: it
+                    # waits for them (as a prompt that does not fit does) rather than
+                    # starting a chunk that would recompute what the tier holds
+                    admitting = False
+                    continue
             num_new = min(request.num_tokens - num_hit, budget, chunk_cap)
             if not self.kv.allocate_slots(request, num_new, hits):
                 # no KV for this one: admit nothing bigger either (running prompts go on)
@@ -249,10 +257,13 @@ class Scheduler:
             budget -= num_new
         return scheduled
 
-    def _start_external_load(self, request: Request, hits: PrefixHit, num_hit: int) -> bool:
+    def _start_external_load(
+        self, request: Request, hits: PrefixHit, num_hit: int
+    ) -> bool | None:
         """Admit a waiting request whose next tokens a KV tier holds: allocate blocks for
-        them (unpublished until loaded) and start the load. False: nothing to load, or no
-        KV for it now (the caller then tries the ordinary admission)."""
+        them (unpublished until loaded) and start the load. True: admitted; False:
+        nothing to load (the caller tries the ordinary admission); None: a tier holds
+        them but their blocks do not fit now (the request keeps waiting)."""
         num_external = self.connector.num_external_tokens(request, num_hit)
         if not num_external:
             return False
@@ -264,7 +275,7 @@ class Scheduler:
             for alloc, table in zip(self.kv.allocators, hits.tables, strict=True)
         ])
         if not self.kv.allocate_slots(request, num_external, padded, publish=False):
-            return False
+            return None
         # and the device hit's window blocks that no query after the load reads go back
         for alloc in self.kv.allocators:
             alloc.release_outside_window(request, end)

@@ -43,8 +43,8 @@ def run_step(scheduler, worker, caches, wait: bool = True):
     """What the runner does with a step's connector part; computing a token writes a
     value derived from it into every layer (a stand-in forward pass)."""
     plan = scheduler.schedule()
-    if plan.step is None:
-        return plan
+    if plan.step is None or plan.step.kv_connector is None:
+        return plan  # an empty step: not run
     meta = plan.step.kv_connector
     worker.start_loads(meta.loads)
     for s in plan.scheduled:
@@ -178,3 +178,43 @@ def test_a_block_whose_save_is_in_flight_is_loaded_not_recomputed():
     for pos, tok in enumerate(prompt):  # the pages the delayed saves wrote, loaded
         assert caches[1][0, s.block_ids[pos // BS], pos % BS, 0, 0] == tok
     assert stack.stats[tier.name].tokens_recomputed == 0
+
+
+def test_a_load_that_does_not_fit_yet_waits_instead_of_recomputing():
+    """A tier holds the prompt but the pool is held by a running request: the new turn
+    waits for blocks (as a prompt that does not fit does) instead of starting a chunk that
+    would compute what the tier holds; once blocks free up it loads and computes only its
+    new tokens."""
+    kv = KVCacheManager(NUM_BLOCKS, BS)
+    config = SchedulerConfig(max_num_batched_tokens=64, max_model_len=64,
+                             long_prefill_token_threshold=BS)
+    scheduler = Scheduler(config, kv)
+    stack = TierStack([HostMemoryTier(staging(), 64 * LAYOUT.object_bytes, LAYOUT.object_bytes)])
+    scheduler.connector = KVConnectorScheduler(stack, LAYOUT.fingerprint(), BS)
+    worker = KVConnectorWorker(stack, LAYOUT)
+    caches = [torch.zeros(2, NUM_BLOCKS, BS, 1, 2) for _ in range(2)]
+    worker.register_kv_caches(caches)
+    prompt = list(range(10, 30))  # 5 blocks, saved to the host tier
+    scheduler.add_request(request("a", prompt))
+    while scheduler.requests["a"].num_computed_tokens < len(prompt):
+        run_step(scheduler, worker, caches)
+    scheduler.finish("a", RequestStatus.FINISHED_STOPPED)
+    scheduler.kv.pool.reset_prefix_cache()
+    hog = list(range(100, 148))  # 12 blocks of the 16: 4 stay free, the load needs 5
+    scheduler.add_request(request("hog", hog))
+    while scheduler.requests["hog"].num_computed_tokens < len(hog):
+        run_step(scheduler, worker, caches)
+    scheduler.add_request(request("b", prompt + [99, 98]))
+    plan = run_step(scheduler, worker, caches)
+    # no room for the load: b waits (before, it started a one-block chunk from token 0)
+    assert plan.step.kv_connector is None or not plan.step.kv_connector.loads
+    assert scheduler.requests["b"].status is RequestStatus.WAITING
+    assert scheduler.requests["b"].num_computed_tokens == 0 and not plan.scheduled
+    scheduler.finish("hog", RequestStatus.FINISHED_STOPPED)
+    plan = run_step(scheduler, worker, caches)
+    (job,) = plan.step.kv_connector.loads
+    assert len(job.blocks) == 5
+    assert scheduler.requests["b"].num_computed_tokens == 20
+    plan = run_step(scheduler, worker, caches)
+    (s,) = plan.scheduled
+    assert (s.start_position, s.token_ids) == (20, [99, 98])
