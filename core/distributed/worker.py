@@ -25,7 +25,7 @@ from tokenmill.kv.sizing import kv_cache_budget
 from tokenmill.kv_connector.engine_setup import WorkerOffload, make_worker_offload
 from tokenmill.model.loader import build_model, checkpoint_weights, load_model_info
 from tokenmill.model.pipeline import stage_weight_filter
-from tokenmill.model.registry import attention_specs_for
+from tokenmill.model.registry import attention_specs_for, model_class_for
 from tokenmill.platforms.interfaces import (
     AllocatorPurpose,
     KVCacheSpec,
@@ -318,7 +318,8 @@ class Worker:
         if config.pipeline_parallel_size == 1:
             return None
         stage = get_parallel_state().group("pp").rank_in_group
-        return stage_weight_filter(self.hf_config, config.pipeline_parallel_size, stage)
+        tied = model_class_for(self.hf_config).head_is_tied(self.hf_config)
+        return stage_weight_filter(self.hf_config, config.pipeline_parallel_size, stage, tied=tied)
 
     @property
     def _platform(self) -> ActivePlatform:

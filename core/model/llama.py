@@ -218,6 +218,11 @@ class CausalLM(nn.Module):
     # transformers' class for the family does (False: it always keeps its own head)
     ties_embeddings: bool = True
 
+    @classmethod
+    def head_is_tied(cls, hf_config: Any) -> bool:
+        """Whether this family, under `hf_config`, uses the embedding as its LM head."""
+        return cls.ties_embeddings and bool(getattr(hf_config, "tie_word_embeddings", False))
+
     def __init__(
         self,
         hf_config: Any,
@@ -265,9 +270,7 @@ class CausalLM(nn.Module):
         self.model = self._build_model(hf_config, self.attention_specs, backends, ops, dtype)
         self.ops = ops
         self._logits_fn = None
-        self.tie_word_embeddings = self.ties_embeddings and bool(
-            getattr(hf_config, "tie_word_embeddings", False)
-        )
+        self.tie_word_embeddings = self.head_is_tied(hf_config)
         self.lm_head = None
         if not self.tie_word_embeddings:
             self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, False, dtype)
@@ -277,7 +280,8 @@ class CausalLM(nn.Module):
         if self.pp.world_size > 1:
             pipeline.apply_pipeline_parallel(self, hf_config, layers, self.pp)
             self._stage_keeps = pipeline.stage_weight_filter(
-                full_config, self.pp.world_size, self.pp.rank_in_group
+                full_config, self.pp.world_size, self.pp.rank_in_group,
+                tied=self.tie_word_embeddings,
             )
         self.requires_grad_(False)
 

@@ -113,14 +113,15 @@ def stage_kv_layout(model_layout: KVLayout, layers: range) -> KVLayout:
     )
 
 
-def stage_weight_filter(hf_config: Any, pp_size: int, stage: int) -> Callable[[str], bool]:
+def stage_weight_filter(
+    hf_config: Any, pp_size: int, stage: int, *, tied: bool
+) -> Callable[[str], bool]:
     """Whether a checkpoint tensor (by HF name) belongs to `stage`: its layers', the
-    embedding on the first stage (and on the last when the head is tied to it), the final
-    norm and the LM head on the last. Decided from the config alone, so the loader can
-    skip other stages' tensors without reading them."""
+    embedding on the first stage (and on the last when the head is `tied` to it: the
+    family's rule, `CausalLM.head_is_tied`), the final norm and the LM head on the last.
+    Decided before any tensor is read, so the loader can skip other stages' tensors."""
     layers = stage_layers(hf_config.num_hidden_layers, pp_size, stage)
     is_first, is_last = stage == 0, stage == pp_size - 1
-    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
 
     def keep(hf_name: str) -> bool:
         parts = hf_name.split(".")
