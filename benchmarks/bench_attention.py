@@ -22,8 +22,8 @@ from collections.abc import Callable
 
 import torch
 
-from tokenmill.ops.reference import paged_attention
 from tokenmill.platforms.interfaces import AttentionKind, AttentionMetadata, AttentionSpec
+from tokenmill.platforms.ops.reference import paged_attention
 from tokenmill_cpu.attention import CpuPagedAttention
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE = 9, 3, 64

@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from model_harness import Sequence, build_metadata  # noqa: E402
 
-from tokenmill.model.llama import CausalLM  # noqa: E402
+from tokenmill.model.base import CausalLM  # noqa: E402
 from tokenmill.model.loader import default_model_path, load_model_and_tokenizer  # noqa: E402
 from tokenmill.platforms.registry import load_platform  # noqa: E402
 
@@ -72,7 +72,7 @@ def main() -> None:
         default_model_path(), torch.float32, "cpu", ops, platform.attention_backend, BLOCK_SIZE
     ).model
     # bf16 copy of the same weights, without reading the GGUF twice
-    bf16 = CausalLM(
+    bf16 = type(fp32)(
         fp32.hf_config,
         ops=ops,
         attention_backend=platform.attention_backend,

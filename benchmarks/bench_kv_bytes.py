@@ -29,11 +29,11 @@ from pathlib import Path
 import torch
 from transformers import Gemma3TextConfig, GptOssConfig
 
+from tokenmill.engine.request import Request
 from tokenmill.kv.arena import KVArena
 from tokenmill.kv.groups import plan_groups
 from tokenmill.kv.manager import KVCacheManager
-from tokenmill.model.llama import attention_specs
-from tokenmill.request import Request
+from tokenmill.model.base import attention_specs
 from tokenmill.sampling_params import SamplingParams
 
 BLOCK = 16

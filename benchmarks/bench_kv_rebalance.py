@@ -37,16 +37,16 @@ from dataclasses import dataclass
 import torch
 from transformers import Gemma3TextConfig
 
+from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.scheduler import Scheduler, SchedulerConfig
 from tokenmill.kv.arena import KVArena
 from tokenmill.kv.block_pool import BlockPool
 from tokenmill.kv.eviction import RecomputeCost
 from tokenmill.kv.groups import plan_groups
 from tokenmill.kv.manager import KVCacheManager, PrefixHit
-from tokenmill.model.llama import attention_specs
+from tokenmill.model.base import attention_specs
 from tokenmill.platforms.interfaces import AttentionKind
-from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.scheduler import Scheduler, SchedulerConfig
 
 BLOCK = 16
 GIB = 1 << 30
@@ -201,9 +201,9 @@ def _layout(model: str = "gemma3"):
     if model == "qwen3_next":
         from transformers import Qwen3NextConfig
 
-        from tokenmill.model.qwen3_next import qwen3_next_specs
+        from tokenmill.model.registry import attention_specs_for
 
-        specs = qwen3_next_specs(Qwen3NextConfig(), torch.bfloat16, BLOCK)
+        specs = attention_specs_for(Qwen3NextConfig(), torch.bfloat16, BLOCK)
         layout = plan_groups(specs)
         return layout, layout.page_bytes, RecomputeCost.from_specs(specs)
     config = Gemma3TextConfig(

@@ -19,16 +19,16 @@ import time
 import torch
 import torch.nn.functional as F
 
-from tokenmill.ops.linear_attention import (
-    GatedDeltaInputs,
-    ReferenceLinearAttentionBackend,
-    gated_delta_state_spec,
-)
 from tokenmill.platforms.interfaces import (
     AttentionKind,
     AttentionSpec,
     RecurrentStateMetadata,
     recurrent_metadata,
+)
+from tokenmill.platforms.ops.linear_attention import (
+    GatedDeltaInputs,
+    ReferenceLinearAttentionBackend,
+    gated_delta_state_spec,
 )
 from tokenmill_cpu.linear_attention import CpuLinearAttention
 

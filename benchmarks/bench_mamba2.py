@@ -7,7 +7,7 @@ Usage: python benchmarks/bench_mamba2.py [--iters 10] [--threads N]
 Mixer shapes are Bamba-9B's per layer (128 heads of 64, 1 group, state 128, conv 4,
 chunks of 256; a state of 4 MiB float32 per sequence and layer), states in the arena's
 pages (block size 16, pages of a 32-head x 128 bf16 attention layer) at shuffled block
-ids, read and written through tokenmill.kv.state as the engine does. Cases: decode of
+ids, read and written through tokenmill.platforms.kit.kv_state as the engine does. Cases: decode of
 1, 8 and 32 sequences; a 256-token prefill chunk continuing a sequence, with 7 decodes
 beside it; a fresh 512-token prompt with checkpoints every 16 tokens. Both run the same
 reads and writes of the pages; the reference runs each sequence's conv and state update
@@ -25,14 +25,19 @@ from collections.abc import Callable
 
 import torch
 
-from tokenmill.kv.state import pages_for, write_states, zero_states
-from tokenmill.ops.linear_attention import ReferenceLinearAttentionBackend
-from tokenmill.ops.mamba2 import Mamba2Dims, Mamba2Inputs, Mamba2Weights, mamba2_state_spec
 from tokenmill.platforms.interfaces import (
     AttentionKind,
     AttentionSpec,
     RecurrentStateMetadata,
     recurrent_metadata,
+)
+from tokenmill.platforms.kit.kv_state import pages_for, write_states, zero_states
+from tokenmill.platforms.ops.linear_attention import ReferenceLinearAttentionBackend
+from tokenmill.platforms.ops.mamba2 import (
+    Mamba2Dims,
+    Mamba2Inputs,
+    Mamba2Weights,
+    mamba2_state_spec,
 )
 from tokenmill_cpu import kernels
 from tokenmill_cpu.mamba2 import CpuMamba2Attention

@@ -18,8 +18,8 @@ import time
 
 import torch
 
-from tokenmill.ops.mla import mla_attention
 from tokenmill.platforms.interfaces import AttentionKind, AttentionSpec, MLADims
+from tokenmill.platforms.ops.mla import mla_attention
 from tokenmill_conformance.attention_harness import make_metadata, shuffled_tables
 from tokenmill_cpu.mla import CpuMLAAttention
 

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from tokenmill.sampler import Sampler, SamplingRow, make_generator
+from tokenmill.platforms.kit.sampler import Sampler, SamplingRow, make_generator
 from tokenmill.sampling_params import SamplingParams
 
 CASES: dict[str, dict] = {

@@ -98,7 +98,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from tokenmill import LLM
-    from tokenmill.ops.reference import apply_token_bitmask as reference_op
+    from tokenmill.platforms.ops.reference import apply_token_bitmask as reference_op
 
     llm = LLM(dtype=args.dtype)
     engine = llm.engine

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from tokenmill.model.loader import checkpoint_weights, default_model_path, load_model_info
-from tokenmill.step import CachedRequest, NewRequest, SamplingSpec, StepDescription
+from tokenmill.platforms.step import CachedRequest, NewRequest, SamplingSpec, StepDescription
 from tokenmill_tpu.compiles import CompileCounter
 from tokenmill_tpu.runner import TpuModelRunner
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.ops import reference
 from tokenmill.platforms.interfaces import AttentionKind, AttentionMetadata, AttentionSpec
+from tokenmill.platforms.ops import reference
 from tokenmill.platforms.registry import load_platform
 from tokenmill_triton import elementwise, moe
 from tokenmill_triton.attention import paged_attention

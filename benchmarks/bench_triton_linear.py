@@ -28,19 +28,24 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from tokenmill.ops.linear_attention import (
+from tokenmill.platforms.interfaces import (
+    AttentionKind,
+    AttentionSpec,
+    RecurrentStateMetadata,
+    recurrent_metadata,
+)
+from tokenmill.platforms.ops.linear_attention import (
     GatedDeltaInputs,
     KDAInputs,
     ReferenceLinearAttentionBackend,
     gated_delta_state_spec,
     kda_state_spec,
 )
-from tokenmill.ops.mamba2 import Mamba2Dims, Mamba2Inputs, Mamba2Weights, mamba2_state_spec
-from tokenmill.platforms.interfaces import (
-    AttentionKind,
-    AttentionSpec,
-    RecurrentStateMetadata,
-    recurrent_metadata,
+from tokenmill.platforms.ops.mamba2 import (
+    Mamba2Dims,
+    Mamba2Inputs,
+    Mamba2Weights,
+    mamba2_state_spec,
 )
 from tokenmill.platforms.registry import load_platform
 from tokenmill_triton.configs import interpreter_mode

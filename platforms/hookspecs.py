@@ -1,19 +1,25 @@
-"""The whole plugin API: every hook a tokenmill platform plugin may implement.
+"""The whole plugin API: every hook a tokenmill plugin may implement.
 
 A plugin is a module (or object) whose functions carry `HookimplMarker("tokenmill")` and
 are named after the hooks below. It is installed as its own distribution and announced
-through the entry point group `tokenmill.platforms`; the registry
-(`tokenmill.platforms.registry`) loads it, validates it and activates it.
+through the entry point group of its kind (`tokenmill.platforms` for a platform; see
+`tokenmill.platforms.plugins` for KV tiers and parsers); one manager
+(`tokenmill.platforms.plugins.PluginManager`) loads and validates every kind, and the
+platform registry (`tokenmill.platforms.registry`) activates a platform.
 
 One platform is active at a time, so the registry calls the hooks of the chosen plugin
 only (never a mix of plugins) and every hook is `firstresult`: the plugin's answer is the
 answer. A hook implementation may accept a subset of a hook's arguments, so hooks can
 grow arguments without breaking plugins.
 
-Required hooks: `tokenmill_api_version`, `tokenmill_detect`, `tokenmill_platform`,
-`tokenmill_attention_backends`, `tokenmill_allocator`, `tokenmill_hardware_spec`.
-`tokenmill_communicator` is required when the platform declares
-`Capabilities.collectives`. The rest are optional.
+Every plugin implements `tokenmill_api_version`. A platform plugin must implement
+`tokenmill_detect`, `tokenmill_platform`, `tokenmill_attention_backends`,
+`tokenmill_allocator` and `tokenmill_hardware_spec`; `tokenmill_communicator` is required
+when the platform declares `Capabilities.collectives`; the other platform hooks are
+optional. A KV tier, tool parser, reasoning parser or model runner plugin implements the
+one hook of its kind (`tokenmill_kv_tiers`, `tokenmill_tool_parsers`,
+`tokenmill_reasoning_parsers`, `tokenmill_model_runner`).
+Each hook's version is in `tokenmill.platforms.versions.HOOKS_SINCE`.
 
 Every hook is documented in one shape (When called / Arguments / Returns / Core checks /
 Example); `tests/test_hook_docs.py` fails when one is not.
@@ -33,6 +39,7 @@ from tokenmill.platforms.interfaces import (
     DetectionResult,
     GraphCapture,
     HardwareSpec,
+    KernelBuild,
     ModelRunnerBase,
     ModelRunnerContext,
     Platform,
@@ -43,6 +50,7 @@ ENTRY_POINT_GROUP = "tokenmill.platforms"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 
+# what a platform plugin must implement (with tokenmill_api_version, which every plugin does)
 REQUIRED_HOOKS = frozenset(
     {
         "tokenmill_api_version",
@@ -51,6 +59,17 @@ REQUIRED_HOOKS = frozenset(
         "tokenmill_attention_backends",
         "tokenmill_allocator",
         "tokenmill_hardware_spec",
+    }
+)
+# every hook a platform plugin may implement
+PLATFORM_HOOKS = REQUIRED_HOOKS | frozenset(
+    {
+        "tokenmill_communicator",
+        "tokenmill_ops",
+        "tokenmill_graph_capture",
+        "tokenmill_model_runner",
+        "tokenmill_waivers",
+        "tokenmill_kernel_builds",
     }
 )
 
@@ -68,7 +87,11 @@ def tokenmill_api_version() -> str:
     meaningless.
 
     Core checks: the major equals the core's major and the minor is at most the core's
-    minor; otherwise the plugin is rejected with its name and both versions.
+    minor; otherwise the plugin is rejected with its name and both versions. Then every
+    hook it implements, attention kind it declares, op it overrides and field it sets
+    must be no newer than this version (tokenmill.platforms.versions); otherwise it is
+    rejected naming the version that introduced the part. Declare the oldest version
+    that has everything you use (docs/contract-changelog.md).
 
     Example:
         @hookimpl
@@ -213,7 +236,7 @@ def tokenmill_ops(platform: Platform) -> dict[str, Callable]:
         platform: the active `Platform`.
 
     Returns: a dict from op name (one of `interfaces.OP_NAMES`) to a function with the
-    same signature as `tokenmill.ops.reference.<name>`. Return {} (or do not implement
+    same signature as `tokenmill.platforms.ops.reference.<name>`. Return {} (or do not implement
     the hook) to use the references.
 
     Core checks: every key is a known op name and every value is callable; an unknown
@@ -228,25 +251,38 @@ def tokenmill_ops(platform: Platform) -> dict[str, Callable]:
 
 
 @hookspec(firstresult=True)
-def tokenmill_hardware_spec(platform: Platform) -> HardwareSpec:
+def tokenmill_hardware_spec(platform: Platform | None, device: str | None) -> HardwareSpec | None:
     """What the hardware can do at best, for the parallelism planner and the roofline.
 
-    When called: by `ActivePlatform.hardware_spec()`, when the planner or the
-    performance report needs it. Must not run benchmarks.
+    When called: by `ActivePlatform.hardware_spec()` (device None), when the planner, the
+    server's roofline gauges or the performance report need the device at hand; and by
+    `PlatformRegistry.device_spec(name)`, when the planner (`tokenmill plan --cluster
+    2x8xH200`) plans for hardware that is not here: then `platform` is None, the plugin
+    need not be available, and it answers from its hardware table without touching a
+    device. Must not run benchmarks.
 
     Arguments:
-        platform: the active `Platform`.
+        platform: the active `Platform`; None when a device is asked for by name.
+        device: None for the device at hand; else a device name ("H200", "MI300X",
+            "TPU v5e", case-insensitive) to look up in the plugin's table. A plugin
+            without a table may leave this argument out (since API 1.4).
 
-    Returns: a `HardwareSpec` with peak FLOP/s per dtype name, memory bandwidth and size.
+    Returns: a `HardwareSpec` with peak FLOP/s per dtype name, memory bandwidth and size,
+    and the device-to-device link bandwidth; None for a device name the table does not
+    hold. Figures in a table are the vendor's published ones (dense, no sparsity).
 
     Core checks: the result is a `HardwareSpec`; every peak and bandwidth is a positive
-    number; `peak_flops` has an entry for the platform's default dtype.
+    number; `peak_flops` has an entry for the platform's default dtype (for a named
+    device: a "bfloat16" entry) and a named device's `memory_bytes` is its capacity.
 
     Example:
         @hookimpl
-        def tokenmill_hardware_spec(platform):
+        def tokenmill_hardware_spec(platform, device):
+            if device is not None and device.lower() != "x1":
+                return None
             return HardwareSpec(name="MyAccel X1", peak_flops={"bfloat16": 400e12},
-                                memory_bandwidth=2.0e12, memory_bytes=96 << 30)
+                                memory_bandwidth=2.0e12, memory_bytes=96 << 30,
+                                link_bandwidth=200e9)
     """
 
 
@@ -284,26 +320,36 @@ def tokenmill_graph_capture(platform: Platform) -> GraphCapture | None:
 def tokenmill_model_runner(
     platform: Platform, context: ModelRunnerContext
 ) -> ModelRunnerBase | None:
-    """Optional: a whole model runner of the plugin's own instead of the core's.
+    """A whole model runner: a platform plugin's own (optional), or the core's.
 
-    When called: once per worker at engine start-up, before the core loads any weights;
-    when it returns a runner, the core loads none (the runner loads its own, through
-    `context.weights()`).
+    When called: once per worker at engine start-up, before any weights are loaded, on the
+    active platform's plugin first; when it returns None, on the model_runner plugins
+    (entry point group `tokenmill.model_runners`; the core's own runner is the plugin
+    `tokenmill` there, asked last). The runner loads its own weights, through
+    `context.weights()`.
 
     Arguments:
         platform: the active `Platform`.
         context: a `ModelRunnerContext`: the HF config, the checkpoint path and an iterator
             over its weights from the core's loaders, the KV cache spec (per-layer attention
-            specs, block size, user-fixed block count or bytes), the parallel config (rank,
-            world size), dtype, device, and the step limits (max_num_batched_tokens,
-            max_num_seqs, max_model_len). No tokenizer: runners see token ids.
+            specs, block size, user-fixed block count or bytes, the core's KV-group plan:
+            each layer's group and arena slot), the parallel config (rank, world size and
+            every parallel size), dtype, device, the step limits (max_num_batched_tokens,
+            max_num_seqs, max_model_len), the seed and the `ActivePlatform`. No tokenizer:
+            runners see token ids.
 
-    Returns: None to use the core model runner, or a `ModelRunnerBase`: the core calls its
-    `kv_block_bytes()`, `profile()`, `initialize_kv_cache(num_blocks)`, then `execute(step)`
-    with each `tokenmill.step.StepDescription`, expecting a `tokenmill.step.StepResult`.
+    Returns: None to leave the model to the next runner plugin, or a `ModelRunnerBase`:
+    the worker reads its `capabilities()` and `kv_cache_layout()`, may call
+    `profile(scratch)`, hands it the arena's page views with `bind_kv_cache(pages)`, then
+    calls `execute(step)` with each `tokenmill.platforms.step.StepDescription`,
+    expecting a `tokenmill.platforms.step.StepResult`; `sleep` / `wake_up` when it
+    declares sleep mode; `shutdown` last.
 
-    Core checks: the result is None or a `ModelRunnerBase` (else the engine fails to start
-    naming the plugin), and `kv_block_bytes()` is a positive integer. Conformance tier T3
+    Core checks: the result is None or a `ModelRunnerBase` whose `capabilities()` is a
+    `RunnerCapabilities` naming its attention kinds and whose `kv_cache_layout()` is a
+    `KVCacheLayout` with one spec per layer (else the engine fails to start naming the
+    plugin); then, once, that the model's layer kinds are among the runner's, and that
+    KV offload is configured only for a runner that declares it. Conformance tier T3
     runs every greedy comparison through it (the engine uses it for every model) and
     checks that the engine really did.
 
@@ -338,4 +384,129 @@ def tokenmill_waivers(platform: Platform) -> list[tuple[str, str]]:
         def tokenmill_waivers(platform):
             return [("t4/test_serving.py::test_anthropic_messages_streamed",
                      "SSE through our gateway lands in release 2")]
+    """
+
+
+@hookspec(firstresult=True)
+def tokenmill_kv_tiers() -> dict[str, Callable]:
+    """KV offload tiers, by the name a user picks them with (a remote URL's scheme).
+
+    When called: when the engine builds its KV offload stack (`--kv-offload-host-bytes`,
+    `--kv-offload-disk-path`, `--kv-offload-remote URL`), on every KV tier plugin (entry
+    point group `tokenmill.kv_tiers`), and by `tokenmill plugins`.
+
+    Arguments: none.
+
+    Returns: a dict from tier name to a factory `make(options, context) -> KVTier`:
+    `options` is a mapping of the tier's settings (`{"url": ...}` for a remote tier,
+    `{"bytes": ...}` for host memory, `{"path": ..., "bytes": ...}` for disk) and
+    `context` a `tokenmill.platforms.kv_tier.TierContext` (object size, layout
+    fingerprint, the platform's host-staging allocator).
+
+    Core checks: the result is a dict of non-empty names to callables, and no two plugins
+    provide the same name; the factory's result must be a `KVTier`, else the engine fails
+    to start naming the tier.
+
+    Example:
+        @hookimpl
+        def tokenmill_kv_tiers():
+            return {"mystore": lambda options, context: MyStoreTier(options["url"])}
+    """
+
+
+@hookspec(firstresult=True)
+def tokenmill_kv_transports() -> dict[str, Callable]:
+    """KV transports of prefill/decode disaggregation, by the name `--kv-transport` takes.
+
+    When called: when an engine with `kv_role` prefill or decode starts its workers (each
+    rank builds one transport over its KV arena), on every KV transport plugin (entry
+    point group `tokenmill.kv_transports`), and by `tokenmill plugins`.
+
+    Arguments: none.
+
+    Returns: a dict from transport name to a factory `make(context) -> KVTransport`
+    (`tokenmill.platforms.kv_transport`), `context` a `TransportContext` (the agent's
+    name, host and the rank's device).
+
+    Core checks: the result is a dict of non-empty names to callables, and no two plugins
+    provide the same name; the factory's result must be a `KVTransport`, else the worker
+    fails to start naming the transport.
+
+    Example:
+        @hookimpl
+        def tokenmill_kv_transports():
+            return {"myfabric": MyFabricTransport}
+    """
+
+
+@hookspec(firstresult=True)
+def tokenmill_tool_parsers() -> dict[str, type]:
+    """Tool-call parsers, by the name `--tool-call-parser` takes.
+
+    When called: when the server starts with `--tool-call-parser` (or `auto`, to detect one
+    from the chat template), on every tool parser plugin (entry point group
+    `tokenmill.tool_parsers`), and by `tokenmill plugins`.
+
+    Arguments: none.
+
+    Returns: a dict from parser name to a subclass of
+    `tokenmill.platforms.tool_parsing.ToolParser`.
+
+    Core checks: every value is a `ToolParser` subclass and no two plugins provide the
+    same name; otherwise the server fails to start naming the plugin.
+
+    Example:
+        @hookimpl
+        def tokenmill_tool_parsers():
+            return {"mymodel": MyModelToolParser}
+    """
+
+
+@hookspec(firstresult=True)
+def tokenmill_reasoning_parsers() -> dict[str, type]:
+    """Reasoning parsers (thinking split from the answer), by the name `--reasoning-parser`
+    takes.
+
+    When called: when the server starts with `--reasoning-parser`, on every reasoning
+    parser plugin (entry point group `tokenmill.reasoning_parsers`), and by
+    `tokenmill plugins`.
+
+    Arguments: none.
+
+    Returns: a dict from parser name to a subclass of
+    `tokenmill.platforms.reasoning.ReasoningParser`.
+
+    Core checks: every value is a `ReasoningParser` subclass and no two plugins provide
+    the same name; otherwise the server fails to start naming the plugin.
+
+    Example:
+        @hookimpl
+        def tokenmill_reasoning_parsers():
+            return {"mythink": MyThinkReasoningParser}
+    """
+
+
+@hookspec(firstresult=True)
+def tokenmill_kernel_builds(platform: Platform) -> list[KernelBuild] | None:
+    """Every kernel of the plugin compiled ahead of time for the real targets it ships
+    launch settings for, on this machine, whether or not the device is attached (API 1.5).
+
+    When called: by the conformance suite (tier T1), once per certification.
+
+    Arguments:
+        platform: the active `Platform` (possibly an emulated one: the builds are for the
+            real targets, not for it).
+
+    Returns: one `KernelBuild` per (target, kernel, launch configuration), each compiled
+    as the plugin launches it at production shapes; None when the plugin has no kernels
+    of its own to compile (it runs the core's references or a vendor library).
+
+    Core checks: a list of `KernelBuild`. The suite fails T1 on any record with an `error`
+    or with `spill_bytes > 0`, and lists every record in the certificate's `compile`
+    section (registers, spills, shared memory per kernel and configuration).
+
+    Example:
+        @hookimpl
+        def tokenmill_kernel_builds(platform):
+            return [compile_for("sm_90", kernel, cfg) for kernel, cfg in LAUNCHES]
     """

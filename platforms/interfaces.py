@@ -27,19 +27,17 @@ from tokenmill.platforms.layer_state import (  # noqa: F401 - part of the seam
 )
 from tokenmill.platforms.model_runner import (  # noqa: F401 - part of the seam
     GraphCapture,
+    KVCacheLayout,
+    KVCachePages,
     KVCacheSpec,
     ModelRunnerBase,
     ModelRunnerContext,
     ParallelConfig,
+    RunnerCapabilities,
 )
+from tokenmill.platforms.versions import PLUGIN_API_VERSION  # noqa: F401 - part of the seam
 
-# 1.1: op apply_token_bitmask. 1.2: tokenmill_model_runner gets a ModelRunnerContext and
-# returns a ModelRunnerBase; tokenmill_graph_capture returns a GraphCapture; ops
-# moe_experts and gelu_tanh_and_mul; AttentionSpec.sinks. 1.3: recurrent state for kind
-# LINEAR (AttentionSpec.state, AttentionMetadata.recurrent, LinearAttentionBackend); the
-# MLA kind (AttentionSpec.mla, MLADims) and AttentionBackend.kv_cache_shape;
-# Allocator.sleep / wake (optional: platforms that declare capabilities.sleep_mode).
-PLUGIN_API_VERSION = "1.3"
+# the version history: tokenmill.platforms.versions and docs/contract-changelog.md
 
 
 class AttentionKind(str, enum.Enum):
@@ -64,13 +62,13 @@ class AttentionSpec:
     (the model's softmax scale over the qk_head_dim-wide dot products).
     """
 
-    kind: AttentionKind
-    num_heads: int
-    num_kv_heads: int
-    head_size: int
-    dtype: torch.dtype
-    block_size: int
-    sliding_window: int | None = None
+    kind: AttentionKind  # which family of backend runs the layer
+    num_heads: int  # query heads (a LINEAR layer: value heads)
+    num_kv_heads: int  # key/value heads (GQA groups); 1 for MLA; LINEAR: key heads
+    head_size: int  # per head; MLA: what a cached token holds (kv_lora_rank + rope)
+    dtype: torch.dtype  # of the queries, and of the cache unless `cache_dtype` is set
+    block_size: int  # tokens per KV block (page)
+    sliding_window: int | None = None  # tokens a query sees back (SLIDING_WINDOW); None: all
     scale: float | None = None  # None means head_size ** -0.5
     # Learned per-head sink logits (gpt-oss): each query's softmax has one extra logit per
     # head that takes probability mass and contributes no value. The layer then calls
@@ -81,8 +79,25 @@ class AttentionSpec:
     # kind LINEAR only: the per-sequence state the layer keeps (None for attention kinds)
     state: RecurrentStateSpec | None = None
     mla: MLADims | None = None  # exactly for AttentionKind.MLA
+    # The dtype the paged cache stores when it is not `dtype`: a quantized KV cache
+    # (torch.float8_e4m3fn or torch.float8_e5m2, EngineArgs.kv_cache_dtype). Keys and
+    # values are written as round(x / scale) and read as stored * scale, with the float32
+    # scales [num_kv_heads] (MLA: [1], the latent row's) that the layer passes `forward`
+    # as the keywords `k_scale` and `v_scale`; only a backend whose `kv_cache_dtypes`
+    # holds it gets such a spec. Never set on LINEAR layers (states keep their dtypes).
+    cache_dtype: torch.dtype | None = None
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype the paged cache holds: `cache_dtype`, else `dtype`."""
+        return self.cache_dtype if self.cache_dtype is not None else self.dtype
 
     def __post_init__(self) -> None:
+        if self.cache_dtype is not None and self.kind == AttentionKind.LINEAR:
+            raise ValueError(
+                f"a LINEAR spec with cache_dtype={self.cache_dtype}: recurrent state keeps "
+                "the dtypes of its RecurrentStateSpec; only attention KV is quantized"
+            )
         if (self.kind == AttentionKind.LINEAR) != (self.state is not None):
             raise ValueError(
                 f"an AttentionSpec of kind {self.kind.value!r} with state={self.state}: a "
@@ -128,16 +143,16 @@ class AttentionMetadata:
     """
 
     num_tokens: int  # total new tokens in the step
-    num_seqs: int
+    num_seqs: int  # sequences in the step (each with at least one new token)
     query_start_loc: torch.Tensor  # int32 [num_seqs + 1], device: cumulative query lengths
     seq_lens: torch.Tensor  # int32 [num_seqs], device: context length incl. this step's tokens
     block_tables: torch.Tensor  # int32 [num_seqs, max_num_blocks], device; padded with 0
     slot_mapping: torch.Tensor  # int64 [num_tokens], device: block_id * block_size + offset
     query_lens_cpu: list[int]  # host copy of the per-sequence query lengths
     seq_lens_cpu: list[int]  # host copy of seq_lens
-    max_query_len: int
-    max_seq_len: int
-    block_size: int
+    max_query_len: int  # the longest query_lens_cpu entry
+    max_seq_len: int  # the longest seq_lens_cpu entry
+    block_size: int  # tokens per KV block (page)
     # Backends may stash per-step precomputed state here (keyed by backend name) in
     # `AttentionBackend.prepare`; the core never reads it.
     backend_state: dict[str, object] = field(default_factory=dict)
@@ -235,6 +250,9 @@ class AttentionBackend(ABC):
     # whether `forward` takes `sinks` (AttentionSpec.sinks); plugins written before 1.2
     # do not, and never get a spec with sinks
     supports_sinks: bool = False
+    # the quantized cache dtypes (AttentionSpec.cache_dtype) `forward` stores and reads,
+    # with the `k_scale` / `v_scale` keywords; a backend without any never gets such a spec
+    kv_cache_dtypes: frozenset[torch.dtype] = frozenset()
 
     @abstractmethod
     def supports(self, spec: AttentionSpec) -> bool:
@@ -265,15 +283,19 @@ class AttentionBackend(ABC):
         Each query token attends causally to its sequence's context (cached tokens plus the
         step's tokens up to and including itself). Returns [num_tokens, num_heads, head_size].
         With `spec.sinks` the core adds the keyword `sinks` (float32 [num_heads]); only a
-        backend with `supports_sinks` gets such a spec.
+        backend with `supports_sinks` gets such a spec. With `spec.cache_dtype` (a
+        quantized cache, one of `kv_cache_dtypes`) it adds `k_scale` and `v_scale`
+        (float32 [num_kv_heads]): write `(x / scale)` saturated to the cache dtype, read
+        `stored * scale` (`tokenmill.platforms.ops.kv_quant`, the reference).
 
         MLA (`spec.kind == AttentionKind.MLA`, see `MLADims`; reference:
-        `tokenmill.ops.mla.mla_attention`) reads the arguments as: `query` [num_tokens,
+        `tokenmill.platforms.ops.mla.mla_attention`) reads the arguments as: `query` [num_tokens,
         num_heads, qk_nope_head_dim + qk_rope_head_dim] (q_nope | roped q_pe); `key`
         [num_tokens, 1, kv_lora_rank + qk_rope_head_dim], the latent row to cache (c_kv |
         roped k_pe); `value` None; `kv_cache` [num_blocks, block_size, kv_lora_rank +
         qk_rope_head_dim]; and the keywords `w_uk` [num_heads, qk_nope_head_dim,
-        kv_lora_rank] and `w_uv` [num_heads, v_head_dim, kv_lora_rank]. Returns
+        kv_lora_rank] and `w_uv` [num_heads, v_head_dim, kv_lora_rank]; a quantized latent
+        cache uses `k_scale` ([1]) for the whole row (`v_scale` is passed and unused). Returns
         [num_tokens, num_heads, v_head_dim]. A backend may decompress the latents (prefill)
         or fold `w_uk` into the query and apply `w_uv` after (decode); both are exact.
         """
@@ -285,7 +307,7 @@ class LinearAttentionBackend(AttentionBackend):
 
     Dispatches on `spec.state.variant`: `variants` lists those it runs. Each variant's
     inputs are a dataclass defined beside its pure-PyTorch reference in
-    `tokenmill.ops.linear_attention` (`REFERENCE_VARIANTS`), e.g. `GatedDeltaInputs`;
+    `tokenmill.platforms.ops.linear_attention` (`REFERENCE_VARIANTS`), e.g. `GatedDeltaInputs`;
     the model layer builds them (projections stay in the model) and gets the layer's
     output back. `forward` replaces the attention signature for this kind; `prepare` is
     as for attention.
@@ -295,6 +317,7 @@ class LinearAttentionBackend(AttentionBackend):
     variants: frozenset[str] = frozenset()
 
     def supports(self, spec: AttentionSpec) -> bool:
+        """A LINEAR spec whose state variant is one of `variants`."""
         return spec.kind == AttentionKind.LINEAR and spec.state.variant in self.variants
 
     @abstractmethod
@@ -380,20 +403,26 @@ class Communicator(ABC):
         ])
 
     @abstractmethod
-    def send(self, tensor: torch.Tensor, dst: int) -> None: ...
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        """Send `tensor` to rank `dst` of the group (blocking; pipeline stages)."""
 
     @abstractmethod
     def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         """Receive into `tensor` (shape and dtype must match the sender's); returns it."""
 
     @abstractmethod
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor: ...
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Rank `src`'s tensor on every rank (in place into `tensor`); returns it."""
 
     @abstractmethod
-    def barrier(self) -> None: ...
+    def barrier(self) -> None:
+        """Return once every rank of the group has called it."""
 
 
 class AllocatorPurpose(str, enum.Enum):
+    """Which memory an allocator hands out: the KV arena, model weights, or host
+    staging buffers (KV offload's copies, host tiers)."""
+
     KV_ARENA = "kv_arena"
     WEIGHTS = "weights"
     HOST_STAGING = "host_staging"
@@ -420,7 +449,8 @@ class Allocator(ABC):
         """Give back a buffer returned by `allocate`. Freeing twice is an error."""
 
     @abstractmethod
-    def bytes_in_use(self) -> int: ...
+    def bytes_in_use(self) -> int:
+        """Bytes handed out and not yet freed (exact: conformance T1 checks)."""
 
     @abstractmethod
     def bytes_limit(self) -> int:
@@ -460,28 +490,57 @@ class HardwareSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class KernelBuild:
+    """One kernel in one launch configuration compiled ahead of time for one real target
+    (a GPU or TPU the plugin ships settings for), without the device: what the conformance
+    suite certifies for devices it cannot run on.
+
+    `registers`: per thread (NVIDIA) or VGPRs per lane (AMD), None where the target has no
+    such figure; `spill_bytes`: register spills to local memory (loads and stores), 0 when
+    none; `shared_bytes`: shared memory / LDS / VMEM scratch per program; `error`: the
+    compiler's message when it failed, else None; `note`: anything the record must say
+    (e.g. "lowered only: libtpu does not install here")."""
+
+    target: str  # "sm_90", "gfx942", "tpu v5e"
+    kernel: str
+    config: str  # the launch configuration, readable (tiles, warps, constexprs)
+    case: str  # the launch it comes from (op and shape)
+    registers: int | None
+    spill_bytes: int | None
+    shared_bytes: int | None
+    seconds: float
+    error: str | None = None
+    note: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class Capabilities:
     """What a platform declares it supports; the core and the conformance suite branch on it."""
 
+    # the kinds its attention backends serve (one backend per kind at least)
     attention_kinds: frozenset[AttentionKind] = frozenset({AttentionKind.FULL})
-    dtypes: frozenset[torch.dtype] = frozenset({torch.float32})
-    block_sizes: frozenset[int] = frozenset({16})
-    head_sizes: frozenset[int] = frozenset({64, 128})
-    collectives: bool = False
-    graphs: bool = False
-    sleep_mode: bool = False
+    dtypes: frozenset[torch.dtype] = frozenset({torch.float32})  # compute and cache dtypes
+    block_sizes: frozenset[int] = frozenset({16})  # KV block sizes (tokens) it supports
+    head_sizes: frozenset[int] = frozenset({64, 128})  # attention head sizes it supports
+    collectives: bool = False  # implements tokenmill_communicator (tp, pp, ep, cp)
+    graphs: bool = False  # tokenmill_graph_capture may return decode-step graphs
+    sleep_mode: bool = False  # its allocators implement sleep / wake (LLM.sleep)
+    # quantized KV cache dtypes (EngineArgs.kv_cache_dtype: torch.float8_e4m3fn,
+    # torch.float8_e5m2) its backends of every declared attention kind but LINEAR store
+    # (AttentionBackend.kv_cache_dtypes); empty: the cache is in the compute dtype only
+    kv_cache_dtypes: frozenset[torch.dtype] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
 class Platform:
     """An activated platform: the device the engine runs on and what it can do."""
 
-    name: str
+    name: str  # the platform's name (its entry point's, what --platform takes)
     device_type: str  # torch device type string, e.g. "cpu"
-    capabilities: Capabilities
-    default_dtype: torch.dtype
-    memory_info: Callable[[], MemoryInfo]
-    version: str = "0"
+    capabilities: Capabilities  # what it supports; frozen
+    default_dtype: torch.dtype  # EngineArgs.dtype "auto" resolves to it
+    memory_info: Callable[[], MemoryInfo]  # total and free device memory, now
+    version: str = "0"  # the device software's version, for the certificate
     # The most prompt tokens one request computes per step when EngineArgs leaves
     # long_prefill_token_threshold unset (None: no limit but the step's budget). A request
     # arriving while a long prompt is prefilled waits for the step in flight: a slow device
@@ -503,7 +562,7 @@ class DetectionResult:
 
 
 # Op names a plugin may override through `tokenmill_ops`; each has a reference in
-# `tokenmill.ops.reference` with the same signature.
+# `tokenmill.platforms.ops.reference` with the same signature.
 OP_NAMES = frozenset(
     {
         "rms_norm",
@@ -516,5 +575,7 @@ OP_NAMES = frozenset(
         "apply_token_bitmask",  # structured output's grammar mask on the logits (tier T1)
         "gelu_tanh_and_mul",  # Gemma's gated MLP activation
         "moe_experts",  # routed expert GEMMs of a mixture-of-experts layer (tier T1)
+        # a quantized weight's matmul (ops/quant.py: GGUF, AWQ, GPTQ, FP8; tier T1)
+        "prepack_quantized_linear",
     }
 )

@@ -91,7 +91,7 @@ class MLADims:
 class RecurrentStateMetadata:
     """Where each sequence's recurrent state lives in one step, for one KV group of LINEAR
     layers (core/kv/recurrent.py). Block ids name pages of the arena, as block tables do;
-    a layer reads and writes them through `tokenmill.kv.state` (`read_states`,
+    a layer reads and writes them through `tokenmill.platforms.kit.kv_state` (`read_states`,
     `write_states`) on its own state cache.
 
     Per sequence, in batch order:

@@ -1,10 +1,11 @@
 """Find, validate, select and activate platform plugins.
 
-Plugins are discovered through the entry point group `tokenmill.platforms` and
-registered on one pluggy `PluginManager` under their entry point name. Registration
-validates the contract (hook names, signatures, required hooks, API version) and fails
-loudly with the plugin's name. Hooks are called on one plugin at a time through
-`PluginManager.subset_hook_caller`, so several installed plugins never mix.
+Platform plugins are the `platform` kind of the one plugin manager
+(`tokenmill.platforms.plugins.PluginManager`): discovered through the entry point group
+`tokenmill.platforms`, validated there (hook names, signatures, required hooks, API
+version) and called one at a time, so several installed plugins never mix. Activation
+checks what the plugin returns, including that nothing it declares is newer than its
+declared API version (`tokenmill.platforms.platform_checks`).
 
 Selection (`load_platform`): an explicit name, else `$TOKENMILL_PLATFORM`, else the one
 available plugin. The result is an `ActivePlatform`, the core's only handle on a plugin.
@@ -16,15 +17,8 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib import metadata
 
-import pluggy
-
-from tokenmill.ops import Ops, resolve_ops
-from tokenmill.platforms import hookspecs
 from tokenmill.platforms.interfaces import (
-    OP_NAMES,
-    PLUGIN_API_VERSION,
     Allocator,
     AllocatorPurpose,
     AttentionBackend,
@@ -34,20 +28,39 @@ from tokenmill.platforms.interfaces import (
     DetectionResult,
     GraphCapture,
     HardwareSpec,
+    KernelBuild,
     ModelRunnerBase,
     ModelRunnerContext,
     Platform,
 )
+from tokenmill.platforms.ops import Ops, resolve_ops
+from tokenmill.platforms.platform_checks import (
+    PlatformError,
+    check_allocator,
+    check_backends,
+    check_hardware_spec,
+    check_ops,
+    check_platform,
+    check_runner,
+    check_type,
+    check_versions,
+    check_waivers,
+    versioned_parts,
+)
+from tokenmill.platforms.plugins import (
+    CORE_PLUGIN_NAME,
+    IN_PROCESS,
+    MODEL_RUNNER,
+    PLATFORM,
+    PluginError,
+    PluginManager,
+)
+from tokenmill.platforms.versions import parse_version
 
 logger = logging.getLogger(__name__)
 
 PLATFORM_ENV = "TOKENMILL_PLATFORM"
-IN_PROCESS = "<in-process>"
 _INSTALL_HINT = "install one, e.g. `pip install plugins/cpu` (distribution tokenmill-cpu)"
-
-
-class PlatformError(RuntimeError):
-    """A platform plugin is missing, broken, unavailable or cannot be chosen."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,15 +73,7 @@ class PlatformInfo:
     available: bool
     reason: str  # why (not) available, from the probe, or the load error
     capabilities: Capabilities | None = None  # only when available
-
-
-@dataclass(slots=True)
-class _Plugin:
-    name: str
-    distribution: str
-    version: str
-    plugin: object | None  # None when loading or validation failed
-    error: str = ""
+    api_version: str | None = None  # the plugin API version it declares
 
 
 class ActivePlatform:
@@ -79,24 +84,31 @@ class ActivePlatform:
     """
 
     def __init__(
-        self, name: str, version: str, call: Callable[..., object], implemented: frozenset[str]
+        self, name: str, version: str, call: Callable[..., object], implemented: frozenset[str],
+        api_version: str, plugins: PluginManager | None = None,
+        hook_parts: tuple[tuple[str, str], ...] = (),
     ) -> None:
+        """`plugins`: the manager holding the model_runner plugins (the core's runner);
+        `hook_parts`: (hook or argument, its version) of what the plugin implements."""
         self.name = name
+        self._plugins = plugins
+        self._hook_parts = hook_parts
         self.version = version
+        self.api_version = api_version  # the plugin API version the plugin declares
         self._call = call
-        self.platform: Platform = _check_platform(name, call("tokenmill_platform"))
+        self.platform: Platform = check_platform(name, call("tokenmill_platform"))
         if self.platform.capabilities.collectives and "tokenmill_communicator" not in implemented:
             raise PlatformError(
                 f"platform plugin {name!r} declares collectives but does not implement "
                 "tokenmill_communicator; implement it or declare collectives=False"
             )
-        self._backends = _check_backends(
+        self._backends = check_backends(
             name, self.platform, call("tokenmill_attention_backends", platform=self.platform)
         )
-        self._ops = resolve_ops(
-            _check_ops(name, call("tokenmill_ops", platform=self.platform)),
-            source=f"platform plugin {name!r}",
-        )
+        overrides = check_ops(name, call("tokenmill_ops", platform=self.platform))
+        self._parts = versioned_parts(self.platform, self._backends, overrides)
+        check_versions(name, api_version, self._parts)
+        self._ops = resolve_ops(overrides, source=f"platform plugin {name!r}")
         self._allocators: dict[AllocatorPurpose, Allocator] = {}
 
     def __repr__(self) -> str:
@@ -131,7 +143,7 @@ class ActivePlatform:
         """The plugin's allocator for `purpose`, created on first use and then kept."""
         if purpose not in self._allocators:
             allocator = self._call("tokenmill_allocator", platform=self.platform, purpose=purpose)
-            self._allocators[purpose] = _check_allocator(self.name, purpose, allocator)
+            self._allocators[purpose] = check_allocator(self.name, purpose, allocator)
         return self._allocators[purpose]
 
     def communicator(self, group: object | None = None) -> Communicator:
@@ -142,12 +154,13 @@ class ActivePlatform:
                 f"platform plugin {self.name!r} does not implement tokenmill_communicator; "
                 "it cannot run with tensor/pipeline/expert parallelism"
             )
-        return _check_type(self.name, "tokenmill_communicator", result, Communicator)
+        return check_type(self.name, "tokenmill_communicator", result, Communicator)
 
     def hardware_spec(self) -> HardwareSpec:
         """Peak FLOP/s, memory bandwidth and size, as the plugin declares them."""
-        spec = self._call("tokenmill_hardware_spec", platform=self.platform)
-        return _check_hardware_spec(self.name, self.platform, spec)
+        spec = self._call("tokenmill_hardware_spec", platform=self.platform, device=None)
+        dtype_name = str(self.platform.default_dtype).removeprefix("torch.")
+        return check_hardware_spec(self.name, dtype_name, spec)
 
     def graph_capture(self, max_num_seqs: int) -> GraphCapture | None:
         """The plugin's decode-step graphs, or None to run eagerly (always None when the
@@ -157,7 +170,7 @@ class ActivePlatform:
         result = self._call("tokenmill_graph_capture", platform=self.platform)
         if result is None:
             return None
-        graphs = _check_type(self.name, "tokenmill_graph_capture", result, GraphCapture)
+        graphs = check_type(self.name, "tokenmill_graph_capture", result, GraphCapture)
         sizes = graphs.batch_sizes(max_num_seqs)
         if (not isinstance(sizes, list) or not sizes
                 or any(not isinstance(n, int) or not 0 < n <= max_num_seqs for n in sizes)
@@ -168,76 +181,116 @@ class ActivePlatform:
             )
         return graphs
 
-    def model_runner(self, context: ModelRunnerContext) -> ModelRunnerBase | None:
-        """The plugin's own model runner for `context`, or None for the core's."""
-        result = self._call("tokenmill_model_runner", platform=self.platform, context=context)
+    def model_runner(self, context: ModelRunnerContext) -> tuple[ModelRunnerBase, str]:
+        """(the runner for `context`, the name of the plugin that built it): the active
+        platform's own if its `tokenmill_model_runner` returns one, else the first
+        model_runner plugin's that does, the core's last. Each is checked the same way."""
+        candidates = [(self.name, f"platform plugin {self.name!r}", self._call)]
+        if self._plugins is not None:
+            records = sorted(self._plugins.records(MODEL_RUNNER),
+                             key=lambda r: (r.name == CORE_PLUGIN_NAME, r.name))
+            candidates += [(r.name, f"model_runner plugin {r.name!r}",
+                            self._plugins.caller(MODEL_RUNNER, r.name))
+                           for r in records if r.plugin is not None]
+        for provider, where, call in candidates:
+            try:
+                result = call("tokenmill_model_runner", platform=self.platform, context=context)
+            except PluginError as exc:
+                raise PlatformError(str(exc)) from exc.__cause__
+            if result is not None:
+                return check_runner(where, result), provider
+        raise PlatformError(
+            f"no model runner for {context.hf_config.model_type!r} on platform {self.name!r}: "
+            "neither the platform plugin nor a model_runner plugin (the core's is "
+            f"{CORE_PLUGIN_NAME!r}, entry point group {MODEL_RUNNER.entry_point_group!r}) "
+            "returned one; is tokenmill installed (pip install -e .)?"
+        )
+
+    def required_api_version(self) -> str:
+        """The oldest plugin API version that has every hook, hook argument, attention kind,
+        op and field this plugin uses: what it should declare."""
+        parts = list(self._hook_parts) + list(self._parts)
+        return max((since for _, since in parts), key=parse_version, default="1.0")
+
+    def kernel_builds(self) -> list[KernelBuild] | None:
+        """The plugin's kernels compiled for its real targets, or None when it has none."""
+        result = self._call("tokenmill_kernel_builds", platform=self.platform)
         if result is None:
             return None
-        runner = _check_type(self.name, "tokenmill_model_runner", result, ModelRunnerBase)
-        block_bytes = runner.kv_block_bytes()
-        if not isinstance(block_bytes, int) or block_bytes < 1:
+        if not isinstance(result, list) or not all(isinstance(b, KernelBuild) for b in result):
             raise PlatformError(
-                f"platform plugin {self.name!r}: its model runner's kv_block_bytes() returned "
-                f"{block_bytes!r}; expected a positive int"
+                f"platform plugin {self.name!r}: tokenmill_kernel_builds returned "
+                f"{type(result).__name__}; expected a list of KernelBuild or None"
             )
-        return runner
+        return result
 
     def waivers(self) -> list[tuple[str, str]]:
         """(conformance test id, reason) pairs the plugin asks to waive."""
         result = self._call("tokenmill_waivers", platform=self.platform)
-        return _check_waivers(self.name, [] if result is None else result)
+        return check_waivers(self.name, [] if result is None else result)
 
 
 class PlatformRegistry:
-    """Installed and in-process plugins on one pluggy manager.
+    """The platform plugins of a `PluginManager` (which holds the other kinds too).
 
-    `PlatformRegistry.discover()` loads the entry points; `PlatformRegistry()` starts
-    empty (for tests and in-process plugins, added with `register_plugin`).
+    `PlatformRegistry.discover()` loads every entry point of every kind;
+    `PlatformRegistry()` starts empty (for tests and in-process plugins, added with
+    `register_plugin`).
     """
 
-    def __init__(self) -> None:
-        self._pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
-        self._pm.add_hookspecs(hookspecs)
-        self._plugins: dict[str, _Plugin] = {}
+    def __init__(self, plugins: PluginManager | None = None) -> None:
+        """`plugins`: a manager to use; None: one with no platform plugin (they are
+        registered with `register_plugin`) but the installed model runners (the core's)."""
+        self.plugins = plugins if plugins is not None else PluginManager.discover([MODEL_RUNNER])
 
     @classmethod
     def discover(cls) -> PlatformRegistry:
-        """A registry holding every plugin of the entry point group `tokenmill.platforms`.
+        """A registry over every installed plugin (`PluginManager.discover()`).
 
         A plugin that fails to import or validate is kept with its error: it shows as
         unavailable in `list_platforms()` and makes `load_platform()` fail if chosen.
         """
-        registry = cls()
-        for entry_point in metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP):
-            dist = entry_point.dist
-            dist_name = dist.name if dist is not None else "<unknown distribution>"
-            dist_version = dist.version if dist is not None else "0"
-            try:
-                module = entry_point.load()
-            except Exception as exc:  # kept and reported: one broken plugin must not hide the rest
-                error = f"cannot import {entry_point.value!r}: {exc!r}"
-                registry._plugins[entry_point.name] = _Plugin(
-                    entry_point.name, dist_name, dist_version, None, error
-                )
-                logger.warning("platform plugin %r: %s", entry_point.name, error, exc_info=True)
-                continue
-            registry._add(module, entry_point.name, dist_name, dist_version, keep_errors=True)
-        return registry
+        return cls(PluginManager.discover())
 
     def register_plugin(self, plugin: object, name: str, version: str = "0") -> None:
-        """Register an in-process plugin (a module or any object with hookimpls).
+        """Register an in-process platform plugin (a module or any object with hookimpls).
 
         Validates it as entry point plugins are and raises `PlatformError` if it is bad.
         """
-        self._add(plugin, name, IN_PROCESS, version, keep_errors=False)
+        try:
+            self.plugins.register(plugin, PLATFORM, name, IN_PROCESS, version)
+        except PluginError as exc:
+            raise PlatformError(str(exc)) from None
 
     @property
     def names(self) -> list[str]:
-        return sorted(self._plugins)
+        return [record.name for record in self.plugins.records(PLATFORM)]
 
     def list_platforms(self) -> list[PlatformInfo]:
         """Every registered plugin, whether it is available and why, sorted by name."""
         return [self._probe(name)[0] for name in self.names]
+
+    def device_spec(self, device: str) -> tuple[str, HardwareSpec]:
+        """The `HardwareSpec` of `device` (a name such as "H200") from the first plugin
+        whose hardware table holds it, with that plugin's name. Plugins are asked in name
+        order, available or not (a table needs no device); those whose
+        `tokenmill_hardware_spec` takes no `device` argument have no table and are not
+        asked. Raises `PlatformError` naming the device and the plugins asked."""
+        asked = []
+        for record in self.plugins.records(PLATFORM):
+            if record.plugin is None or "device" not in self.plugins.hook_args(
+                    record, "tokenmill_hardware_spec"):
+                continue
+            asked.append(record.name)
+            call = self._caller(record.name)
+            spec = call("tokenmill_hardware_spec", platform=None, device=device)
+            if spec is not None:
+                return record.name, check_hardware_spec(record.name, "bfloat16", spec)
+        raise PlatformError(
+            f"no installed platform plugin's hardware table holds device {device!r} (asked: "
+            f"{', '.join(asked) or 'none'}); name a device of those tables (H200, B200, "
+            "MI300X, TPU v5e, ...) or install the plugin of its vendor"
+        )
 
     def load_platform(self, name: str | None = None) -> ActivePlatform:
         """Choose and activate a platform; see the module docstring for the rules."""
@@ -245,61 +298,25 @@ class PlatformRegistry:
         source = "argument" if name else f"${PLATFORM_ENV}"
         if chosen is None:
             chosen = self._only_available()
-        elif chosen not in self._plugins:
+        record = self.plugins.record(PLATFORM, chosen)
+        if record is None:
             known = ", ".join(self.names) or "none installed"
             raise PlatformError(
                 f"unknown platform {chosen!r} (from {source}); installed platforms: {known}. "
                 f"Pick one of them or {_INSTALL_HINT}."
             )
-        record = self._plugins[chosen]
         if record.plugin is None:
             raise PlatformError(f"platform plugin {chosen!r} is broken: {record.error}")
         detection = self._detect(chosen)
         if not detection.available:
             raise PlatformError(f"platform {chosen!r} is not available: {detection.reason}")
-        implemented = frozenset(hook for hook, _ in _hookimpls(self._pm, record.plugin))
-        return ActivePlatform(chosen, record.version, self._caller(chosen), implemented)
-
-    def _add(self, plugin: object, name: str, dist: str, version: str, keep_errors: bool) -> None:
-        if name in self._plugins:
-            raise PlatformError(
-                f"two platform plugins are named {name!r} ({self._plugins[name].distribution} "
-                f"and {dist}); uninstall one of them"
-            )
-        try:
-            self._validate_and_register(plugin, name)
-        except PlatformError as exc:
-            if not keep_errors:
-                raise
-            logger.warning("%s", exc)
-            self._plugins[name] = _Plugin(name, dist, version, None, str(exc))
-            return
-        self._plugins[name] = _Plugin(name, dist, version, plugin)
-
-    def _validate_and_register(self, plugin: object, name: str) -> None:
-        _check_hook_names(name, plugin)
-        try:
-            self._pm.register(plugin, name=name)
-        except (pluggy.PluginValidationError, ValueError) as exc:
-            raise PlatformError(f"platform plugin {name!r} is invalid: {exc}") from exc
-        try:
-            self._pm.check_pending()
-            implemented = {impl_name for impl_name, _ in _hookimpls(self._pm, plugin)}
-            missing = hookspecs.REQUIRED_HOOKS - implemented
-            if missing:
-                raise PlatformError(
-                    f"platform plugin {name!r} does not implement the required hooks "
-                    f"{sorted(missing)}; see tokenmill.platforms.hookspecs"
-                )
-            _check_api_version(name, self._caller_for(plugin)("tokenmill_api_version"))
-        except (pluggy.PluginValidationError, PlatformError) as exc:
-            self._pm.unregister(plugin)
-            if isinstance(exc, PlatformError):
-                raise
-            raise PlatformError(f"platform plugin {name!r} is invalid: {exc}") from exc
+        assert record.api_version is not None
+        return ActivePlatform(chosen, record.version, self._caller(chosen),
+                              self.plugins.implemented(record), record.api_version, self.plugins,
+                              self.plugins.hook_parts(record))
 
     def _only_available(self) -> str:
-        if not self._plugins:
+        if not self.names:
             raise PlatformError(f"no tokenmill platform plugin is installed; {_INSTALL_HINT}")
         probes = [self._probe(name) for name in self.names]
         infos = [info for info, _ in probes]
@@ -320,17 +337,19 @@ class PlatformRegistry:
         A plugin that failed to load, or whose probe or activation raised, is broken: it is
         shown as unavailable with the error as the reason.
         """
-        record = self._plugins[name]
-        about = {"name": name, "distribution": record.distribution, "version": record.version}
+        record = self.plugins.record(PLATFORM, name)
+        assert record is not None
+        about = {"name": name, "distribution": record.distribution, "version": record.version,
+                 "api_version": record.api_version}
         if record.plugin is None:
             return PlatformInfo(**about, available=False, reason=record.error), True
         try:
             detection = self._detect(name)
             capabilities = None
             if detection.available:
-                platform = _check_platform(name, self._caller(name)("tokenmill_platform"))
+                platform = check_platform(name, self._caller(name)("tokenmill_platform"))
                 capabilities = platform.capabilities
-        except PlatformError as exc:
+        except PluginError as exc:
             logger.warning("%s", exc)
             return PlatformInfo(**about, available=False, reason=str(exc)), True
         info = PlatformInfo(
@@ -343,29 +362,20 @@ class PlatformRegistry:
 
     def _detect(self, name: str) -> DetectionResult:
         result = self._caller(name)("tokenmill_detect")
-        return _check_type(name, "tokenmill_detect", result, DetectionResult)
+        return check_type(name, "tokenmill_detect", result, DetectionResult)
 
     def _caller(self, name: str) -> Callable[..., object]:
-        return self._caller_for(self._plugins[name].plugin)
+        call = self.plugins.caller(PLATFORM, name)
 
-    def _caller_for(self, plugin: object) -> Callable[..., object]:
-        """Calls one hook of `plugin` only; an exception it raises becomes a `PlatformError`
-        naming the plugin and the hook (chained to the original)."""
-        others = [p for p in self._pm.get_plugins() if p is not plugin]
-        name = self._pm.get_name(plugin)
-
-        def call(hook_name: str, **kwargs: object) -> object:
-            hook = self._pm.subset_hook_caller(hook_name, others)
+        def platform_call(hook_name: str, **kwargs: object) -> object:
             try:
-                return hook(**kwargs)
+                return call(hook_name, **kwargs)
             except PlatformError:
                 raise
-            except Exception as exc:
-                raise PlatformError(
-                    f"platform plugin {name!r}: {hook_name} raised {exc!r}"
-                ) from exc
+            except PluginError as exc:
+                raise PlatformError(str(exc)) from exc.__cause__
 
-        return call
+        return platform_call
 
 
 def list_platforms(registry: PlatformRegistry | None = None) -> list[PlatformInfo]:
@@ -385,184 +395,18 @@ def load_platform(
     return (registry or PlatformRegistry.discover()).load_platform(name)
 
 
+def device_spec(
+    device: str, registry: PlatformRegistry | None = None
+) -> tuple[str, HardwareSpec]:
+    """(plugin name, `HardwareSpec`) of a device named in an installed plugin's hardware
+    table; see `PlatformRegistry.device_spec`."""
+    return (registry or PlatformRegistry.discover()).device_spec(device)
+
+
 def register_plugin(plugin: object, name: str, registry: PlatformRegistry) -> PlatformRegistry:
     """Register an in-process plugin on `registry` and return the registry."""
     registry.register_plugin(plugin, name)
     return registry
-
-
-# -- validation ------------------------------------------------------------------------
-
-
-def _hookimpls(pm: pluggy.PluginManager, plugin: object) -> list[tuple[str, object]]:
-    return [
-        (caller.name, impl)
-        for caller in pm.get_hookcallers(plugin) or []
-        for impl in caller.get_hookimpls()
-        if impl.plugin is plugin
-    ]
-
-
-def _check_hook_names(name: str, plugin: object) -> None:
-    """Reject `tokenmill_*` attributes that are not hooks, or hooks without `@hookimpl`."""
-    known = {n for n in dir(hookspecs) if n.startswith("tokenmill_")}
-    for attr in dir(plugin):
-        if not attr.startswith("tokenmill_") or not callable(getattr(plugin, attr)):
-            continue
-        if attr not in known:
-            raise PlatformError(
-                f"platform plugin {name!r} defines unknown hook {attr!r}; known hooks are "
-                f"{sorted(known)}"
-            )
-        marked = getattr(getattr(plugin, attr), f"{hookspecs.PROJECT_NAME}_impl", None)
-        if marked is None:
-            raise PlatformError(
-                f"platform plugin {name!r} defines {attr!r} without "
-                f"@pluggy.HookimplMarker({hookspecs.PROJECT_NAME!r}); decorate it"
-            )
-
-
-def _parse_version(text: object) -> tuple[int, int] | None:
-    if not isinstance(text, str):
-        return None
-    parts = text.split(".")
-    if len(parts) != 2 or not all(p.isdigit() for p in parts):
-        return None
-    return int(parts[0]), int(parts[1])
-
-
-def _check_api_version(name: str, version: object) -> None:
-    core = _parse_version(PLUGIN_API_VERSION)
-    assert core is not None
-    plugin = _parse_version(version)
-    if plugin is None:
-        raise PlatformError(
-            f"platform plugin {name!r} returned API version {version!r}; expected a "
-            f"'major.minor' string such as {PLUGIN_API_VERSION!r}"
-        )
-    if plugin[0] != core[0] or plugin[1] > core[1]:
-        raise PlatformError(
-            f"platform plugin {name!r} targets plugin API {version}, but this tokenmill "
-            f"provides {PLUGIN_API_VERSION}; install a matching version of the plugin or core"
-        )
-
-
-def _check_type(name: str, hook: str, value: object, expected: type) -> object:
-    if not isinstance(value, expected):
-        raise PlatformError(
-            f"platform plugin {name!r}: {hook} returned {value!r} "
-            f"({type(value).__name__}); expected {expected.__name__}"
-        )
-    return value
-
-
-def _check_platform(name: str, platform: object) -> Platform:
-    _check_type(name, "tokenmill_platform", platform, Platform)
-    assert isinstance(platform, Platform)
-    problems = []
-    for field_name in ("name", "device_type"):
-        value = getattr(platform, field_name)
-        if not isinstance(value, str) or not value:
-            problems.append(f"{field_name}={value!r} must be a non-empty string")
-    caps = platform.capabilities
-    if not isinstance(caps, Capabilities):
-        problems.append(f"capabilities={caps!r} must be a Capabilities")
-    else:
-        for field_name in ("attention_kinds", "dtypes", "block_sizes", "head_sizes"):
-            if not getattr(caps, field_name):
-                problems.append(f"capabilities.{field_name} is empty")
-        if any(not isinstance(b, int) or b <= 0 for b in caps.block_sizes):
-            problems.append(f"capabilities.block_sizes={sorted(caps.block_sizes)} must be > 0")
-        if platform.default_dtype not in caps.dtypes:
-            problems.append(f"default_dtype={platform.default_dtype} is not in capabilities.dtypes")
-    if not callable(platform.memory_info):
-        problems.append(f"memory_info={platform.memory_info!r} must be callable")
-    if problems:
-        raise PlatformError(f"platform plugin {name!r} returned a bad Platform: {problems}")
-    return platform
-
-
-def _check_backends(name: str, platform: Platform, backends: object) -> list[AttentionBackend]:
-    hook = "tokenmill_attention_backends"
-    if not isinstance(backends, (list, tuple)) or not backends:
-        raise PlatformError(
-            f"platform plugin {name!r}: {hook} returned {backends!r}; expected a non-empty list"
-        )
-    for backend in backends:
-        _check_type(name, hook, backend, AttentionBackend)
-    declared = platform.capabilities.attention_kinds
-    kinds = {backend.kind for backend in backends}
-    if kinds - declared or declared - kinds:
-        raise PlatformError(
-            f"platform plugin {name!r}: backends cover attention kinds "
-            f"{sorted(k.value for k in kinds)} but the platform declares "
-            f"{sorted(k.value for k in declared)}; they must be equal"
-        )
-    return list(backends)
-
-
-def _check_ops(name: str, ops: object) -> dict[str, Callable]:
-    if ops is None:
-        return {}
-    if not isinstance(ops, dict):
-        raise PlatformError(
-            f"platform plugin {name!r}: tokenmill_ops returned {ops!r}; "
-            "expected a dict of op name -> function"
-        )
-    unknown = set(ops) - OP_NAMES
-    if unknown:
-        raise PlatformError(
-            f"platform plugin {name!r} overrides unknown ops {sorted(unknown)}; known ops "
-            f"are {sorted(OP_NAMES)}"
-        )
-    not_callable = sorted(op for op, fn in ops.items() if not callable(fn))
-    if not_callable:
-        raise PlatformError(f"platform plugin {name!r}: ops {not_callable} are not callable")
-    return ops
-
-
-def _check_allocator(name: str, purpose: AllocatorPurpose, allocator: object) -> Allocator:
-    _check_type(name, "tokenmill_allocator", allocator, Allocator)
-    assert isinstance(allocator, Allocator)
-    if allocator.purpose != purpose:
-        raise PlatformError(
-            f"platform plugin {name!r}: asked for a {purpose.value} allocator, got one for "
-            f"{allocator.purpose!r}"
-        )
-    if allocator.bytes_limit() <= 0:
-        raise PlatformError(
-            f"platform plugin {name!r}: {purpose.value} allocator has bytes_limit "
-            f"{allocator.bytes_limit()}; it must be positive"
-        )
-    return allocator
-
-
-def _check_hardware_spec(name: str, platform: Platform, spec: object) -> HardwareSpec:
-    _check_type(name, "tokenmill_hardware_spec", spec, HardwareSpec)
-    assert isinstance(spec, HardwareSpec)
-    numbers = {f"peak_flops[{k!r}]": v for k, v in spec.peak_flops.items()}
-    numbers["memory_bandwidth"] = spec.memory_bandwidth
-    numbers["memory_bytes"] = spec.memory_bytes
-    bad = {k: v for k, v in numbers.items() if not isinstance(v, (int, float)) or v <= 0}
-    dtype_name = str(platform.default_dtype).removeprefix("torch.")
-    if dtype_name not in spec.peak_flops:
-        bad[f"peak_flops[{dtype_name!r}]"] = "missing"
-    if bad:
-        raise PlatformError(f"platform plugin {name!r} returned a bad HardwareSpec: {bad}")
-    return spec
-
-
-def _check_waivers(name: str, waivers: object) -> list[tuple[str, str]]:
-    ok = isinstance(waivers, (list, tuple)) and all(
-        isinstance(w, (list, tuple)) and len(w) == 2 and all(isinstance(s, str) and s for s in w)
-        for w in waivers
-    )
-    if not ok:
-        raise PlatformError(
-            f"platform plugin {name!r}: tokenmill_waivers returned {waivers!r}; expected a "
-            "list of (test id, reason) pairs of non-empty strings"
-        )
-    return [(test_id, reason) for test_id, reason in waivers]
 
 
 __all__ = [

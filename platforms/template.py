@@ -13,6 +13,8 @@ import re
 import sys
 from pathlib import Path
 
+from tokenmill.platforms.versions import PLUGIN_API_VERSION
+
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
 
 _PYPROJECT = '''\
@@ -43,10 +45,19 @@ runs the core's reference attention and ops on the CPU and passes the conformanc
 
 ```bash
 pip install -e .                       # beside tokenmill
-pip install tokenmill-conformance      # or: pip install -e <tokenmill>/conformance_tests
+# the suite is the distribution tokenmill-conformance in tokenmill's conformance_tests/
+# folder (not on PyPI): from a checkout, or from a wheel built once with
+# `pip wheel --no-deps -w dist <tokenmill>/conformance_tests`
+pip install <tokenmill>/conformance_tests   # or: pip install dist/tokenmill_conformance-*.whl
+export TOKENMILL_{upper}_AVAILABLE=1   # until tokenmill_detect finds your device
 tokenmill platforms                    # {name}: available
 tokenmill-conformance --platform {name} --report cert.json --markdown cert.md
 ```
+
+`tokenmill_detect` says the platform is available only where `_device_present()` finds the
+device (it finds none until you write it) or where `TOKENMILL_{upper}_AVAILABLE=1` opts in,
+so installing the skeleton does not make every `LLM()` on the machine ask which of several
+platforms to use.
 
 Then make it yours, one piece at a time, re-running the suite after each:
 
@@ -129,11 +140,11 @@ cheap and side-effect free: import your SDK inside the hooks.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import pluggy
 import torch
-from tokenmill.ops.reference import ReferenceAttentionBackend
 from tokenmill.platforms.interfaces import (
     Allocator,
     AllocatorPurpose,
@@ -145,8 +156,10 @@ from tokenmill.platforms.interfaces import (
     MemoryInfo,
     Platform,
 )
+from tokenmill.platforms.ops.reference import ReferenceAttentionBackend
 
 hookimpl = pluggy.HookimplMarker("tokenmill")
+OPT_IN_ENV = "TOKENMILL_{upper}_AVAILABLE"
 
 DEVICE_TYPE = "cpu"  # TODO: your torch device type ("cuda", "xpu", "privateuseone", ...)
 MEMORY_BYTES = 8 << 30  # TODO: your device's memory
@@ -163,15 +176,26 @@ def _memory_info() -> MemoryInfo:
     return MemoryInfo(total_bytes=MEMORY_BYTES, free_bytes=MEMORY_BYTES)  # TODO: query it
 
 
+def _device_present() -> bool:
+    # TODO: a cheap probe (a device node, a driver file); no heavy imports here.
+    return False
+
+
 @hookimpl
 def tokenmill_api_version() -> str:
-    return "1.0"  # the plugin API this plugin was written against
+    # the plugin API this plugin was written against; keep it the oldest version that has
+    # everything the plugin uses (tokenmill's docs/contract-changelog.md)
+    return "{api_version}"
 
 
 @hookimpl
 def tokenmill_detect() -> DetectionResult:
-    # TODO: a cheap probe (a device node, a driver file); no heavy imports here.
-    return DetectionResult(True, "{name}: reference ops on the host CPU")
+    if _device_present():
+        return DetectionResult(True, "{name}: device found")
+    if os.environ.get(OPT_IN_ENV) == "1":
+        return DetectionResult(True, f"{name}: reference ops on the host CPU (${{OPT_IN_ENV}}=1)")
+    return DetectionResult(False, f"{name}: no device found; set ${{OPT_IN_ENV}}=1 to run the "
+                                  "skeleton's reference ops on the host CPU")
 
 
 @hookimpl
@@ -217,11 +241,13 @@ def tokenmill_ops(platform: Platform) -> dict[str, Callable]:
 
 @hookimpl
 def tokenmill_hardware_spec(platform: Platform) -> HardwareSpec:
-    # TODO: your datasheet peaks; conformance tier T5 reports what is achieved.
+    # TODO: your datasheet peaks. Conformance tier T5 reports what is achieved and fails a
+    # figure above a peak (x1.1); these placeholders are ceilings no host CPU (where this
+    # template runs until DEVICE_TYPE changes) reaches: a PFLOP/s and 2 TB/s.
     return HardwareSpec(
         name="{name} (template numbers)",
-        peak_flops={{"float32": 1e11, "bfloat16": 2e11}},
-        memory_bandwidth=2e10,
+        peak_flops={{"float32": 1e15, "bfloat16": 1e15}},
+        memory_bandwidth=2e12,
         memory_bytes=MEMORY_BYTES,
     )
 
@@ -247,7 +273,8 @@ def write_plugin(name: str, dest: Path) -> Path:
     root = Path(dest) / name
     if root.exists():
         raise FileExistsError(f"{root} already exists; choose another name or folder")
-    fields = {"name": name, "dist": name.replace("_", "-"), "cls": _class_name(name)}
+    fields = {"name": name, "dist": name.replace("_", "-"), "cls": _class_name(name),
+              "upper": name.upper(), "api_version": PLUGIN_API_VERSION}
     package = root / f"tokenmill_{name}"
     package.mkdir(parents=True)
     files = {

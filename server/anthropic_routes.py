@@ -9,15 +9,21 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.frontend.outputs import CompletionOutput, RequestOutput
+from tokenmill.platforms.reasoning import ReasoningDelta
+from tokenmill.platforms.tool_parsing import ContentDelta
 from tokenmill.server.chat import anthropic_messages, anthropic_tools, render_chat
+from tokenmill.server.context_edits import clear_thinking, clear_tool_uses, tool_uses_trigger
 from tokenmill.server.generation import SeqStream, Started, params_or_400, start
 from tokenmill.server.output import OutputEvent, OutputEvents, reasoning_parser, split_output
-from tokenmill.server.protocol import CountTokensRequest, MessagesRequest
-from tokenmill.server.reasoning import ReasoningDelta
+from tokenmill.server.protocol import (
+    AnthropicClearThinking,
+    AnthropicClearToolUses,
+    CountTokensRequest,
+    MessagesRequest,
+)
 from tokenmill.server.responses import ANTHROPIC_ERRORS, CountTokensResponse, MessageResponse
 from tokenmill.server.serving import DeltaText, event_stream, sse, state_of, unless_disconnected
-from tokenmill.server.tool_parsers import ContentDelta
 from tokenmill.server.tools import ToolPlan, plan_tools, structured_outputs
 
 router = APIRouter()
@@ -75,8 +81,7 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, 
     state = state_of(request)
     state.check_model(body.model)
     thinking = None if body.thinking is None else body.thinking.type != "disabled"
-    _, ids = await render_chat(state.engine, anthropic_messages(body), tools=anthropic_tools(body),
-                               template_kwargs=_template_kwargs(body, thinking))
+    _, ids, _ = await _render_managed(state, body, anthropic_tools(body), thinking)
     return {"input_tokens": len(ids)}
 
 
@@ -88,15 +93,17 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, 
 async def create_message(body: MessagesRequest, request: Request):
     state = state_of(request)
     model = state.check_model(body.model)
+    state.check_room()
     plan = _plan(body, state)
     fmt = body.output_config.format if body.output_config else None
     structured = structured_outputs(plan, fmt and fmt.type, fmt and fmt.schema_,
-                                    "output_config.format", compact=state.compact_json)
+                                    "output_config.format", compact=state.compact_json,
+                                    closed=True)  # Anthropic's formats are strict
     thinking = None if body.thinking is None else body.thinking.type != "disabled"
-    text, ids = await render_chat(state.engine, anthropic_messages(body), tools=plan.tools,
-                                  template_kwargs=_template_kwargs(body, thinking))
+    text, ids, applied = await _render_managed(state, body, plan.tools, thinking)
     params = params_or_400(
-        max_tokens=body.max_tokens,
+        # a cap, as Anthropic's API reads it: Claude Code asks 32,000 of any model
+        max_tokens=max(min(body.max_tokens, state.engine.max_model_len - len(ids)), 1),
         temperature=body.temperature,
         top_p=body.top_p,
         top_k=body.top_k,
@@ -116,8 +123,10 @@ async def create_message(body: MessagesRequest, request: Request):
     if body.stream:
         events = OutputEvents(plan, parser, text)
         hint = (lambda: state.engine.hint_session(session_id)) if session_id else None
+        if body.context_management is not None:
+            head = {**head, "context_management": {"applied_edits": applied}}
         return event_stream(_stream(started, head, params.max_stop_len(), events, omit, hint),
-                            request.url.path)
+                            request)
     (final,) = await unless_disconnected(request, started.finals())
     out = final.outputs[0]
     split = split_output(plan, parser, text, out.text)
@@ -133,13 +142,32 @@ async def create_message(body: MessagesRequest, request: Request):
     stop_reason, stop_sequence = _stop(out, found.tools_called)
     if found.tools_called and session_id:
         state.engine.hint_session(session_id)
-    return JSONResponse({
-        **head,
-        "content": content,
-        "stop_reason": stop_reason,
-        "stop_sequence": stop_sequence,
-        "usage": _usage(final),
-    })
+    answer = {**head, "content": content, "stop_reason": stop_reason,
+              "stop_sequence": stop_sequence, "usage": _usage(final)}
+    if body.context_management is not None:
+        answer["context_management"] = {"applied_edits": applied}
+    return JSONResponse(answer)
+
+
+async def _render_managed(state, body, tools: list[dict[str, Any]] | None,
+                          thinking: bool | None):
+    """(prompt text, ids, applied context edits): the conversation rendered after
+    `context_management`'s edits (clearing tool results once the prompt passes the
+    edit's trigger, which takes a second render)."""
+    conv = anthropic_messages(body)
+    kwargs = _template_kwargs(body, thinking)
+    edits = body.context_management.edits if body.context_management else []
+    applied = [a for e in edits if isinstance(e, AnthropicClearThinking)
+               and (a := clear_thinking(conv, e)) is not None]
+    text, ids = await render_chat(state, conv, tools=tools, template_kwargs=kwargs)
+    for edit in edits:
+        if isinstance(edit, AnthropicClearToolUses) and len(ids) >= tool_uses_trigger(edit):
+            done = clear_tool_uses(conv, edit)
+            if done is not None:
+                applied.append(done)
+                text, ids = await render_chat(state, conv, tools=tools,
+                                              template_kwargs=kwargs)
+    return text, ids, applied
 
 
 class _Blocks:

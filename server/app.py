@@ -3,31 +3,30 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from contextlib import asynccontextmanager
+from functools import partial
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tokenmill.async_engine import AsyncLLM, EngineDeadError, EngineSleepingError
-from tokenmill.server import anthropic_routes, openai_routes, responses_routes, sleep_routes
-from tokenmill.server.chat import served_template
+from tokenmill.frontend.async_engine import AsyncLLM, EngineDeadError, EngineSleepingError
+from tokenmill.server import anthropic_routes, openai_routes, pd, responses_routes, sleep_routes
+from tokenmill.server.admission import DEFAULT_MAX_WAITING_REQUESTS, Admission
+from tokenmill.server.chat import render_chat, served_template
 from tokenmill.server.metrics import Metrics
-from tokenmill.server.protocol import (
-    MAX_BODY_BYTES,
-    MAX_HEADER_BYTES,
-    DetokenizeRequest,
-    TokenizeRequest,
-)
+from tokenmill.server.middleware import APIKeyMiddleware, LimitsMiddleware, RequestIdMiddleware
+from tokenmill.server.pd import PDState
+from tokenmill.server.protocol import DetokenizeRequest, TokenizeRequest
 from tokenmill.server.reasoning import get_reasoning_parser
-from tokenmill.server.response_store import DEFAULT_MAX_RESPONSES, ResponseStore
+from tokenmill.server.render import RenderPool
+from tokenmill.server.response_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_RESPONSES, ResponseStore
 from tokenmill.server.responses import (
     OPENAI_ERRORS,
     DetokenizeResponse,
@@ -41,8 +40,9 @@ from tokenmill.server.serving import (
     RequestFailedError,
     ServerState,
     ToolConfig,
-    error_body,
     error_response,
+    internal_error,
+    request_id,
     state_of,
 )
 from tokenmill.server.tool_parsers import get_tool_parser
@@ -50,103 +50,11 @@ from tokenmill.server.tool_parsers.detect import detect_tool_parser
 
 logger = logging.getLogger("tokenmill.server")
 
-# Paths answered without an API key, compared with the raw request path byte for byte, so
-# no spelling of another path ("//v1/models", "/health/../v1/...", %-escapes) slips through.
-PUBLIC_PATHS = frozenset({b"/health", b"/version", b"/metrics"})
-
-
 def _version() -> str:
     try:
         return version("tokenmill")
     except PackageNotFoundError:
         return "unknown"
-
-
-class APIKeyMiddleware:
-    """401 unless `Authorization: Bearer KEY` or `x-api-key: KEY` matches (constant time)."""
-
-    def __init__(self, app, api_key: str) -> None:
-        self.app = app
-        self.key = api_key.encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or self._allowed(scope):
-            await self.app(scope, receive, send)
-            return
-        path = scope.get("path", "")
-        message = "missing or invalid API key: send `Authorization: Bearer KEY` or `x-api-key: KEY`"
-        body = error_body(path, 401, message, code="invalid_api_key")
-        await JSONResponse(body, status_code=401)(scope, receive, send)
-
-    def _allowed(self, scope) -> bool:
-        raw_path = scope.get("raw_path") or scope.get("path", "").encode()
-        raw_path = raw_path.split(b"?", 1)[0]
-        if raw_path in PUBLIC_PATHS:
-            return True
-        ok = False
-        for name, value in scope.get("headers", ()):
-            if name == b"authorization" and value[:7].lower() == b"bearer ":
-                ok |= hmac.compare_digest(value[7:].strip(), self.key)
-            elif name == b"x-api-key":
-                ok |= hmac.compare_digest(value.strip(), self.key)
-        return ok
-
-
-class LimitsMiddleware:
-    """431 for headers over `max_header_bytes` in all; 413 for a body over `max_bytes`,
-    declared or streamed.
-
-    The body is read here in full (the routes would buffer it anyway) and replayed to the
-    app, so an oversized chunked body is refused before any route sees it.
-    """
-
-    def __init__(
-        self, app, max_bytes: int = MAX_BODY_BYTES, max_header_bytes: int = MAX_HEADER_BYTES
-    ) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-        self.max_header_bytes = max_header_bytes
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            header_bytes = sum(len(k) + len(v) for k, v in scope.get("headers", ()))
-            if header_bytes > self.max_header_bytes:
-                message = f"the request headers are over {self.max_header_bytes} bytes"
-                await error_response(scope.get("path", ""), 431, message)(scope, receive, send)
-                return
-        if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD", "OPTIONS"):
-            await self.app(scope, receive, send)
-            return
-        too_large = error_response(
-            scope.get("path", ""), 413, f"the request body is over {self.max_bytes} bytes"
-        )
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                await too_large(scope, receive, send)
-                return
-        chunks, size, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_bytes:
-                await too_large(scope, receive, send)
-                return
-            chunks.append(chunk)
-            more = message.get("more_body", False)
-        body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return body
-            return await receive()
-
-        await self.app(scope, replay, send)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -166,7 +74,9 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Response:
-        return error_response(request.url.path, exc.status, exc.message, exc.param, exc.code)
+        response = error_response(request.url.path, exc.status, exc.message, exc.param, exc.code)
+        response.headers.update(exc.headers)
+        return response
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -177,7 +87,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, exc: EngineDeadError) -> Response:
-        return error_response(request.url.path, 503, str(exc))
+        return error_response(request.url.path, *internal_error(request_id(request.scope), exc))
 
     @app.exception_handler(EngineSleepingError)
     async def _asleep(request: Request, exc: EngineSleepingError) -> Response:
@@ -185,7 +95,16 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestFailedError)
     async def _failed(request: Request, exc: RequestFailedError) -> Response:
-        return error_response(request.url.path, 500, str(exc))
+        return error_response(request.url.path, *internal_error(request_id(request.scope), exc))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> Response:
+        # a bug: the client gets the request id, the log the traceback
+        return error_response(request.url.path, *internal_error(request_id(request.scope), exc))
+
+    @app.exception_handler(pd.Prefilled)
+    async def _prefilled(request: Request, exc: pd.Prefilled) -> Response:
+        return pd.prefilled_response(exc)
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(request: Request, exc: ClientDisconnected) -> Response:
@@ -221,34 +140,53 @@ def build_app(
     served_model_names: list[str],
     api_key: str | None = None,
     metrics: Metrics | None = None,
-    enable_auto_tool_choice: bool = False,
+    enable_auto_tool_choice: bool = True,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
     max_stored_responses: int = DEFAULT_MAX_RESPONSES,
+    max_stored_response_bytes: int = DEFAULT_MAX_BYTES,
     compact_json: bool = False,
+    enable_sleep_mode: bool = False,
+    admin_api_key: str | None = None,
+    trust_request_chat_template: bool = False,
+    render_pool: RenderPool | None = None,
+    max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
+    kv_role: str | None = None,
 ) -> FastAPI:
     """An app serving `engine`; the engine thread starts and stops with the app's lifespan.
 
-    `tool_choice: auto` is served only with `enable_auto_tool_choice`, reading the model's
-    calls with `tool_call_parser` (a registry name); without one, the parser is chosen
-    from the chat template (logged), `hermes` when the template shows no one format.
-    `reasoning_parser` (a registry name) splits reasoning from answers. The Responses
-    API keeps at most `max_stored_responses`. `compact_json`: JSON that tools and output
+    `tool_choice: auto` (what agents send with tools) is served unless
+    `enable_auto_tool_choice` is False, reading the model's calls with `tool_call_parser`
+    (a tool parser plugin's name); without one, the parser is chosen from the chat template (logged),
+    the generic `json` parser when the template shows no one format.
+    `reasoning_parser` (a reasoning parser plugin's name) splits reasoning from answers. The
+    Responses API keeps at most `max_stored_responses`, of at most
+    `max_stored_response_bytes`. `compact_json`: JSON that tools and output
     formats force has no optional whitespace (vLLM's `disable_any_whitespace`; small
-    models otherwise may spend their max_tokens on whitespace). An unknown name is a
-    ValueError.
+    models otherwise may spend their max_tokens on whitespace). The routes that change the
+    engine (sleep mode) exist only with `enable_sleep_mode`, and answer only
+    `admin_api_key`. A request's own `chat_template` is refused unless
+    `trust_request_chat_template`. Templates render, and prompts tokenize, on
+    `render_pool` (a default `RenderPool` if None: bounded, time-limited). An unknown name,
+    or sleep mode with no admin key, is a ValueError. A request that would leave more than
+    `max_waiting_requests` sequences waiting for the engine is a 429 with Retry-After.
     """
-    if tool_call_parser is not None:
-        get_tool_parser(tool_call_parser)
-    elif enable_auto_tool_choice:
+    if enable_sleep_mode and not admin_api_key:
+        raise ValueError("--enable-sleep-mode needs --admin-api-key (or TOKENMILL_ADMIN_API_KEY): "
+                         "the sleep routes free the engine's memory and must not be open to "
+                         "every client")
+    if tool_call_parser is None and enable_auto_tool_choice:
         tool_call_parser = _choose_tool_parser(served_template(engine))
-    if reasoning_parser is not None:
-        get_reasoning_parser(reasoning_parser)
-    tools = ToolConfig(enable_auto_tool_choice, tool_call_parser)
+    # the plugin manager is asked once, here: requests get the classes
+    tools = ToolConfig(enable_auto_tool_choice,
+                       None if tool_call_parser is None else get_tool_parser(tool_call_parser))
+    reasoning = None if reasoning_parser is None else get_reasoning_parser(reasoning_parser)
     metrics = metrics or Metrics(served_model_names[0])
     metrics.bind_engine(lambda: engine.stats)
     if engine.observer is None:
         engine.observer = metrics
+
+    render = render_pool or RenderPool()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -256,32 +194,45 @@ def build_app(
         try:
             yield
         finally:
+            if pd_state is not None:
+                await pd_state.close()
+            render.shutdown()
             await asyncio.to_thread(engine.shutdown)
 
+    # prefill/decode disaggregation (server/pd.py): with an engine that hands KV over
+    pd_state = None if engine.kv_endpoint is None else PDState(
+        kv_role or engine.args.kv_role, engine, engine.args.kv_lease_s, api_key)
     app = FastAPI(title="tokenmill", version=_version(), lifespan=lifespan)
     app.state.server = ServerState(
-        engine, served_model_names, metrics, api_key, int(time.time()), tools, reasoning_parser,
-        compact_json, ResponseStore(max_stored_responses),
+        engine, served_model_names, metrics, api_key, int(time.time()), tools, reasoning,
+        compact_json, ResponseStore(max_stored_responses, max_stored_response_bytes), admin_api_key,
+        trust_request_chat_template, render,
+        Admission(max_waiting_requests, engine.args.max_num_seqs, lambda: engine.stats),
+        pd_state,
     )
     _install_error_handlers(app)
     app.openapi = lambda: _openapi(app)
     app.include_router(openai_routes.router)
     app.include_router(anthropic_routes.router)
     app.include_router(responses_routes.router)
-    app.include_router(sleep_routes.router)
+    if enable_sleep_mode:
+        app.include_router(sleep_routes.router)
+    app.include_router(pd.router)
     _add_utility_routes(app)
     app.add_middleware(LimitsMiddleware)
     if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+        admin = sleep_routes.ADMIN_PATHS if enable_sleep_mode else frozenset()
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, admin_paths=admin)
+    app.add_middleware(RequestIdMiddleware)  # outermost: every answer carries the id
     return app
 
 
 def _choose_tool_parser(template: str | None) -> str:
     name, why = detect_tool_parser(template)
     if name is None:
-        logger.warning("tool-call parser: using hermes, the default, since %s; pass "
+        logger.warning("tool-call parser: using json, the generic one, since %s; pass "
                        "--tool-call-parser to choose another", why)
-        return "hermes"
+        return "json"
     logger.info("tool-call parser: chose %s, since %s", name, why)
     return name
 
@@ -316,12 +267,11 @@ def _add_utility_routes(app: FastAPI) -> None:
             raise APIError(400, "give exactly one of `prompt` and `messages`")
         if body.messages is not None:
             msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
-            try:
-                _, ids = await state.engine.render_chat(msgs)
-            except ValueError as e:
-                raise APIError(400, str(e), "messages") from e
+            _, ids = await render_chat(state, msgs)
         else:
-            ids = await state.engine.encode(body.prompt, body.add_special_tokens)
+            encode = partial(state.engine.tokenizer.encode, body.prompt,
+                             add_special_tokens=body.add_special_tokens)
+            ids = await state.run_render(encode, "tokenizing the prompt", "prompt", timed=False)
         return {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids}
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=OPENAI_ERRORS)
@@ -332,4 +282,5 @@ def _add_utility_routes(app: FastAPI) -> None:
         bad = [t for t in body.tokens if t >= size]
         if bad:
             raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {size})", "tokens")
-        return {"prompt": await state.engine.decode(body.tokens)}
+        decode = partial(state.engine.tokenizer.decode, list(body.tokens))
+        return {"prompt": await state.run_render(decode, "detokenizing", "tokens", timed=False)}

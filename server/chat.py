@@ -8,13 +8,15 @@ dict (what HF templates index into), tool results are `{"role": "tool", "tool_ca
 
 from __future__ import annotations
 
-import asyncio
 import json
+import logging
+from functools import partial
 from typing import Any
 
 import jinja2
 
-from tokenmill.async_engine import AsyncLLM
+from tokenmill.frontend.async_engine import AsyncLLM
+from tokenmill.frontend.tokenizing import hermes_tool_messages, template_reads_tools
 from tokenmill.server.protocol import (
     AnthropicText,
     AnthropicThinking,
@@ -23,8 +25,10 @@ from tokenmill.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
 )
-from tokenmill.server.serving import APIError
-from tokenmill.tokenizing import hermes_tool_messages, template_reads_tools
+from tokenmill.server.render import RenderLimitError, max_prompt_chars
+from tokenmill.server.serving import APIError, ServerState
+
+logger = logging.getLogger("tokenmill.server")
 
 Message = dict[str, Any]
 
@@ -85,8 +89,8 @@ def anthropic_messages(body) -> list[Message]:
     if system:
         conv.append({"role": "system", "content": system})
     for m in body.messages:
-        if isinstance(m.content, str):
-            conv.append({"role": m.role, "content": m.content})
+        if isinstance(m.content, str) or m.role == "system":
+            conv.append({"role": m.role, "content": m.text()})
             continue
         text = "".join(b.text for b in m.content if isinstance(b, AnthropicText))
         if m.role == "assistant":
@@ -113,14 +117,20 @@ def anthropic_messages(body) -> list[Message]:
 
 
 def anthropic_tools(body) -> list[Message] | None:
+    """The client tools the model is shown: deferred tools (`defer_loading`, loaded on
+    demand through tool search) and Anthropic's own typed tools are left out."""
     if not body.tools:
         return None
+    typed = [t.name for t in body.tools if not t.is_custom]
+    if typed:
+        logger.info("tools %s are Anthropic's own typed tools, which this server does not "
+                    "run; the model is not shown them", typed)
     return [
         {"type": "function", "function": {
             "name": t.name, "description": t.description or "", "parameters": t.input_schema,
         }}
-        for t in body.tools
-    ]
+        for t in body.tools if t.is_custom and not t.defer_loading
+    ] or None
 
 
 def served_template(engine: AsyncLLM) -> str | None:
@@ -130,7 +140,7 @@ def served_template(engine: AsyncLLM) -> str | None:
 
 def _render(tokenizer, messages: list[Message], template: str | None,
             tools: list[Message] | None, template_kwargs: dict[str, Any]) -> str:
-    """`tokenmill.tokenizing.apply_chat_template` with extra template variables (vLLM's
+    """`tokenmill.frontend.tokenizing.apply_chat_template` with extra template variables (vLLM's
     `chat_template_kwargs`: `enable_thinking`, `reasoning_effort`, ...)."""
     template = template or getattr(tokenizer, "chat_template", None)
     if not template:
@@ -146,25 +156,65 @@ def _render(tokenizer, messages: list[Message], template: str | None,
     )
 
 
+def _late_system(messages: list[Message]) -> list[Message]:
+    """System messages after the first other message (mid-conversation system turns)."""
+    first = next((i for i, m in enumerate(messages) if m.get("role") != "system"), len(messages))
+    return [m for m in messages[first:] if m.get("role") == "system"]
+
+
+def fold_system(messages: list[Message]) -> list[Message]:
+    """The conversation with every system message joined into one leading system prompt,
+    for templates that refuse (or drop) system messages anywhere else."""
+    system = [m for m in messages if m.get("role") == "system"]
+    if not system:
+        return messages
+    text = "\n\n".join(m["content"] for m in system if m.get("content"))
+    return [{"role": "system", "content": text}, *(m for m in messages if m.get("role") != "system")]
+
+
+def _render_placing_system(tokenizer, messages: list[Message], template: str | None,
+                           tools: list[Message] | None, template_kwargs: dict[str, Any]) -> str:
+    """`_render`, with mid-conversation system messages where they are when the template
+    renders them there, else folded into the system prompt."""
+    late = _late_system(messages)
+    if not late:
+        return _render(tokenizer, messages, template, tools, template_kwargs)
+    try:
+        text = _render(tokenizer, messages, template, tools, template_kwargs)
+    except (jinja2.TemplateError, TypeError, ValueError):
+        text = None
+    if text is not None and all(m["content"].strip() in text for m in late):
+        return text
+    return _render(tokenizer, fold_system(messages), template, tools, template_kwargs)
+
+
 async def render_chat(
-    engine: AsyncLLM,
+    state: ServerState,
     messages: list[Message],
     chat_template: str | None = None,
     tools: list[Message] | None = None,
     template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[str, list[int]]:
-    """(prompt text, token ids), in a worker thread; a template that refuses the
-    conversation is a 400. `template_kwargs` are extra variables for the template."""
+    """(prompt text, token ids), on the server's render pool (time-limited); a template
+    that refuses the conversation, runs too long or writes too long a prompt is a 400.
+    `template_kwargs` are extra variables for the template."""
+    engine = state.engine
     template = chat_template or served_template(engine)
+    limit = max_prompt_chars(engine.max_model_len)
 
-    def render() -> tuple[str, list[int]]:
+    def render() -> str:
         try:
-            text = _render(engine.tokenizer, messages, template, tools, template_kwargs or {})
-        except (jinja2.TemplateError, TypeError) as e:
+            text = _render_placing_system(engine.tokenizer, messages, template, tools,
+                                          template_kwargs or {})
+        except (jinja2.TemplateError, TypeError, RecursionError) as e:
             raise ValueError(f"the chat template failed on these messages: {e}") from e
-        return text, engine.tokenizer.encode(text, add_special_tokens=False)
+        if len(text) > limit:
+            raise RenderLimitError(f"the rendered prompt has {len(text)} characters, over the "
+                                   f"limit of {limit} for a {engine.max_model_len}-token context")
+        return text
 
-    try:
-        return await asyncio.to_thread(render)
-    except ValueError as e:
-        raise APIError(400, str(e), param="messages") from e
+    param = "chat_template" if chat_template is not None else "messages"
+    text = await state.run_render(render, param=param)  # a template's loops: time-limited
+    ids = await state.run_render(partial(engine.tokenizer.encode, text, add_special_tokens=False),
+                                 "tokenizing the prompt", param, timed=False)
+    return text, ids

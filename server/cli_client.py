@@ -1,13 +1,13 @@
 """`tokenmill chat`, `tokenmill complete` and `tokenmill bench serve`: clients of a running
-server (as vLLM's commands), through the `openai` SDK and the serving load generator."""
+server (as vLLM's commands), through the `openai` SDK and the serving load generator
+(`tokenmill.server.bench`). Both ship in the base install."""
 
 from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
-from pathlib import Path
+from collections.abc import Callable
 
 DEFAULT_URL = "http://127.0.0.1:8000/v1"
 
@@ -77,20 +77,38 @@ def _complete(args: argparse.Namespace) -> int:
         _say(stream, sys.stdout)
 
 
-def bench_script() -> Path:
-    """The serving load generator's command, in the source checkout next to the package."""
-    import tokenmill
-
-    return Path(tokenmill.__file__).resolve().parents[1] / "benchmarks" / "serving" / "serve_bench.py"
-
-
 def _bench_serve(args: argparse.Namespace) -> int:
-    script = bench_script()
-    if not script.is_file():
-        print(f"tokenmill bench serve: the load generator is not installed ({script} is missing); "
-              "it ships with the source checkout, in benchmarks/serving/", file=sys.stderr)
-        return 2
-    return subprocess.call([sys.executable, str(script), *args.bench_args])
+    from tokenmill.server.bench.serve import main as bench_main
+
+    return bench_main(args.bench_args)
+
+
+def _one_line_errors(command: str, run: Callable[[argparse.Namespace], int]):
+    """A refused connection or an error answer is one line on stderr, never a traceback."""
+
+    def wrapped(args: argparse.Namespace) -> int:
+        import openai
+
+        try:
+            return run(args)
+        except openai.APIConnectionError:
+            print(f"tokenmill {command}: no server answers at {args.url}; start one with "
+                  "`tokenmill serve`, or pass --url", file=sys.stderr)
+        except openai.APIStatusError as e:
+            print(f"tokenmill {command}: the server at {args.url} answered {e.status_code}: "
+                  f"{_error_text(e)}", file=sys.stderr)
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            return 130
+        return 1
+
+    return wrapped
+
+
+def _error_text(e) -> str:
+    body = e.body if isinstance(e.body, dict) else {}
+    inner = body.get("error", body)
+    return inner.get("message", e.message) if isinstance(inner, dict) else str(e.message)
 
 
 def _client_args(p: argparse.ArgumentParser, what: str) -> None:
@@ -108,13 +126,13 @@ def add_parsers(sub) -> None:
     p = sub.add_parser("chat", help="chat with a running server")
     _client_args(p, "message")
     p.add_argument("--system-prompt", default=None)
-    p.set_defaults(func=_chat)
+    p.set_defaults(func=_one_line_errors("chat", _chat))
     p = sub.add_parser("complete", help="complete prompts on a running server")
     _client_args(p, "prompt")
-    p.set_defaults(func=_complete)
+    p.set_defaults(func=_one_line_errors("complete", _complete))
     p = sub.add_parser("bench", help="benchmarks against a running server")
     bench = p.add_subparsers(dest="bench", required=True)
-    serve = bench.add_parser("serve", help="load-test a running server (benchmarks/serving)",
+    serve = bench.add_parser("serve", help="load-test a running server (tokenmill.server.bench)",
                              add_help=False)
-    # every argument goes to benchmarks/serving/serve_bench.py (its --help lists them)
+    # every argument goes to tokenmill.server.bench.serve (its --help lists them)
     serve.set_defaults(func=_bench_serve, bench_args=[])

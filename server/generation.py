@@ -9,10 +9,20 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from tokenmill.async_engine import AsyncLLM, EngineDeadError
-from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.frontend.async_engine import AsyncLLM, EngineDeadError
+from tokenmill.frontend.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.server.serving import APIError, DeltaText, check_failed, unless_disconnected
+from tokenmill.server.admission import QueueFull, Ticket
+from tokenmill.server.pd import handover_generators
+from tokenmill.server.serving import (
+    APIError,
+    DeltaText,
+    check_failed,
+    internal_error,
+    state_of,
+    unless_disconnected,
+)
+from tokenmill.server.serving import request_id as http_request_id
 from tokenmill.structured import StructuredOutputError
 
 _DONE = object()
@@ -106,15 +116,31 @@ async def start(
 ) -> Started:
     """Submit one engine request per prompt and wait for each one's first output.
 
-    A prompt the engine refuses becomes a 400 (naming `error_param` if the refusal is a
-    bad structured-output schema), a dead engine a 503; a client that leaves meanwhile
-    aborts them all.
+    A request that would wait past the server's bound is a 429 with Retry-After (nothing
+    is submitted); a prompt the engine refuses becomes a 400 (naming `error_param` if the
+    refusal is a bad structured-output schema), a dead engine a 503; a client that leaves
+    meanwhile aborts them all.
     """
+    admission = state_of(request).admission
+    try:
+        admission.admit(len(prompts) * params.n)
+    except QueueFull as e:
+        raise APIError(429, str(e), code="rate_limit_exceeded",
+                       headers={"Retry-After": str(e.retry_after_s)}) from e
+    except ValueError as e:
+        raise APIError(400, str(e), "n") from e
+    ticket = Ticket(admission, len(prompts) * params.n)
+    try:  # a disaggregated request (server/pd.py): prefilled here, or continued
+        handed = await handover_generators(request, engine, prompts, params, request_id,
+                                           cache_salt, session_id)
+    except BaseException:
+        ticket.release()
+        raise
     gens = [
-        engine.generate(
+        _released(handed[i] if handed is not None else engine.generate(
             ids, params, request_id if len(prompts) == 1 else f"{request_id}-{i}", text,
             cache_salt, session_id,
-        )
+        ), ticket, params.n)
         for i, (text, ids) in enumerate(prompts)
     ]
     tasks = [asyncio.ensure_future(anext(g)) for g in gens]
@@ -126,13 +152,25 @@ async def start(
         await asyncio.gather(*tasks, return_exceptions=True)
         for g in gens:
             await g.aclose()
+        ticket.release()  # also the share of a generator that never started
         if isinstance(e, EngineDeadError):
-            raise APIError(503, str(e)) from e
+            raise APIError(*internal_error(http_request_id(request.scope), e)) from e
         if isinstance(e, ValueError):
             param = error_param if isinstance(e, StructuredOutputError) else None
             raise APIError(400, str(e), param) from e
         raise
     return Started(gens, list(firsts))
+
+
+async def _released(gen: AsyncIterator[RequestOutput], ticket: Ticket, num_seqs: int
+                    ) -> AsyncIterator[RequestOutput]:
+    """`gen`'s outputs; its sequences leave the admission count when it ends, however."""
+    try:
+        async for out in gen:
+            yield out
+    finally:
+        await gen.aclose()
+        ticket.release(num_seqs)
 
 
 @dataclass(slots=True)

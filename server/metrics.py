@@ -12,8 +12,8 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from tokenmill.async_engine import EngineStats
-from tokenmill.outputs import RequestOutput
+from tokenmill.frontend.async_engine import EngineStats
+from tokenmill.frontend.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -54,6 +54,84 @@ class _EngineCollector:
         )
         yield from self._kv_tiers(s)
         yield from self._kv_split(s)
+        yield from self._spec_decode(s)
+        yield from self._roofline(s)
+        yield from self._handover(s)
+
+    # metric suffix -> (HandoverStats field, help): P/D disaggregation (docs/disaggregation.md)
+    _HANDOVER_COUNTERS = {
+        "offered": ("offered", "Prompts computed and held for a decode instance."),
+        "received": ("received", "Handovers pulled whole from a prefill instance."),
+        "failed": ("failed", "Pulls that failed or timed out (the prompt was computed here)."),
+        "bytes": ("bytes_moved", "Bytes of the pulled blocks' pages."),
+        "transport_bytes": ("transport_bytes",
+                            "Bytes the KV transport itself counted as read into this instance."),
+        "blocks_pulled": ("blocks_pulled", "KV blocks (and state pages) pulled."),
+        "blocks_skipped": ("blocks_skipped",
+                           "KV blocks not pulled: this instance's prefix cache held them."),
+        "lease_timeouts": ("lease_timeouts", "Leases freed because no decode instance "
+                           "released them in time."),
+        "transfer_seconds": ("transfer_seconds", "Seconds pulls took, summed."),
+    }
+
+    def _handover(self, s: EngineStats):
+        if s.handover is None:
+            return
+        for suffix, (field, doc) in self._HANDOVER_COUNTERS.items():
+            yield self._counter(f"tokenmill:kv_handover_{suffix}", doc,
+                                getattr(s.handover, field))
+        yield self._gauge("tokenmill:kv_handover_leases_held",
+                          "Prompts held under a lease for a decode instance now.",
+                          s.handover.leases_held)
+
+    def _spec_decode(self, s: EngineStats):
+        """Speculative decoding's counters (vLLM's names, tokenmill's prefix), per
+        method; the mean acceptance length is 1 + accepted / drafts."""
+        if s.spec is None:
+            return
+        labels = [*self._labels, "method"]
+        values = [*self._labels.values(), s.spec.method]
+        for name, doc, value in (
+            ("spec_decode_num_drafts", "Verifications: a request's drafts in one step.",
+             s.spec.num_drafts),
+            ("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
+             s.spec.num_draft_tokens),
+            ("spec_decode_num_accepted_tokens", "Draft tokens the target model accepted.",
+             s.spec.num_accepted_tokens),
+        ):
+            c = CounterMetricFamily(f"tokenmill:{name}", doc, labels=labels)
+            c.add_metric(values, value)
+            yield c
+        c = CounterMetricFamily("tokenmill:spec_decode_num_accepted_tokens_per_pos",
+                                "Accepted draft tokens by draft position (0-based).",
+                                labels=[*labels, "position"])
+        for pos, n in enumerate(s.spec.accepted_per_position):
+            c.add_metric([*values, str(pos)], n)
+        yield c
+        g = GaugeMetricFamily("tokenmill:spec_decode_mean_acceptance_length",
+                              "Tokens emitted per verification (accepted drafts + 1).",
+                              labels=labels)
+        g.add_metric(values, 1.0 + s.spec.num_accepted_tokens / s.spec.num_drafts
+                     if s.spec.num_drafts else 0.0)
+        yield g
+
+    def _roofline(self, s: EngineStats):
+        """The last step against the platform's hardware spec (tokenmill.planner.roofline)."""
+        yield self._gauge("tokenmill:model_flops_per_second",
+                          "Model FLOP/s of the last step, every rank together.", s.model_flops_per_s)
+        yield self._gauge("tokenmill:model_flops_utilization",
+                          "Last step's model FLOP/s over the platform's peak (0..1).",
+                          s.flops_utilization)
+        yield self._gauge("tokenmill:memory_bytes_per_second",
+                          "Bytes/s the last step had to move at least (weights, KV, activations).",
+                          s.model_bytes_per_s)
+        yield self._gauge("tokenmill:memory_bandwidth_utilization",
+                          "Last step's bytes/s over the platform's memory bandwidth (0..1).",
+                          s.bandwidth_utilization)
+        yield self._counter("tokenmill:model_flops", "Model FLOPs computed since start.",
+                            s.model_flops_total)
+        yield self._counter("tokenmill:model_bytes", "Model bytes moved since start.",
+                            s.model_bytes_total)
 
     def _kv_split(self, s: EngineStats):
         """Blocks in use per attention type: the live split of the one KV pool."""
@@ -77,7 +155,11 @@ class _EngineCollector:
         "tokens_recomputed": (
             "tokens_recomputed", "Tokens the tier held but could not supply (recomputed).",
         ),
-        "corrupt_objects": ("corrupt", "Objects that failed their checksum (deleted)."),
+        "tokens_recompute_chosen": (
+            "tokens_recompute_chosen",
+            "Tokens the tier held that the cost model chose to recompute (faster than loading).",
+        ),
+        "corrupt_objects": ("corrupt", "Objects that failed their checks (deleted)."),
         "errors": ("errors", "Calls that found the tier unreachable."),
     }
 
@@ -93,7 +175,7 @@ class _EngineCollector:
 
 
 class Metrics:
-    """One server's metrics; implements `tokenmill.async_engine.StatsObserver`."""
+    """One server's metrics; implements `tokenmill.frontend.async_engine.StatsObserver`."""
 
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()

@@ -5,17 +5,19 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.frontend.outputs import CompletionOutput, RequestOutput
+from tokenmill.platforms.reasoning import ReasoningDelta
+from tokenmill.platforms.tool_parsing import ContentDelta, ToolCall
 from tokenmill.server.chat import openai_messages, openai_tools, render_chat
 from tokenmill.server.generation import SeqStream, Started, params_or_400, start
 from tokenmill.server.output import OutputEvent, OutputEvents, reasoning_parser, split_output
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
-from tokenmill.server.reasoning import ReasoningDelta
 from tokenmill.server.responses import (
     OPENAI_ERRORS,
     ChatCompletionResponse,
@@ -32,7 +34,6 @@ from tokenmill.server.serving import (
     unless_disconnected,
     usage_dict,
 )
-from tokenmill.server.tool_parsers import ContentDelta, ToolCall
 from tokenmill.server.tools import ToolPlan, plan_tools, structured_outputs
 
 router = APIRouter()
@@ -146,7 +147,9 @@ async def _encode_prompts(state: ServerState, prompt) -> list[tuple[str | None, 
     encoded = []
     for p in prompt:
         if isinstance(p, str):
-            encoded.append((p, await state.engine.encode(p)))
+            ids = await state.run_render(partial(state.engine.tokenizer.encode, p),
+                                         "tokenizing the prompt", "prompt", timed=False)
+            encoded.append((p, ids))
         else:
             encoded.append((None, list(p)))
     return encoded
@@ -160,6 +163,7 @@ async def _encode_prompts(state: ServerState, prompt) -> list[tuple[str | None, 
 async def create_completion(body: CompletionRequest, request: Request):
     state = state_of(request)
     model = state.check_model(body.model)
+    state.check_room()
     if body.echo:
         raise APIError(400, "echo=true is not supported", param="echo")
     prompts = await _encode_prompts(state, body.prompt)
@@ -176,7 +180,7 @@ async def create_completion(body: CompletionRequest, request: Request):
         return event_stream(
             _stream_completion(started, head, n, body.logprobs, params.max_stop_len(),
                                _include_usage(body)),
-            request.url.path,
+            request,
         )
     finals = await unless_disconnected(request, started.finals())
     choices = []
@@ -242,6 +246,7 @@ def _chat_logprobs(out: CompletionOutput, lo: int, hi: int, k: int) -> dict[str,
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     state = state_of(request)
     model = state.check_model(body.model)
+    state.check_room()
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     choice = body.tool_choice
@@ -256,10 +261,15 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     structured = structured_outputs(
         plan, fmt and fmt.type, fmt and fmt.json_schema and fmt.json_schema.schema_,
         extra=body.structured_outputs_dict(), compact=state.compact_json,
+        closed=bool(fmt and fmt.json_schema and fmt.json_schema.strict),
     )
     if structured is not None and plan.mode == "auto":  # JSON was asked for, not tool calls
         plan = ToolPlan("none", plan.tools)
-    text, ids = await render_chat(state.engine, openai_messages(body), body.chat_template,
+    if body.chat_template is not None and not state.trust_request_chat_template:
+        raise APIError(400, "this server renders prompts with its own chat template only; a "
+                       "request's `chat_template` is code, accepted only when the server runs "
+                       "with --trust-request-chat-template", param="chat_template")
+    text, ids = await render_chat(state, openai_messages(body), body.chat_template,
                                   plan.tools, body.template_kwargs())
     max_tokens = body.max_completion_tokens or body.max_tokens
     if max_tokens is None:
@@ -283,7 +293,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
                          params.max_stop_len(), _include_usage(body),
                          lambda: OutputEvents(plan, parser, text),
                          _session_hint(state, session_id)),
-            request.url.path,
+            request,
         )
     (final,) = await unless_disconnected(request, started.finals())
     choices = []

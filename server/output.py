@@ -10,23 +10,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenmill.server.reasoning import ReasoningDelta, get_reasoning_parser
-from tokenmill.server.reasoning.base import ReasoningParser, ReasoningStream
-from tokenmill.server.tool_parsers import ContentDelta, ExtractedToolCalls, ToolCall, ToolCallDelta
+from tokenmill.platforms.reasoning import ReasoningDelta, ReasoningParser, ReasoningStream
+from tokenmill.platforms.tool_parsing import (
+    ContentDelta,
+    ExtractedToolCalls,
+    ToolCall,
+    ToolCallDelta,
+)
 from tokenmill.server.tools import ToolEvents, ToolPlan
 
 OutputEvent = ReasoningDelta | ContentDelta | ToolCallDelta
 
 
-def reasoning_parser(name: str | None, structured) -> ReasoningParser | None:
+def reasoning_parser(
+    parser: type[ReasoningParser] | None, structured
+) -> ReasoningParser | None:
     """The parser to split this request's output with: none when the server has none, or
     when the output is constrained to JSON from its first token (a JSON constraint leaves
     no room for thinking; a regex, choice or grammar may spell it out)."""
-    if name is None:
+    if parser is None:
         return None
     if structured is not None and structured.kind in ("json", "json_object"):
         return None
-    return get_reasoning_parser(name)()
+    return parser()
 
 
 @dataclass(slots=True)

@@ -9,9 +9,10 @@ schema-valid request can make the server fail.
 from __future__ import annotations
 
 import logging
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -30,9 +31,40 @@ MAX_HTTP_HEAD_BYTES = 4 * MAX_HEADER_BYTES
 _SEED_MAX = (1 << 63) - 1 - MAX_N  # seed + i (i < n) must stay a valid torch seed
 _TOKEN_ID_MAX = (1 << 31) - 1
 
+MAX_JSON_DEPTH = 64  # objects and lists within each other, anywhere in a body
+MAX_ID_LEN = 256  # ids and names: model, tool call ids, message names, metadata.user_id
+MAX_FREE_STR = 512  # free strings that are no prompt: `user`, metadata values
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
 StopStr = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LEN)]
+IdStr = Annotated[str, Field(max_length=MAX_ID_LEN)]
+FreeStr = Annotated[str, Field(max_length=MAX_FREE_STR)]
 ToolName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_.:-]{1,128}$")]
 TokenId = Annotated[int, Field(ge=0, le=_TOKEN_ID_MAX)]
+
+
+def check_json(data: Any) -> None:
+    """Raise ValueError (a 400) for a body nested deeper than MAX_JSON_DEPTH or holding a
+    lone UTF-16 surrogate (JSON's `"\\ud800"` escape decodes to one; no tokenizer or
+    encoder takes it), naming where. Iterative: a hostile body cannot exhaust the stack."""
+    stack: list[tuple[Any, str, int]] = [(data, "", 0)]
+    while stack:
+        value, where, depth = stack.pop()
+        if isinstance(value, str):
+            if _LONE_SURROGATE.search(value):
+                raise ValueError(f"{where or 'the body'} holds a lone UTF-16 surrogate (an "
+                                 "unpaired \\ud800-\\udfff escape): send valid Unicode")
+            continue
+        if not isinstance(value, dict | list):
+            continue
+        if depth >= MAX_JSON_DEPTH:
+            raise ValueError(f"{where} is nested deeper than {MAX_JSON_DEPTH} levels")
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            path = f"{where}.{key}" if where else str(key)
+            if isinstance(key, str) and _LONE_SURROGATE.search(key):
+                raise ValueError(f"a key in {where or 'the body'} holds a lone UTF-16 surrogate")
+            stack.append((item, path, depth + 1))
 
 
 class _Body(BaseModel):
@@ -40,9 +72,16 @@ class _Body(BaseModel):
 
 
 class _Request(_Body):
-    """A request body: unknown top-level fields are kept aside and logged, never used."""
+    """A request body: unknown top-level fields are kept aside and logged, never used.
+    Before any field is read, the whole body is checked (`check_json`)."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _plain_json(cls, data: Any) -> Any:
+        check_json(data)
+        return data
 
     def model_post_init(self, context: Any) -> None:
         if self.model_extra:
@@ -75,7 +114,7 @@ class StreamOptions(_Body):
 class _SamplingFields(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions, vLLM extras included."""
 
-    model: str | None = None
+    model: IdStr | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
@@ -86,7 +125,7 @@ class _SamplingFields(_Request):
     stop: StopStr | list[StopStr] | None = Field(None, max_length=MAX_STOP)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: FreeStr | None = None
     # vLLM's extras, sent by clients in `extra_body`
     top_k: int | None = Field(None, ge=-1, le=1 << 20)
     min_p: float | None = Field(None, ge=0, le=1)
@@ -140,7 +179,7 @@ class ChatTool(_Body):
 
 
 class FunctionName(_Body):
-    name: str
+    name: IdStr
 
 
 class NamedToolChoice(_Body):
@@ -149,12 +188,12 @@ class NamedToolChoice(_Body):
 
 
 class FunctionCall(_Body):
-    name: str
+    name: IdStr
     arguments: str  # JSON text, as the API sends it
 
 
 class ToolCallParam(_Body):
-    id: str
+    id: IdStr
     type: Literal["function"] = "function"
     function: FunctionCall
 
@@ -174,10 +213,10 @@ class ResponseFormat(_Body):
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
-    name: str | None = None
+    name: IdStr | None = None
     tool_calls: list[ToolCallParam] | None = None  # assistant
     reasoning_content: str | None = None  # assistant, as vLLM answers it
-    tool_call_id: str | None = None  # tool
+    tool_call_id: IdStr | None = None  # tool
 
     def text(self) -> str:
         if self.content is None:
@@ -210,14 +249,14 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class TokenizeRequest(_Request):
-    model: str | None = None
+    model: IdStr | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
 
 
 class DetokenizeRequest(_Request):
-    model: str | None = None
+    model: IdStr | None = None
     tokens: list[TokenId]
 
 
@@ -229,14 +268,14 @@ class AnthropicText(_Body):
 
 class AnthropicToolUse(_Body):
     type: Literal["tool_use"]
-    id: str
-    name: str
+    id: IdStr
+    name: IdStr
     input: dict[str, Any]
 
 
 class AnthropicToolResult(_Body):
     type: Literal["tool_result"]
-    tool_use_id: str
+    tool_use_id: IdStr
     content: str | list[AnthropicText] | None = None
     is_error: bool | None = None
 
@@ -267,7 +306,9 @@ AnthropicBlock = Annotated[
 
 
 class AnthropicMessage(_Body):
-    role: Literal["user", "assistant"]
+    # "system": a mid-conversation system turn (Claude Code sends them); rendered in place
+    # where the chat template allows, else folded into the system prompt
+    role: Literal["user", "assistant", "system"]
     content: str | list[AnthropicBlock]
 
     def text(self) -> str:
@@ -277,10 +318,26 @@ class AnthropicMessage(_Body):
 
 
 class AnthropicTool(_Body):
+    """A client tool (`type` absent or "custom", with an `input_schema`), or one of
+    Anthropic's own typed tools (`web_search_20250305`, `bash_20250124`, ...), which this
+    server does not run: those are left out of the prompt (logged)."""
+
     name: ToolName
     description: str | None = None
-    input_schema: dict[str, Any]
-    type: Literal["custom"] | None = None
+    input_schema: dict[str, Any] | None = None
+    type: Annotated[str, Field(max_length=64)] | None = None
+    # tool search: the schema is loaded on demand, so the tool is not in the prompt
+    defer_loading: bool | None = None
+
+    @property
+    def is_custom(self) -> bool:
+        return self.type in (None, "custom")
+
+    @model_validator(mode="after")
+    def _schema_for_custom(self) -> AnthropicTool:
+        if self.is_custom and self.input_schema is None:
+            raise ValueError(f"tool {self.name!r} needs an input_schema")
+        return self
 
 
 class AnthropicToolChoiceAuto(_Body):
@@ -295,7 +352,7 @@ class AnthropicToolChoiceAny(_Body):
 
 class AnthropicToolChoiceTool(_Body):
     type: Literal["tool"]
-    name: str
+    name: IdStr
     disable_parallel_tool_use: bool | None = None
 
 
@@ -311,7 +368,7 @@ AnthropicToolChoice = Annotated[
 
 
 class AnthropicMetadata(_Body):
-    user_id: str | None = None
+    user_id: IdStr | None = None  # Anthropic's limit too
 
 
 class AnthropicJsonFormat(_Body):
@@ -345,13 +402,50 @@ AnthropicThinkingConfig = Annotated[
 ]
 
 
+class AnthropicCount(_Body):
+    """`{"type": "input_tokens" | "tool_uses" | "thinking_turns", "value": N}`."""
+
+    type: Literal["input_tokens", "tool_uses", "thinking_turns"]
+    value: int = Field(ge=0, le=1 << 30)
+
+
 class AnthropicCacheControl(_Body):
     type: Literal["ephemeral"]
     ttl: Literal["5m", "1h"] | None = None
 
 
+class AnthropicClearThinking(_Body):
+    """Drop the thinking of earlier assistant turns from the prompt, keeping the last
+    `keep` turns' (`{"type": "thinking_turns", "value": N}`, default 1) or "all"."""
+
+    type: Literal["clear_thinking_20251015"]
+    keep: Literal["all"] | AnthropicCount | None = None
+
+
+class AnthropicClearToolUses(_Body):
+    """Once the prompt passes `trigger` input tokens (default 100,000), replace the results
+    of all but the last `keep` tool uses (default 3) with a placeholder; `exclude_tools`
+    keep theirs, `clear_tool_inputs` clears the calls' inputs too."""
+
+    type: Literal["clear_tool_uses_20250919"]
+    trigger: AnthropicCount | None = None
+    keep: AnthropicCount | None = None
+    clear_at_least: AnthropicCount | None = None
+    exclude_tools: list[Annotated[str, Field(max_length=128)]] | None = Field(None, max_length=MAX_TOOLS)
+    clear_tool_inputs: bool = False
+
+
+AnthropicContextEdit = Annotated[
+    AnthropicClearThinking | AnthropicClearToolUses, Field(discriminator="type")
+]
+
+
+class AnthropicContextManagement(_Body):
+    edits: list[AnthropicContextEdit] = Field(default_factory=list, max_length=8)
+
+
 class _AnthropicPrompt(_Request):
-    model: str
+    model: IdStr
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[AnthropicText] | None = None
     tools: list[AnthropicTool] | None = Field(None, max_length=MAX_TOOLS)
@@ -360,6 +454,7 @@ class _AnthropicPrompt(_Request):
     output_config: AnthropicOutputConfig | None = None
     # the prefix cache is automatic: every prompt's blocks are cached, marked or not
     cache_control: AnthropicCacheControl | None = None
+    context_management: AnthropicContextManagement | None = None
 
     def system_text(self) -> str | None:
         if self.system is None or isinstance(self.system, str):

@@ -183,6 +183,6 @@ class AnthropicError(BaseModel):
     error: AnthropicErrorDetail
 
 
-_ERROR_STATUSES = (400, 401, 404, 413, 431, 503)
+_ERROR_STATUSES = (400, 401, 404, 413, 429, 431, 503)
 OPENAI_ERRORS: dict[int | str, dict[str, Any]] = {status: {"model": OpenAIError} for status in _ERROR_STATUSES}
 ANTHROPIC_ERRORS: dict[int | str, dict[str, Any]] = {status: {"model": AnthropicError} for status in _ERROR_STATUSES}

@@ -10,6 +10,8 @@ from pydantic import Discriminator, Field, Tag
 from tokenmill.server.protocol import (
     _SEED_MAX,
     MAX_TOOLS,
+    FreeStr,
+    IdStr,
     StopStr,
     ToolName,
     _Body,
@@ -38,7 +40,7 @@ class MessageItem(_Body):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[ContentPart]
-    id: str | None = None
+    id: IdStr | None = None
     status: str | None = None
 
     def text(self) -> str:
@@ -50,9 +52,9 @@ class MessageItem(_Body):
 class FunctionCallItem(_Body):
     type: Literal["function_call"]
     call_id: str = Field(min_length=1, max_length=256)
-    name: str
+    name: IdStr
     arguments: str  # a JSON object, as text
-    id: str | None = None
+    id: IdStr | None = None
     status: str | None = None
 
 
@@ -60,7 +62,7 @@ class FunctionCallOutputItem(_Body):
     type: Literal["function_call_output"]
     call_id: str = Field(min_length=1, max_length=256)
     output: str | list[InputText]
-    id: str | None = None
+    id: IdStr | None = None
     status: str | None = None
 
     def text(self) -> str:
@@ -69,7 +71,7 @@ class FunctionCallOutputItem(_Body):
 
 class ReasoningItem(_Body):
     type: Literal["reasoning"]
-    id: str | None = None
+    id: IdStr | None = None
     summary: list[InputText] = Field(default_factory=list)
     content: list[InputText] | None = None
     encrypted_content: str | None = None
@@ -103,12 +105,12 @@ class FunctionTool(_Body):
 
 class NamedFunction(_Body):
     type: Literal["function"]
-    name: str
+    name: IdStr
 
 
 class TextFormat(_Body):
     type: Literal["text", "json_object", "json_schema"]
-    name: str | None = None
+    name: IdStr | None = None
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
@@ -125,7 +127,7 @@ class ReasoningConfig(_Body):
 
 
 class ResponsesRequest(_Request):
-    model: str | None = None
+    model: IdStr | None = None
     input: (
         Annotated[str, Field(min_length=1)]
         | Annotated[list[InputItem], Field(min_length=1, max_length=MAX_ITEMS)]
@@ -142,8 +144,9 @@ class ResponsesRequest(_Request):
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
-    metadata: dict[str, str] | None = Field(None, max_length=16)
-    user: str | None = None
+    # OpenAI's limits: 16 pairs, keys of 64 characters, values of 512
+    metadata: dict[Annotated[str, Field(max_length=64)], FreeStr] | None = Field(None, max_length=16)
+    user: FreeStr | None = None
     truncation: Literal["auto", "disabled"] | None = None
     # vLLM's extras
     top_k: int | None = Field(None, ge=-1, le=1 << 20)

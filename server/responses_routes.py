@@ -12,16 +12,18 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from tokenmill.outputs import RequestOutput
+from tokenmill.frontend.outputs import RequestOutput
+from tokenmill.platforms.reasoning import ReasoningDelta
+from tokenmill.platforms.tool_parsing import ContentDelta, ToolCall, ToolCallDelta
 from tokenmill.server.chat import _arguments, render_chat
 from tokenmill.server.generation import SeqStream, Started, params_or_400, start
 from tokenmill.server.output import OutputEvents, reasoning_parser, split_output
-from tokenmill.server.reasoning import ReasoningDelta
 from tokenmill.server.response_store import StoredResponse
 from tokenmill.server.responses import OPENAI_ERRORS
 from tokenmill.server.responses_models import ResponseObject
@@ -42,7 +44,6 @@ from tokenmill.server.serving import (
     state_of,
     unless_disconnected,
 )
-from tokenmill.server.tool_parsers import ContentDelta, ToolCall, ToolCallDelta
 from tokenmill.server.tools import ToolPlan, plan_tools, structured_outputs
 
 router = APIRouter()
@@ -183,7 +184,9 @@ async def _finish(state: ServerState, response: dict, items: list[dict], final: 
     """Complete `response` with its output and usage, and store it if asked to."""
     length = final.outputs[0].finish_reason == "length"
     reasoning = "".join(c["text"] for i in items if i["type"] == "reasoning" for c in i["content"])
-    num_reasoning = len(await state.engine.encode(reasoning, False)) if reasoning else 0
+    num_reasoning = len(await state.run_render(
+        partial(state.engine.tokenizer.encode, reasoning, add_special_tokens=False),
+        "tokenizing the reasoning", timed=False)) if reasoning else 0
     response.update(
         status="incomplete" if length else "completed", output=items,
         incomplete_details={"reason": "max_output_tokens"} if length else None,
@@ -215,6 +218,7 @@ def _plan(body: ResponsesRequest, state: ServerState) -> ToolPlan:
 async def create_response(body: ResponsesRequest, request: Request):
     state = state_of(request)
     model = state.check_model(body.model)
+    state.check_room()
     conversation = [*_history(state, body), *input_messages(body.input)]
     prompt_messages = conversation
     if body.instructions:
@@ -222,11 +226,11 @@ async def create_response(body: ResponsesRequest, request: Request):
     plan = _plan(body, state)
     fmt = body.text.format if body.text else None
     structured = structured_outputs(plan, fmt and fmt.type, fmt and fmt.schema_, "text.format",
-                                    compact=state.compact_json)
+                                    compact=state.compact_json, closed=bool(fmt and fmt.strict))
     if structured is not None and plan.mode == "auto":  # JSON was asked for, not tool calls
         plan = ToolPlan("none", plan.tools)
     effort = body.reasoning.effort if body.reasoning else None
-    text, ids = await render_chat(state.engine, prompt_messages, tools=plan.tools,
+    text, ids = await render_chat(state, prompt_messages, tools=plan.tools,
                                   template_kwargs={"reasoning_effort": effort} if effort else None)
     max_tokens = body.max_output_tokens or max(state.engine.max_model_len - len(ids), 1)
     params = params_or_400(
@@ -244,7 +248,7 @@ async def create_response(body: ResponsesRequest, request: Request):
     if body.stream:
         events = _Events(started, response, params.max_stop_len(),
                          OutputEvents(plan, parser, text), state, conversation)
-        return event_stream(events.run(), request.url.path)
+        return event_stream(events.run(), request)
     (final,) = await unless_disconnected(request, started.finals())
     out = final.outputs[0]
     split = split_output(plan, parser, text, out.text)

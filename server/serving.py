@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -12,20 +13,25 @@ import msgspec
 from fastapi import Request
 from starlette.responses import Response, StreamingResponse
 
-from tokenmill.async_engine import AsyncLLM, EngineDeadError
-from tokenmill.outputs import RequestOutput
+from tokenmill.frontend.async_engine import AsyncLLM, EngineDeadError
+from tokenmill.frontend.outputs import RequestOutput
+from tokenmill.platforms.reasoning import ReasoningParser
+from tokenmill.platforms.tool_parsing import ToolParser
+from tokenmill.server.admission import Admission, QueueFull
 from tokenmill.server.metrics import Metrics
+from tokenmill.server.render import RenderPool, RenderPoolFull
 from tokenmill.server.response_store import ResponseStore
 
 T = TypeVar("T")
+logger = logging.getLogger("tokenmill.server")
 
 
 @dataclass(frozen=True, slots=True)
 class ToolConfig:
     """Whether `tool_choice: auto` is served, and which parser reads the model's calls."""
 
-    enable_auto_tool_choice: bool = False
-    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False  # build_app turns it on unless told not to
+    tool_call_parser: type[ToolParser] | None = None  # resolved once, at start
 
 
 @dataclass(slots=True)
@@ -38,9 +44,38 @@ class ServerState:
     api_key: str | None = None
     created: int = 0
     tools: ToolConfig = field(default_factory=ToolConfig)
-    reasoning_parser: str | None = None  # --reasoning-parser
+    reasoning_parser: type[ReasoningParser] | None = None  # --reasoning-parser, resolved
     compact_json: bool = False  # --structured-outputs-disable-any-whitespace
     responses: ResponseStore = field(default_factory=ResponseStore)
+    admin_api_key: str | None = None  # --admin-api-key: the routes that change the engine
+    trust_request_chat_template: bool = False  # --trust-request-chat-template
+    render: RenderPool = field(default_factory=RenderPool)  # rendering and tokenizing
+    admission: Admission | None = None  # the bound on waiting requests (build_app sets it)
+    pd: Any = None  # prefill/decode disaggregation (server/pd.py's PDState); None: off
+
+    async def run_render(self, fn: Callable[[], T], what: str = "rendering the prompt",
+                         param: str | None = None, timed: bool = True) -> T:
+        """`fn()` on the render pool: a 429 with Retry-After when the pool's queue is full,
+        a 400 (naming `param`) when `fn` raises ValueError (a time or size limit included)."""
+        try:
+            return await self.render.run(fn, what, timed)
+        except RenderPoolFull as e:
+            raise APIError(429, str(e), code="rate_limit_exceeded",
+                           headers={"Retry-After": "1"}) from e
+        except ValueError as e:
+            raise APIError(400, str(e), param) from e
+
+    def check_room(self) -> None:
+        """A 429 with Retry-After, before any rendering, when even one more sequence would
+        wait past --max-waiting-requests: a burst's refusals cost no render work and come
+        at once. (`start` counts the request in later, with its true number of sequences.)"""
+        if self.admission is None:
+            return
+        try:
+            self.admission.check(1)
+        except QueueFull as e:
+            raise APIError(429, str(e), code="rate_limit_exceeded",
+                           headers={"Retry-After": str(e.retry_after_s)}) from e
 
     def check_model(self, name: str | None) -> str:
         """The served name to answer with; 404 for a model this server does not serve."""
@@ -54,6 +89,11 @@ class ServerState:
         )
 
 
+def request_id(scope) -> str:
+    """The id RequestIdMiddleware gave this request ("-" outside it)."""
+    return scope.get("state", {}).get("request_id", "-")
+
+
 def state_of(request: Request) -> ServerState:
     return request.app.state.server
 
@@ -62,21 +102,24 @@ class APIError(Exception):
     """An error answered to the client; the route's family decides the body's shape."""
 
     def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None
+        self, status: int, message: str, param: str | None = None, code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers or {}  # e.g. Retry-After on a 429
 
 
 _OPENAI_TYPES = {
-    401: "authentication_error", 404: "invalid_request_error", 500: "server_error", 503: "server_error",
+    401: "authentication_error", 403: "permission_error", 404: "invalid_request_error",
+    429: "requests", 500: "server_error", 503: "server_error",
 }
 _ANTHROPIC_TYPES = {
     401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-    413: "request_too_large", 500: "api_error", 503: "overloaded_error",
+    413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
 }
 
 
@@ -120,24 +163,54 @@ class RequestFailedError(RuntimeError):
     stop_reason); the engine and every other request go on. Answered as a 500."""
 
 
+STRUCTURED_FAILURE = "structured output: "  # the core's stop_reason for a constraint that failed
+
+
 def check_failed(out: RequestOutput) -> RequestOutput:
-    """`out`, unless one of its sequences failed in the engine: then RequestFailedError."""
+    """`out`, unless one of its sequences failed in the engine: then RequestFailedError, or
+    a 400 when what failed is the request's own output constraint (a grammar past
+    llguidance's limits at some step: the client's input, not the server)."""
     for seq in out.outputs:
-        if seq.finish_reason == "error":
-            raise RequestFailedError(f"the engine could not finish this request: {seq.stop_reason}")
+        if seq.finish_reason != "error":
+            continue
+        reason = str(seq.stop_reason)
+        if reason.startswith(STRUCTURED_FAILURE):
+            raise APIError(400, "the output constraint failed while generating ("
+                           f"{reason.removeprefix(STRUCTURED_FAILURE)}); simplify it")
+        raise RequestFailedError(f"the engine could not finish this request: {reason}")
     return out
 
 
-def event_stream(events: AsyncIterator[bytes], path: str) -> StreamingResponse:
-    """An SSE response; if the engine dies or fails the request mid-stream, the stream ends
-    with an error event in the route's shape instead of a cut connection."""
+def internal_error(request_id: str, cause: BaseException) -> tuple[int, str]:
+    """(status, message) for a failure whose text is the server's business: the cause is
+    logged with the request id, and the client gets the id and no internal text."""
+    if isinstance(cause, EngineDeadError):
+        logger.error("request %s: the engine is dead: %s", request_id, cause)
+        return 503, (f"the engine is not running (request id {request_id}; the server log has "
+                     "the cause)")
+    if isinstance(cause, RequestFailedError):
+        logger.error("request %s: %s", request_id, cause)
+        return 500, (f"the engine could not finish this request (request id {request_id}; the "
+                     "server log has the cause); the server goes on")
+    logger.error("request %s failed", request_id, exc_info=cause)
+    return 500, f"internal server error (request id {request_id}; the server log has the details)"
+
+
+def event_stream(events: AsyncIterator[bytes], request: Request) -> StreamingResponse:
+    """An SSE response; if the engine dies or fails the request mid-stream (or anything
+    else goes wrong), the stream ends with an error event in the route's shape, carrying
+    the request id and no internal text, instead of a cut connection."""
+    path, rid = request.url.path, request_id(request.scope)
 
     async def guarded() -> AsyncIterator[bytes]:
         try:
             async for event in events:
                 yield event
-        except (EngineDeadError, RequestFailedError) as e:
-            body = error_body(path, 503 if isinstance(e, EngineDeadError) else 500, str(e))
+        except Exception as e:  # noqa: BLE001 - logged with the id; the client gets the id
+            if isinstance(e, APIError):  # the request's own fault, found mid-stream
+                body = error_body(path, e.status, e.message, e.param, e.code)
+            else:
+                body = error_body(path, *internal_error(rid, e))
             if is_anthropic_path(path):
                 yield sse(body, "error")
             else:

@@ -18,17 +18,20 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from tokenmill.server.serving import APIError, ToolConfig
-from tokenmill.server.tool_parsers import (
+from tokenmill.platforms.tool_parsing import (
     ContentDelta,
     ExtractedToolCalls,
+    StreamEvent,
     ToolCall,
     ToolCallDelta,
     ToolCallStream,
-    get_tool_parser,
+    ToolParser,
     new_tool_call_id,
+    not_called,
+    parse_call,
 )
-from tokenmill.server.tool_parsers.base import StreamEvent, not_called, parse_call
+from tokenmill.server.closed_schema import close_objects
+from tokenmill.server.serving import APIError, ToolConfig
 from tokenmill.structured import StructuredOutputsParams
 
 Mode = Literal["none", "auto", "named", "required"]
@@ -40,20 +43,21 @@ class ToolPlan:
     mode: Mode = "none"
     tools: list[dict[str, Any]] | None = None  # HF function tools, for the chat template
     named: str | None = None  # the forced function
-    parser: str | None = None  # auto: the registry name
+    parser: type[ToolParser] | None = None  # auto: the server's --tool-call-parser
     single: bool = False  # keep only the first call
     id_prefix: str = "call_"
 
     def schema(self) -> dict[str, Any] | None:
-        """The JSON schema the output must follow, for named and required choices."""
+        """The JSON schema the output must follow, for named and required choices: the
+        tools' parameters with their objects closed (server/closed_schema.py)."""
         fns = {t["function"]["name"]: t["function"] for t in self.tools or []}
         if self.mode == "named":
-            return fns[self.named].get("parameters") or _EMPTY_PARAMS
+            return close_objects(fns[self.named].get("parameters") or _EMPTY_PARAMS)
         if self.mode == "required":
             return {"anyOf": [
                 {"type": "object",
                  "properties": {"name": {"const": name},
-                                "arguments": fn.get("parameters") or _EMPTY_PARAMS},
+                                "arguments": close_objects(fn.get("parameters") or _EMPTY_PARAMS)},
                  "required": ["name", "arguments"], "additionalProperties": False}
                 for name, fn in fns.items()
             ]}
@@ -62,7 +66,7 @@ class ToolPlan:
     def extract(self, text: str) -> ExtractedToolCalls:
         """The tool calls of a complete output; malformed output is all content."""
         if self.mode == "auto":
-            found = get_tool_parser(self.parser)(self.id_prefix, self.tools).extract_tool_calls(text)
+            found = self.parser(self.id_prefix, self.tools).extract_tool_calls(text)
         elif self.mode == "named":
             found = _named_call(text, self.named, self.id_prefix)
         elif self.mode == "required":
@@ -76,11 +80,11 @@ class ToolPlan:
     @property
     def keeps_special_tokens(self) -> bool:
         """Whether the output must keep special tokens for the parser to see its markers."""
-        return self.mode == "auto" and get_tool_parser(self.parser).keeps_special_tokens
+        return self.mode == "auto" and self.parser.keeps_special_tokens
 
     def stream(self) -> ToolEvents:
         if self.mode == "auto":
-            return _ParserEvents(ToolCallStream(get_tool_parser(self.parser)(self.id_prefix, self.tools)),
+            return _ParserEvents(ToolCallStream(self.parser(self.id_prefix, self.tools)),
                                  self.single)
         if self.mode == "named":
             return _NamedEvents(self.named, self.id_prefix)
@@ -116,8 +120,8 @@ def plan_tools(
     if choice == "auto" and not (config.enable_auto_tool_choice and config.tool_call_parser):
         raise APIError(
             400,
-            '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
-            'set on the server; use tool_choice "none", "required" or a named tool instead',
+            '"auto" tool choice is off on this server (--no-enable-auto-tool-choice); use '
+            'tool_choice "none", "required" or a named tool instead',
             param,
         )
     return ToolPlan(choice, tools, named if choice == "named" else None,
@@ -225,12 +229,15 @@ def structured_outputs(
     param: str = "response_format",
     extra: dict[str, Any] | None = None,
     compact: bool = False,
+    closed: bool = False,
 ):
     """`StructuredOutputsParams` forcing the plan's schema, the requested output format
     (`kind` "text", "json_object" or "json_schema" with `schema`, named by `param`) or
     vLLM's `structured_outputs` extra (`extra`, its fields as given); None when decoding
     is free. More than one of them is a 400. `compact`: the JSON of the first two has no
-    optional whitespace (the server's --structured-outputs-disable-any-whitespace)."""
+    optional whitespace (the server's --structured-outputs-disable-any-whitespace), else a
+    bounded amount. `closed`: the format's schema is strict (its objects are closed, as
+    the plan's tool schemas always are)."""
     forced = plan.schema()
     asked = [name for name, on in (("tool_choice", forced is not None),
                                    (param, kind not in (None, "text")),
@@ -246,7 +253,8 @@ def structured_outputs(
     elif kind == "json_schema":
         if schema is None:
             raise APIError(400, f"{param}: json_schema needs a schema", param)
-        kw = {"json": schema, "disable_any_whitespace": compact}
+        kw = {"json": close_objects(schema) if closed else schema,
+              "disable_any_whitespace": compact}
     elif extra is not None:
         kw, param = extra, "structured_outputs"
     if kw is None:

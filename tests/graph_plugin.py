@@ -49,7 +49,7 @@ class GraphsPlugin:
 
     @hookimpl
     def tokenmill_api_version(self) -> str:
-        return "1.2"
+        return cpu.tokenmill_api_version()  # it serves the cpu plugin's ops: its version too
 
     @hookimpl
     def tokenmill_detect(self):

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import math
 
+from tokenmill.engine.request import Request
 from tokenmill.kv.allocators import SlidingWindowAllocator
 from tokenmill.kv.block_pool import BlockPool, KVBlock
 from tokenmill.kv.manager import KVCacheManager
 from tokenmill.kv.recurrent import RecurrentStateAllocator
 from tokenmill.platforms.interfaces import AttentionKind, AttentionSpec
-from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
 
 

@@ -10,10 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+# the peer benchmark's own modules (capacity, reuse, report) are scripts beside run.py
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "serving"))
 
-import workloads as wl  # noqa: E402
-from stats import RequestResult, Slo, percentile, summarize  # noqa: E402
+from tokenmill.server.bench import workloads as wl  # noqa: E402
+from tokenmill.server.bench.stats import RequestResult, Slo, percentile, summarize  # noqa: E402
 
 WORDS = wl.Words([f"w{i}" for i in range(500)])
 
@@ -73,8 +74,8 @@ def test_mooncake_scaling(tmp_path):
 def test_a_turn_due_after_the_time_limit_is_skipped_not_waited_for(monkeypatch):
     import asyncio
 
-    import loadgen
-    from loadgen import Session, Target, Turn
+    from tokenmill.server.bench import loadgen
+    from tokenmill.server.bench.loadgen import Session, Target, Turn
 
     async def fake_send(client, target, turn, messages, res, t0):
         res.ttft, res.e2e, res.ok = 0.01, 0.01, True
@@ -119,8 +120,8 @@ def test_slotted_sessions_run_one_after_another(monkeypatch):
     import asyncio
     import time
 
-    import loadgen
-    from loadgen import Session, Target, Turn
+    from tokenmill.server.bench import loadgen
+    from tokenmill.server.bench.loadgen import Session, Target, Turn
 
     async def fake_send(client, target, turn, messages, res, t0):
         res.start = time.perf_counter() - t0

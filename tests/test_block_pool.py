@@ -1,9 +1,9 @@
 import pytest
 
+from tokenmill.engine.request import Request
 from tokenmill.kv.block_pool import BlockPool
 from tokenmill.kv.hashing import hash_block, hash_blocks
 from tokenmill.kv.manager import KVCacheManager
-from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
 
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.ops.attention_merge import merge_attention_states, partial_attention
-from tokenmill.ops.reference import paged_attention
 from tokenmill.platforms.interfaces import AttentionKind, AttentionMetadata, AttentionSpec
+from tokenmill.platforms.ops.attention_merge import merge_attention_states, partial_attention
+from tokenmill.platforms.ops.reference import paged_attention
 
 PROMPTS = ["The quick brown fox", "Paris is the capital of France; Berlin is", "def main():"]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.ops import reference
+from tokenmill.platforms.ops import reference
 from tokenmill_cpu import kernels, ops
 
 # The kernels must build wherever the tests run (g++ and ninja are test requirements);

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tokenmill.ops.reference import paged_attention
 from tokenmill.platforms.interfaces import (
     AllocatorPurpose,
     AttentionKind,
@@ -17,6 +17,7 @@ from tokenmill.platforms.interfaces import (
     Communicator,
     OutOfMemoryError,
 )
+from tokenmill.platforms.ops.reference import paged_attention
 from tokenmill.platforms.registry import load_platform
 from tokenmill_conformance.attention_harness import make_step, mixed_batch
 from tokenmill_cpu import hardware, kernels
@@ -323,3 +324,14 @@ def _check_collectives(comm, rank: int) -> None:
 
 def test_gloo_collectives_in_a_real_two_process_group(tmp_path):
     mp.spawn(_collectives_worker, args=(str(tmp_path / "store"),), nprocs=2, join=True)
+
+
+def test_kv_arena_default_leaves_the_machine_usable(monkeypatch):
+    """10% of the machine's memory, never more than 40% of what is available."""
+    monkeypatch.delenv(KVCACHE_ENV, raising=False)
+    before = psutil.virtual_memory()
+    limit = make_allocator(AllocatorPurpose.KV_ARENA).bytes_limit()
+    after = psutil.virtual_memory()
+    assert limit <= 0.1 * before.total
+    assert limit <= 0.4 * max(before.available, after.available)
+    assert limit >= min(0.1 * before.total, 0.4 * min(before.available, after.available)) - 1

@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.async_engine import AsyncLLM
-from tokenmill.config import EngineArgs
-from tokenmill.distributed.dp_router import PrefixAffinityRouter
+from tokenmill.engine.config import EngineArgs
+from tokenmill.frontend.async_engine import AsyncLLM
+from tokenmill.frontend.dp_router import PrefixAffinityRouter
 
 PROMPTS = ["The quick brown fox", "Paris is the capital of France; Berlin is", "def main():",
            "tokenmill turns any accelerator into tokens"]

@@ -19,9 +19,9 @@ from transformers import AutoModelForCausalLM, DeepseekV3Config
 from tokenmill import LLM, SamplingParams
 from tokenmill.model.loader import build_model, checkpoint_weights, load_model_info
 from tokenmill.model.moe import select_experts
-from tokenmill.ops import resolve_ops
-from tokenmill.ops.mla import ReferenceMLABackend
 from tokenmill.platforms.interfaces import AttentionKind
+from tokenmill.platforms.ops import resolve_ops
+from tokenmill.platforms.ops.mla import ReferenceMLABackend
 from tokenmill_conformance.tiny_models import make_tokenizer
 from tokenmill_cpu.mla import CpuMLAAttention
 
@@ -71,13 +71,13 @@ def tiny(tmp_path_factory):
     return path, hf.eval()
 
 
-_HF_CACHE: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+_HF_CACHE: dict[tuple[str, tuple[int, ...]], list[int]] = {}
 
 
 def _hf_greedy(model, prompt_ids: list[int], max_new: int) -> list[int]:
     """transformers' greedy continuation, decoding over its own KV cache (computed once
     per prompt: a shorter greedy continuation is a prefix of a longer one)."""
-    key = (id(model), tuple(prompt_ids))
+    key = (model.config.name_or_path, tuple(prompt_ids))  # the checkpoint, never id(model)
     if len(_HF_CACHE.get(key, ())) < max_new:
         out, cache, ids = [], None, torch.tensor([prompt_ids])
         with torch.no_grad():

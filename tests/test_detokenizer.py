@@ -4,7 +4,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from tokenmill.detokenizer import IncrementalDetokenizer, find_stop
+from tokenmill.frontend.detokenizer import IncrementalDetokenizer, find_stop
 
 CORPUS = [
     "héllo wörld 你好 🙂",

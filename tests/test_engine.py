@@ -249,3 +249,20 @@ def test_a_request_that_fails_ends_alone_with_an_error(llama, caplog):
     again = llama.generate(PROMPTS[1], greedy(10), use_tqdm=False)[0].outputs[0]
     assert again.token_ids == alone[PROMPTS[1]]
     assert engine.scheduler.kv.usage == 0.0  # the failed request's blocks were freed too
+
+
+def test_a_request_is_validated_once_at_the_front(llama, monkeypatch):
+    """`add_request` checks the prompt once for the request (not once per sequence of an
+    n > 1 request, not again in the engine core's `add_core_request`); what it refuses is
+    refused there, with the value named, and never reaches the scheduler."""
+    import tokenmill.engine.llm_engine as llm_engine
+
+    checked = []
+    real = llm_engine.check_prompt
+    monkeypatch.setattr(llm_engine, "check_prompt", lambda *a: checked.append(a[0]) or real(*a))
+    params = SamplingParams(temperature=0.8, max_tokens=3, n=3, seed=1)
+    out = llama.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+    assert len(out[0].outputs) == 3 and checked == [[5, 6, 7]]
+    with pytest.raises(ValueError, match=r"prompt token ids \[99999\] are outside"):
+        llama.engine.add_request("bad", [99999], SamplingParams(max_tokens=2))
+    assert "bad" not in llama.engine.scheduler.requests

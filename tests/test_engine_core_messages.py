@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenmill.outputs import (
+from tokenmill.frontend.outputs import (
     EngineCoreAbort,
     EngineCoreDead,
     EngineCoreInput,
@@ -20,8 +20,8 @@ from tokenmill.outputs import (
     EngineCoreShutdown,
     SchedulerStats,
 )
+from tokenmill.platforms.step import Logprobs
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.step import Logprobs
 from tokenmill.structured import StructuredOutputsParams
 
 ENC = msgspec.msgpack.Encoder()

@@ -11,8 +11,8 @@ import time
 import pytest
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.engine import EngineDeadError
-from tokenmill.request import RequestStatus
+from tokenmill.engine.llm_engine import EngineDeadError
+from tokenmill.engine.request import RequestStatus
 
 PROMPTS = ["The quick brown fox", "Paris is the capital of France; Berlin is", "def main():"]
 
@@ -122,22 +122,24 @@ def test_steps_reach_every_rank_and_errors_name_the_rank(tiny_dirs):
     layout) get every step; rank 0's result equals the in-process worker's (tokens exactly,
     logprobs to float tolerance: tp sums in another order); a bad step fails naming the rank,
     and a rank whose answer nobody reads dies with it (the monitor reports the exit)."""
-    from tokenmill.distributed.config import WorkerConfig
     from tokenmill.distributed.errors import WorkerCallError, WorkerDiedError
     from tokenmill.distributed.executor import UniExecutor
     from tokenmill.distributed.mp import MultiprocExecutor
+    from tokenmill.engine.config import EngineConfig
     from tokenmill.model.loader import load_model_info
+    from tokenmill.platforms.interfaces import ParallelConfig
     from tokenmill.platforms.registry import load_platform
-    from tokenmill.step import CachedRequest, NewRequest, SamplingSpec, StepDescription
+    from tokenmill.platforms.step import CachedRequest, NewRequest, SamplingSpec, StepDescription
 
     info = load_model_info(str(tiny_dirs["llama"]), load_tokenizer=False)
-    config = WorkerConfig(
+    config = EngineConfig(
         model_path=info.model_path, platform="cpu", dtype="float32", block_size=4,
         max_num_batched_tokens=64, max_num_seqs=4, max_model_len=128, seed=0, num_kv_blocks=16,
     )
     uni = UniExecutor(config, load_platform("cpu"), info.hf_config)
     mp = MultiprocExecutor(msgspec_replace(
-        config, world_size=2, tensor_parallel_size=2, distributed_executor_backend="mp",
+        config, parallel=ParallelConfig(world_size=2, tensor_parallel_size=2,
+                                        distributed_executor_backend="mp"),
         dist_init_method=f"tcp://127.0.0.1:{_free_port()}",
     ))
     try:

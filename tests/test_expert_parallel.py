@@ -86,12 +86,13 @@ def test_greedy_matches_one_process(models, arch, tp, ep):
 def test_bad_expert_sizes_are_named():
     from transformers import Qwen3MoeConfig
 
-    from tokenmill.model.parallel import local_config
+    from tokenmill.model.registry import family_for
 
     config = Qwen3MoeConfig(
         hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         num_experts=6, moe_intermediate_size=30, intermediate_size=64,
     )
+    local_config = family_for(config).local_config
     with pytest.raises(ValueError, match="does not divide the model's 6 experts"):
         local_config(config, 4, expert_parallel=True)
     with pytest.raises(ValueError, match="intermediate size 30; try enable_expert_parallel"):

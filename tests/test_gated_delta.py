@@ -1,4 +1,4 @@
-"""Gated DeltaNet references (core/ops/gated_delta.py) against transformers' own pure-torch
+"""Gated DeltaNet references (platforms/ops/gated_delta.py) against transformers' own pure-torch
 Qwen3-Next functions, and against each other: chunked == recurrent, and any split of a
 sequence carrying the state equals one pass (what chunked prefill and checkpoints need)."""
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
-from tokenmill.ops.gated_delta import (
+from tokenmill.platforms.ops.gated_delta import (
     causal_conv1d,
     gated_delta_rule_chunked,
     gated_delta_rule_recurrent,

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.config import EngineArgs
+from tokenmill.engine.config import EngineArgs
 from tokenmill.model.generation_config import SHIPPED, load_generation_defaults
 from tokenmill.sampling_params import NEUTRAL_DEFAULTS
 
@@ -76,7 +76,7 @@ def test_defaults_come_from_generation_config_or_the_shipped_table(tmp_path):
 
 def test_llm_applies_the_models_defaults_unless_told_not_to(top_k_1_model, caplog):
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    with caplog.at_level(logging.INFO, logger="tokenmill.engine"):
+    with caplog.at_level(logging.INFO, logger="tokenmill.engine.llm_engine"):
         llm = LLM(str(top_k_1_model), dtype="float32", block_size=4)
     assert "generation_config.json): top_k=1" in caplog.text
     want = llm.generate(PROMPT, greedy, use_tqdm=False)[0].outputs[0].token_ids

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, GptOssConfig
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.ops.reference import ReferenceAttentionBackend
+from tokenmill.platforms.ops.reference import ReferenceAttentionBackend
 from tokenmill_conformance.tiny_models import make_tokenizer
 
 PROMPTS = [
@@ -65,18 +65,7 @@ def _config(arch: str, vocab_size: int):
     )
 
 
-# gpt_oss: in the fresh-clone CI run of fd5509d (2026-12-01 18:13) its five tests here got
-# other greedy tokens than transformers' from the first one ([210, 210, ...] vs [205, 205,
-# ...]); they pass alone, with this file, and after the files just before it, and passed
-# in the run of ae84108 an hour earlier: something earlier in the run changes the result.
-# An open bug, named in the session note; non-strict so a run that passes says so.
-_GPT_OSS_ORDER_BUG = pytest.mark.xfail(
-    strict=False, raises=AssertionError,
-    reason="order-dependent greedy mismatch vs transformers in the full run (session note)",
-)
-
-
-@pytest.fixture(scope="module", params=["gemma3", pytest.param("gpt_oss", marks=_GPT_OSS_ORDER_BUG)])
+@pytest.fixture(scope="module", params=["gemma3", "gpt_oss"])
 def tiny(request, tmp_path_factory):
     """(arch, checkpoint dir, the transformers model) of one tiny random architecture."""
     arch = request.param
@@ -97,14 +86,15 @@ def tiny(request, tmp_path_factory):
     return arch, path, hf.eval()
 
 
-_HF_CACHE: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+_HF_CACHE: dict[tuple[str, tuple[int, ...]], list[int]] = {}
 _HF_MAX_NEW = 24
 
 
 def _hf_greedy(model, prompt_ids: list[int], max_new: int) -> list[int]:
-    """transformers' greedy continuation (computed once per model and prompt: a shorter
-    greedy continuation is a prefix of a longer one)."""
-    key = (id(model), tuple(prompt_ids))
+    """transformers' greedy continuation (computed once per checkpoint and prompt: a shorter
+    greedy continuation is a prefix of a longer one). Keyed by the checkpoint's directory,
+    never by id(model): CPython reuses a freed model's id for the next family's model."""
+    key = (model.config.name_or_path, tuple(prompt_ids))
     if key not in _HF_CACHE:
         ids = torch.tensor([prompt_ids])
         out = []
@@ -259,7 +249,9 @@ def test_kv_offload_saves_and_loads_every_kv_group(tiny, tmp_path):
         assert r["computed"] <= r["new"] + 4, r
     llm.engine.drain_kv_offload()
     stats = llm.engine.offload.snapshot()
-    assert stats["disk"].tokens_loaded > 0 and stats["disk"].tokens_recomputed == 0
+    # device and host hold different blocks (together, most of the history here)
+    assert stats["host"].tokens_loaded + stats["disk"].tokens_loaded > 0
+    assert stats["host"].tokens_recomputed == stats["disk"].tokens_recomputed == 0
     # a window's objects: only those inside its window at the hit are read
     num_full = sum(1 for g in groups if g.sliding_window is None)
     read = stats["host"].hits + stats["disk"].hits

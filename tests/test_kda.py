@@ -1,4 +1,4 @@
-"""Kimi Delta Attention references (core/ops/kda.py) against transformers' torch path
+"""Kimi Delta Attention references (platforms/ops/kda.py) against transformers' torch path
 (`recurrent_kimi_delta_attention`, `chunk_kimi_delta_attention`) and each other: chunked
 equals recurrent, and splitting a sequence anywhere while carrying the state changes
 nothing (what chunked prefill and prefix-cache checkpoints rely on)."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers.models.kimi_linear import modeling_kimi_linear as hf_kda
 
-from tokenmill.ops.kda import kda_chunked, kda_recurrent
+from tokenmill.platforms.ops.kda import kda_chunked, kda_recurrent
 
 H, DK, DV = 3, 16, 8
 
@@ -59,7 +59,7 @@ def test_split_anywhere_carrying_the_state():
 
 
 def test_a_per_token_decay_is_gated_deltanet():
-    from tokenmill.ops.gated_delta import gated_delta_rule_recurrent
+    from tokenmill.platforms.ops.gated_delta import gated_delta_rule_recurrent
 
     q, k, v, g, beta, state = _inputs(9, seed=4)
     g_head = g[..., 0]

@@ -8,14 +8,14 @@ import pytest
 import torch
 from kv_eviction_shadow import prefix_cost
 
+from tokenmill.engine.request import Request
 from tokenmill.kv.block_pool import BlockPool
 from tokenmill.kv.eviction import RecomputeCost
 from tokenmill.kv.groups import plan_groups
 from tokenmill.kv.manager import KVCacheManager
 from tokenmill.kv.recurrent import CheckpointPolicy
-from tokenmill.ops.linear_attention import gated_delta_state_spec
 from tokenmill.platforms.interfaces import AttentionKind, AttentionSpec
-from tokenmill.request import Request
+from tokenmill.platforms.ops.linear_attention import gated_delta_state_spec
 from tokenmill.sampling_params import SamplingParams
 
 BLOCK = 4

@@ -22,13 +22,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from kv_eviction_shadow import free_and_check_scores, install_checked_pool
 
+from tokenmill.engine.request import Request
 from tokenmill.kv.allocators import SlidingWindowAllocator
 from tokenmill.kv.block_pool import NULL_BLOCK
 from tokenmill.kv.eviction import RecomputeCost
 from tokenmill.kv.groups import plan_groups
 from tokenmill.kv.manager import KVCacheManager, PrefixHit
 from tokenmill.platforms.interfaces import AttentionKind, AttentionSpec
-from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
 
 BLOCK = 4

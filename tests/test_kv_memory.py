@@ -16,9 +16,9 @@ from tokenmill.kv.sizing import kv_cache_budget
 from tokenmill.model.loader import load_model_info
 from tokenmill.model.registry import attention_specs_for
 from tokenmill.platforms.interfaces import MemoryInfo
+from tokenmill.platforms.kit.host_allocator import HostAllocator
 from tokenmill.platforms.registry import PlatformRegistry
 from tokenmill_conformance import reference_platform
-from tokenmill_conformance.host_allocator import HostAllocator
 
 MIB = 1 << 20
 hookimpl = pluggy.HookimplMarker("tokenmill")
@@ -54,7 +54,7 @@ class SmallDevice:
 
     @hookimpl
     def tokenmill_api_version(self):
-        return "1.2"
+        return "1.3"
 
     @hookimpl
     def tokenmill_detect(self):
@@ -71,7 +71,7 @@ class SmallDevice:
 
     @hookimpl
     def tokenmill_allocator(self, platform, purpose):
-        allocator = HostAllocator(purpose, self.TOTAL)
+        allocator = HostAllocator(purpose, self.TOTAL, "the test device's memory", owner="small")
         if purpose.value == "kv_arena":
             self.kv = allocator
             original = allocator.allocate
@@ -142,7 +142,7 @@ def test_an_arena_full_of_nan_gives_the_same_tokens(tiny_dirs, dtype):
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     clean = LLM(str(tiny_dirs["qwen3"]), **kw)
     poisoned = LLM(str(tiny_dirs["qwen3"]), **kw)
-    poisoned.engine.executor.worker.runner.arena.buffer.fill_(0xFF)  # NaN in every dtype
+    poisoned.engine.executor.worker.arena.buffer.fill_(0xFF)  # NaN in every dtype
     for batch in (prompts[:3], prompts[3:]):  # the second batch hits the first's prefix
         want = clean.generate(batch, params, use_tqdm=False)
         got = poisoned.generate(batch, params, use_tqdm=False)

@@ -15,10 +15,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.scheduler import Scheduler, SchedulerConfig
 from tokenmill.kv.manager import KVCacheManager
-from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.scheduler import Scheduler, SchedulerConfig
 
 TOKENS = st.integers(0, 2)  # a tiny vocabulary, so that sequences share prefixes often
 HISTORY = (0, 1, 2, 0, 2, 1, 1, 0, 2, 2, 0, 0, 1)  # a conversation several requests continue

@@ -1,11 +1,11 @@
-"""The CPU plugin's Mamba2 fast path against the core's reference (tokenmill.ops.mamba2)."""
+"""The CPU plugin's Mamba2 fast path against the core's reference (tokenmill.platforms.ops.mamba2)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tokenmill.ops.mamba2 import Mamba2Dims, Mamba2Weights, mamba2_mixer
+from tokenmill.platforms.ops.mamba2 import Mamba2Dims, Mamba2Weights, mamba2_mixer
 from tokenmill_cpu import kernels
 from tokenmill_cpu.mamba2 import decode_step
 

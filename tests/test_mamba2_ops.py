@@ -1,4 +1,4 @@
-"""Mamba2 references (core/ops/mamba2.py) against transformers' own pure-torch Bamba
+"""Mamba2 references (platforms/ops/mamba2.py) against transformers' own pure-torch Bamba
 functions, and against each other: chunked == recurrent, any split of a sequence carrying
 the state equals one pass, and the states at requested boundaries are the states of the
 prefix up to there (what chunked prefill and prefix-cache checkpoints need)."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers.models.bamba import modeling_bamba as hf
 
-from tokenmill.ops.gated_delta import causal_conv1d
-from tokenmill.ops.mamba2 import (
+from tokenmill.platforms.ops.gated_delta import causal_conv1d
+from tokenmill.platforms.ops.mamba2 import (
     Mamba2Dims,
     Mamba2Weights,
     discretize_dt,

@@ -12,9 +12,9 @@ import torch
 from tokenmill.kv.arena import KVArena
 from tokenmill.kv.groups import plan_groups
 from tokenmill.model.layers import resolve_backends
-from tokenmill.ops.mla import ReferenceMLABackend, mla_attention
-from tokenmill.ops.reference import ReferenceAttentionBackend
 from tokenmill.platforms.interfaces import AttentionKind, AttentionSpec, MLADims, kv_cache_shape
+from tokenmill.platforms.ops.mla import ReferenceMLABackend, mla_attention
+from tokenmill.platforms.ops.reference import ReferenceAttentionBackend
 from tokenmill.platforms.registry import PlatformError
 from tokenmill_conformance.attention_harness import mixed_batch
 from tokenmill_conformance.mla_harness import check_mla_step, make_mla_step, mla_spec
@@ -88,10 +88,10 @@ def test_arena_views_pages_in_the_backends_declared_shape():
             return (spec.block_size, num_blocks, spec.head_size)
 
     from tokenmill.platforms.interfaces import AllocatorPurpose
-    from tokenmill_cpu.allocator import HostAllocator
+    from tokenmill.platforms.kit.host_allocator import HostAllocator
 
     spec = mla_spec(torch.float32, 4, dims=DIMS)
-    allocator = HostAllocator(AllocatorPurpose.KV_ARENA, 1 << 24, "test")
+    allocator = HostAllocator(AllocatorPurpose.KV_ARENA, 1 << 24, "test", owner="test")
     arena = KVArena.create(allocator, [spec, spec], num_blocks=5, device=torch.device("cpu"),
                            backends=[CpuMLAAttention(), Transposed()])
     assert arena.layer_caches[0].shape == (5, 4, DIMS.latent_size)
@@ -135,14 +135,14 @@ def test_state_pages_beside_mla_pages_name_the_same_bytes():
     """A block id must name the same bytes in every layer view of one arena slot: a
     recurrent layer's state view beside MLA layers is block-major like their latent
     pages (with keys-then-values halves it would scribble over other blocks' latents)."""
-    from tokenmill.ops.linear_attention import kda_state_spec
     from tokenmill.platforms.interfaces import AllocatorPurpose
-    from tokenmill_cpu.allocator import HostAllocator
+    from tokenmill.platforms.kit.host_allocator import HostAllocator
+    from tokenmill.platforms.ops.linear_attention import kda_state_spec
 
     mla = mla_spec(torch.float32, 4, dims=DIMS)
     linear = AttentionSpec(AttentionKind.LINEAR, 2, 2, 16, torch.float32, 4,
                            state=kda_state_spec(2, 16, 4, torch.float32))
-    allocator = HostAllocator(AllocatorPurpose.KV_ARENA, 1 << 24, "test")
+    allocator = HostAllocator(AllocatorPurpose.KV_ARENA, 1 << 24, "test", owner="test")
     arena = KVArena.create(allocator, [linear, mla], num_blocks=6, device=torch.device("cpu"),
                            layer_slots=[0, 0])
     arena.buffer.zero_()  # arenas are not zeroed

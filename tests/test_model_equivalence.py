@@ -30,9 +30,9 @@ from transformers import (
 )
 
 from tokenmill.model.loader import LoadedModel, default_model_path, load_model_and_tokenizer
-from tokenmill.ops import resolve_ops
-from tokenmill.ops.reference import ReferenceAttentionBackend
 from tokenmill.platforms.interfaces import AttentionKind
+from tokenmill.platforms.ops import resolve_ops
+from tokenmill.platforms.ops.reference import ReferenceAttentionBackend
 
 VOCAB = 256
 EOS_ID = 250

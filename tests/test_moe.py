@@ -12,9 +12,10 @@ import torch
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
+from tokenmill.model.linear import LayerBuilder
 from tokenmill.model.moe import FusedMoE, deinterleave_gate_up, select_experts
-from tokenmill.ops import resolve_ops
-from tokenmill.ops.reference import moe_experts
+from tokenmill.platforms.ops import resolve_ops
+from tokenmill.platforms.ops.reference import moe_experts
 
 
 @pytest.mark.parametrize("renormalize", [False, True])
@@ -31,7 +32,7 @@ def test_qwen3_moe_block_matches_transformers(renormalize):
     ours = FusedMoE(
         hidden_size=32, intermediate_size=16, num_experts=6, top_k=2, routing="softmax_topk",
         renormalize=renormalize, activation="silu", router_bias=False, expert_bias=False,
-        ops=resolve_ops(), dtype=torch.float32,
+        build=LayerBuilder(ops=resolve_ops(), dtype=torch.float32), prefix="mlp",
     )
     with torch.no_grad():
         ours.router.weight.copy_(hf.gate.weight)

@@ -16,8 +16,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tokenmill.output_processor import OutputProcessor
-from tokenmill.outputs import EngineCoreOutput
+from tokenmill.frontend.output_processor import OutputProcessor
+from tokenmill.frontend.outputs import EngineCoreOutput
 from tokenmill.sampling_params import SamplingParams
 
 STOPS = [[], ["e "], ["the", "ow"], ["fox", "a"]]

@@ -36,6 +36,8 @@ from tiny_models import load_hf, make_tiny_model
 from tokenmill import LLM, SamplingParams
 from tokenmill_conformance.tiny_models import make_tokenizer
 
+pytestmark = pytest.mark.long  # multi-process groups for every family and dimension: minutes
+
 PROMPTS = [
     "The quick brown fox",
     "Paris is the capital of France; Berlin is",
@@ -178,7 +180,10 @@ def test_sequence_parallel_matches_one_process(models, arch, ep):
 def test_bad_sizes_and_unsplit_families_are_named():
     from transformers import KimiLinearConfig, Qwen3NextConfig
 
-    from tokenmill.model.parallel import check_sequence_parallel, local_config
+    from tokenmill.model.registry import check_sequence_parallel, family_for
+
+    def local_config(config, tp):
+        return family_for(config).local_config(config, tp)
 
     next_config = Qwen3NextConfig(
         hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,

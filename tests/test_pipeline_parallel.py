@@ -13,14 +13,14 @@ import time
 import pytest
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.config import EngineArgs
-from tokenmill.distributed.in_flight import InFlightStep
-from tokenmill.engine import EngineDeadError
+from tokenmill.engine.config import EngineArgs
+from tokenmill.engine.in_flight import InFlightStep
+from tokenmill.engine.llm_engine import EngineDeadError
+from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.model.pipeline import stage_layers
-from tokenmill.request import Request, RequestStatus
+from tokenmill.platforms.step import StepResult
 from tokenmill.sampling_params import SamplingParams as Params
-from tokenmill.scheduler import SchedulerOutput
-from tokenmill.step import StepResult
 
 # the last prompt is longer than a step's budget: its prefill takes several chunks
 PROMPTS = [
@@ -179,8 +179,8 @@ def test_a_stage_keeps_the_models_kv_groups_with_its_slots_renumbered():
 
     from tokenmill.kv.groups import plan_groups
     from tokenmill.model.pipeline import stage_kv_layout
-    from tokenmill.ops.linear_attention import gated_delta_state_spec
     from tokenmill.platforms.interfaces import AttentionKind, AttentionSpec
+    from tokenmill.platforms.ops.linear_attention import gated_delta_state_spec
 
     full = AttentionSpec(AttentionKind.FULL, 4, 2, 16, torch.float32, 4)
     state = gated_delta_state_spec(96, 4, 4, 16, 8, torch.float32)

@@ -13,12 +13,12 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from tokenmill.distributed.in_flight import InFlightSteps
+from tokenmill.engine.in_flight import InFlightSteps
+from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.scheduler import Scheduler, SchedulerConfig
 from tokenmill.kv.manager import KVCacheManager
-from tokenmill.request import Request, RequestStatus
+from tokenmill.platforms.step import StepResult
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.scheduler import Scheduler, SchedulerConfig
-from tokenmill.step import StepResult
 
 
 def model_token(rid: str, position: int) -> int:

@@ -29,6 +29,7 @@ from tokenmill.platforms.registry import (
     load_platform,
     register_plugin,
 )
+from tokenmill.platforms.versions import PLUGIN_API_VERSION
 
 hookimpl = pluggy.HookimplMarker("tokenmill")
 
@@ -64,7 +65,8 @@ class FakeAllocator(Allocator):
 class FakePlugin:
     """A minimal valid plugin; subclasses break one thing each."""
 
-    def __init__(self, name: str = "fake", available: bool = True, api: str = "1.0") -> None:
+    def __init__(self, name: str = "fake", available: bool = True,
+                 api: str = PLUGIN_API_VERSION) -> None:
         self.label = name
         self.available = available
         self.api = api
@@ -187,7 +189,7 @@ def test_hooks_of_one_plugin_never_mix_with_another():
     beta = registry.load_platform("beta")
     assert beta.hardware_spec().name == "beta"
     assert beta.platform.name == "beta"
-    assert beta.ops.rms_norm.__module__ == "tokenmill.ops.reference"
+    assert beta.ops.rms_norm.__module__ == "tokenmill.platforms.ops.reference"
     alpha = registry.load_platform("alpha")
     assert alpha.hardware_spec().name == "alpha"
     assert alpha.ops.rms_norm.__module__ == __name__
@@ -405,7 +407,7 @@ def test_allocators_are_kept_per_purpose_and_defaults_for_optional_hooks():
     assert active.allocator(AllocatorPurpose.KV_ARENA) is kv
     assert active.allocator(AllocatorPurpose.WEIGHTS) is not kv
     assert active.waivers() == []
-    assert active.graph_capture(8) is None and active.model_runner(_context()) is None
+    assert active.graph_capture(8) is None
 
 
 def _context():
@@ -424,22 +426,77 @@ class RunnerIsNotARunner(FakePlugin):
         return object()
 
 
-class RunnerWithNoBlockBytes(FakePlugin):
+def _runner(caps, layout):
+    from tokenmill.platforms.interfaces import ModelRunnerBase
+
+    class Runner(ModelRunnerBase):
+        def capabilities(self):
+            return caps
+
+        def kv_cache_layout(self):
+            return layout
+
+        def bind_kv_cache(self, pages):
+            pass
+
+        def execute(self, step):
+            raise NotImplementedError
+
+    return Runner()
+
+
+SPEC = AttentionSpec(AttentionKind.FULL, 4, 4, 64, torch.float32, 16)
+
+
+class RunnerWithoutKinds(FakePlugin):
     @hookimpl
     def tokenmill_model_runner(self, platform, context):
-        from tokenmill.platforms.interfaces import ModelRunnerBase
+        from tokenmill.platforms.interfaces import KVCacheLayout, RunnerCapabilities
 
-        class Runner(ModelRunnerBase):
-            def kv_block_bytes(self):
-                return 0
+        return _runner(RunnerCapabilities(frozenset()), KVCacheLayout((SPEC,)))
 
-            def initialize_kv_cache(self, num_blocks):
-                pass
 
-            def execute(self, step):
-                raise NotImplementedError
+class RunnerWithBadLayout(FakePlugin):
+    @hookimpl
+    def tokenmill_model_runner(self, platform, context):
+        from tokenmill.platforms.interfaces import KVCacheLayout, RunnerCapabilities
 
-        return Runner()
+        caps = RunnerCapabilities(frozenset({AttentionKind.FULL}))
+        return _runner(caps, KVCacheLayout((SPEC,), layer_slots=(0, 1)))
+
+
+class FallbackRunners:
+    """A model_runner plugin: what the core's runner plugin is to every platform."""
+
+    @hookimpl
+    def tokenmill_api_version(self):
+        return PLUGIN_API_VERSION
+
+    @hookimpl
+    def tokenmill_model_runner(self, platform, context):
+        from tokenmill.platforms.interfaces import KVCacheLayout, RunnerCapabilities
+
+        return _runner(RunnerCapabilities(frozenset({AttentionKind.FULL})), KVCacheLayout((SPEC,)))
+
+
+def test_a_platform_without_a_runner_gets_the_model_runner_plugins_one():
+    from tokenmill.platforms.plugins import MODEL_RUNNER, PluginManager
+
+    plugins = PluginManager()
+    plugins.register(FallbackRunners(), MODEL_RUNNER, "fallback")
+    registry = PlatformRegistry(plugins)
+    registry.register_plugin(FakePlugin("alpha"), "alpha")
+    runner, provider = registry.load_platform("alpha").model_runner(_context())
+    assert provider == "fallback" and runner.capabilities().attention_kinds == {AttentionKind.FULL}
+    registry.register_plugin(WithOwnRunner("beta"), "beta")
+    runner, provider = registry.load_platform("beta").model_runner(_context())
+    assert provider == "beta", "the platform's own runner goes first"
+
+
+class WithOwnRunner(FakePlugin):
+    @hookimpl
+    def tokenmill_model_runner(self, platform, context):
+        return FallbackRunners().tokenmill_model_runner(platform, context)
 
 
 class GraphsWithoutTheCapability(FakePlugin):
@@ -453,8 +510,50 @@ def test_model_runner_and_graph_capture_results_are_validated():
     active = registry_with(RunnerIsNotARunner("bad")).load_platform()
     with pytest.raises(PlatformError, match="'bad': tokenmill_model_runner returned .*ModelRunnerBase"):
         active.model_runner(context)
-    active = registry_with(RunnerWithNoBlockBytes("zero")).load_platform()
-    with pytest.raises(PlatformError, match=r"'zero': its model runner's kv_block_bytes\(\) returned 0"):
+    active = registry_with(RunnerWithoutKinds("nokinds")).load_platform()
+    with pytest.raises(PlatformError, match=r"'nokinds': Runner.capabilities\(\) returned .*"
+                                            "expected a RunnerCapabilities naming"):
+        active.model_runner(context)
+    active = registry_with(RunnerWithBadLayout("slots")).load_platform()
+    with pytest.raises(PlatformError, match="'slots': Runner.kv_cache_layout.*2 layer slots for 1"):
         active.model_runner(context)
     active = registry_with(GraphsWithoutTheCapability("nographs")).load_platform()
     assert active.graph_capture(8) is None
+
+
+# -- devices asked for by name (the planner) ------------------------------------------
+
+
+class TablePlugin(FakePlugin):
+    """A plugin whose hardware table holds one part, "X1"."""
+
+    @hookimpl
+    def tokenmill_hardware_spec(self, platform, device):
+        if device is None:
+            return HardwareSpec(self.label, {"float32": 1e12}, 1e11, 1)
+        if device.lower() != "x1":
+            return None
+        return HardwareSpec("X1", {"bfloat16": 4e14}, 2e12, 96 << 30, 2e11)
+
+
+def test_device_spec_asks_only_plugins_with_a_table_even_unavailable_ones():
+    registry = registry_with(FakePlugin("alpha"), TablePlugin("beta", available=False))
+    name, spec = registry.device_spec("x1")
+    assert name == "beta" and spec.name == "X1" and spec.link_bandwidth == 2e11
+    # the active device's spec still comes through the same hook, device None
+    assert registry_with(TablePlugin("gamma")).load_platform().hardware_spec().name == "gamma"
+    with pytest.raises(PlatformError, match=r"device 'Z9' \(asked: beta\)"):
+        registry.device_spec("Z9")
+
+
+def test_installed_plugins_tables_hold_the_devices_the_planner_names():
+    """The installed GPU and TPU plugins answer from their tables on this CPU machine."""
+    found = {d: registry_module.device_spec(d) for d in ("H200", "B200", "MI300X", "TPU v5e")}
+    assert {d: n for d, (n, _) in found.items()} == {
+        "H200": "nvidia", "B200": "nvidia", "MI300X": "rocm", "TPU v5e": "tpu"}
+    h200, b200 = found["H200"][1], found["B200"][1]
+    assert h200.memory_bandwidth == 4.8e12 and h200.memory_bytes == 141 << 30
+    assert b200.peak_flops["bfloat16"] == 2250e12 and b200.link_bandwidth == 900e9
+    assert found["MI300X"][1].memory_bytes == 192 << 30
+    assert found["TPU v5e"][1].memory_bytes == 16 << 30
+    assert registry_module.device_spec("cpu")[0] == "cpu"

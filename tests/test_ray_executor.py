@@ -28,10 +28,12 @@ import pytest
 from tiny_models import make_tiny_model
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.async_engine import AsyncLLM
-from tokenmill.config import EngineArgs
-from tokenmill.engine import EngineDeadError
-from tokenmill.request import RequestStatus
+from tokenmill.engine.config import EngineArgs
+from tokenmill.engine.llm_engine import EngineDeadError
+from tokenmill.engine.request import RequestStatus
+from tokenmill.frontend.async_engine import AsyncLLM
+
+pytestmark = pytest.mark.long  # a Ray cluster on loopback per case: minutes
 
 PROMPTS = ["The quick brown fox", "Paris is the capital of France; Berlin is", "def main():"]
 PARAMS = [
@@ -53,7 +55,7 @@ def cluster():
     env = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
     saved = os.environ.get(env)
     os.environ[env] = "0"
-    ray = pytest.importorskip("ray")
+    import ray  # after the switch above, which Ray reads at import
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(initialize_head=True,

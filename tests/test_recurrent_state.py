@@ -7,25 +7,25 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tokenmill.engine.request import Request
 from tokenmill.kv.arena import KVArena
 from tokenmill.kv.groups import plan_groups
 from tokenmill.kv.manager import KVCacheManager
 from tokenmill.kv.recurrent import CheckpointPolicy
-from tokenmill.kv.state import read_states, write_states
-from tokenmill.ops.gated_delta import causal_conv1d, gated_delta_rule_recurrent
-from tokenmill.ops.linear_attention import (
-    GatedDeltaInputs,
-    ReferenceLinearAttentionBackend,
-    gated_delta_state_spec,
-    split_qkv,
-)
 from tokenmill.platforms.interfaces import (
     AttentionKind,
     AttentionSpec,
     RecurrentStateMetadata,
     recurrent_metadata,
 )
-from tokenmill.request import Request
+from tokenmill.platforms.kit.kv_state import read_states, write_states
+from tokenmill.platforms.ops.gated_delta import causal_conv1d, gated_delta_rule_recurrent
+from tokenmill.platforms.ops.linear_attention import (
+    GatedDeltaInputs,
+    ReferenceLinearAttentionBackend,
+    gated_delta_state_spec,
+    split_qkv,
+)
 from tokenmill.sampling_params import SamplingParams
 
 BLOCK = 4

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from tokenmill.sampler import (
+from tokenmill.platforms.kit.sampler import (
     Sampler,
     SamplingRow,
     apply_logit_bias,
@@ -257,7 +257,7 @@ def test_make_generator():
 
 def test_extreme_penalties_do_not_break_sampling():
     """A repetition penalty near 0 or huge overflows logits; sampling must still work."""
-    from tokenmill.sampler import Sampler, SamplingRow
+    from tokenmill.platforms.kit.sampler import Sampler, SamplingRow
 
     logits = torch.randn(3, 300)
     rows = [
@@ -305,8 +305,8 @@ def test_logit_bias_crosses_to_the_workers_sampler():
     """The bias travels in the step's SamplingSpec (msgpack, int keys kept) to the sampler."""
     import msgspec
 
-    from tokenmill.scheduler import sampling_spec
-    from tokenmill.step import SamplingSpec
+    from tokenmill.engine.scheduler import sampling_spec
+    from tokenmill.platforms.step import SamplingSpec
 
     spec = sampling_spec(SamplingParams(temperature=0.0, logit_bias={3: 100.0, 4: -2.5}))
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(spec), type=SamplingSpec)

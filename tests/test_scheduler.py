@@ -1,9 +1,9 @@
 import pytest
 
+from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.scheduler import Scheduler, SchedulerConfig
 from tokenmill.kv.manager import KVCacheManager
-from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.scheduler import Scheduler, SchedulerConfig
 
 
 def make(num_blocks=64, block_size=4, budget=16, max_seqs=8, caching=True, long_prefill=0):

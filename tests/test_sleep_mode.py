@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.engine import EngineSleepingError
+from tokenmill.engine.llm_engine import EngineSleepingError
+from tokenmill.platforms.interfaces import AllocatorPurpose
 
 PROMPTS = [{"prompt_token_ids": list(range(start, start + n))}
            for start, n in ((5, 3), (40, 11), (80, 19))]  # no shared prefixes
@@ -35,7 +36,7 @@ def test_greedy_output_survives_sleep_and_wake(tiny_dirs, level, dtype):
     assert any(o.num_cached_tokens > 0 for o in again)  # the prefix cache hits before sleep
     model = _worker(llm).runner.model
     weights = {name: p.detach().clone() for name, p in model.named_parameters()}
-    arena = _worker(llm).runner.kv_allocator
+    arena = _worker(llm).platform.allocator(AllocatorPurpose.KV_ARENA)
     llm.sleep(level=level)
     assert llm.is_sleeping()
     # every parameter's memory and the KV arena's are released, the objects stay valid
@@ -82,8 +83,6 @@ def test_shutdown_gives_the_weights_back_to_the_allocator(tiny_dirs):
     the ones sleep mode gave its parameters, or every engine of a process would leak."""
     llm = LLM(str(tiny_dirs["llama"]), dtype="float32", platform="cpu", block_size=4,
               num_kv_blocks=16)
-    from tokenmill.platforms.interfaces import AllocatorPurpose
-
     worker = _worker(llm)
     weights = worker.platform.allocator(AllocatorPurpose.WEIGHTS)
     model_bytes = sum(p.numel() * p.element_size()

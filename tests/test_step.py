@@ -7,21 +7,31 @@ import msgspec
 import numpy as np
 import pytest
 
+from tokenmill.engine.request import Request
+from tokenmill.engine.scheduler import Scheduler, SchedulerConfig
 from tokenmill.kv.manager import KVCacheManager
-from tokenmill.kv_connector.messages import (
+from tokenmill.platforms.kit.runner_state import RequestStateTable, StepProtocolError
+from tokenmill.platforms.kv_handover import (
+    ArenaGeometry,
+    EngineEndpoint,
+    HandoverReport,
+    HandoverStepMeta,
+    PullJob,
+    PullResult,
+    RankEndpoint,
+)
+from tokenmill.platforms.kv_messages import (
     BlockTransfer,
     ConnectorStepMeta,
+    EvictedBlock,
     LoadJob,
     LoadResult,
+    PrefetchJob,
     TierChange,
     WorkerReport,
 )
-from tokenmill.kv_connector.tier import TierStats
-from tokenmill.request import Request
-from tokenmill.runner_state import RequestStateTable, StepProtocolError
-from tokenmill.sampling_params import SamplingParams
-from tokenmill.scheduler import Scheduler, SchedulerConfig
-from tokenmill.step import (
+from tokenmill.platforms.kv_tier import TierStats
+from tokenmill.platforms.step import (
     CachedRequest,
     Logprobs,
     NewRequest,
@@ -34,6 +44,7 @@ from tokenmill.step import (
     decode_step,
     encode,
 )
+from tokenmill.sampling_params import SamplingParams
 
 
 def full_step() -> StepDescription:
@@ -51,9 +62,9 @@ def full_step() -> StepDescription:
             NewRequest("a", [1, 2, 3], [9, 10], sampling, 1234, [4, 5], 2, [[0, 8], [3]]),
             NewRequest("b", [4], [], SamplingSpec(), None, [6], 0),
         ],
-        cached_requests=[CachedRequest("c", [11], [7], 40, [[12], []])],
+        cached_requests=[CachedRequest("c", [11], [7], 40, [[12], []], [3, 1, 0])],
         scheduled_request_ids=["a", "b", "c"],
-        num_scheduled_tokens=[3, 1, 1],
+        num_scheduled_tokens=[3, 1, 3],
         finished_request_ids=["d"],
         aborted_request_ids=["e"],
         preempted_request_ids=["f"],
@@ -62,9 +73,17 @@ def full_step() -> StepDescription:
         kv_connector=ConnectorStepMeta(
             loads=[LoadJob("g", [BlockTransfer(4, b"k" * 32)])],
             saves=[BlockTransfer(1, b"s" * 32)],
-            prefetch=[b"p" * 32],
+            demotes=[EvictedBlock(7, b"d" * 32, 0.5)],
+            prefetch=[PrefetchJob("w", [b"p" * 32])],
+            unpin=["w"],
         ),
         recurrent_state={"a": [RecurrentStateOps(1, [20, 21], [(4, [22, 23])])]},
+        spec_token_ids={"c": [30, 31]},
+        kv_handover=HandoverStepMeta(
+            peers=[EngineEndpoint("p", "nixl", "m", "float32", 16, "l", 1, [RankEndpoint(
+                b"desc", 4096, ArenaGeometry(8, 256, 2, 2))])],
+            pulls=[PullJob("a", "p", [(3, 4)], 20.0)],
+        ),
     )
 
 
@@ -73,13 +92,19 @@ def full_result() -> StepResult:
     return StepResult(
         sampled_token_ids={"a": 5, "c": 1},
         logprobs={"a": lp},
+        accepted_token_ids={"c": [30]},
+        accepted_logprobs={"c": [lp]},
+        draft_token_ids={"c": [31, 32]},
         prompt_logprobs={"a": (2, [lp, lp])},
         kv_connector=WorkerReport(
             loads=[LoadResult("g", 1, 2, ["host"])], saved_keys=[b"s" * 32],
-            failed_save_keys=[b"t" * 32], num_prefetched=1,
+            failed_save_keys=[b"t" * 32], num_prefetched=1, demoted_keys=[b"d" * 32],
+            step_tokens=3, step_seconds=0.25,
             tier_changes=[TierChange("host", b"s" * 32, True)],
             tier_stats={"host": TierStats(hits=1, bytes_written=64)},
         ),
+        kv_handover=HandoverReport(
+            results=[PullResult("a", True, 512, 0.5, "none")], transport_bytes=512),
     )
 
 

@@ -15,8 +15,8 @@ import torch
 from tiny_models import make_tokenizer
 
 from tokenmill import LLM, SamplingParams, StructuredOutputError, StructuredOutputsParams
-from tokenmill.async_engine import AsyncLLM
-from tokenmill.ops.reference import apply_token_bitmask
+from tokenmill.frontend.async_engine import AsyncLLM
+from tokenmill.platforms.ops.reference import apply_token_bitmask
 from tokenmill.structured.manager import StructuredOutputManager, grammar_for
 
 S = StructuredOutputsParams
@@ -161,6 +161,22 @@ def test_compile_time_is_bounded():
     with pytest.raises(StructuredOutputError, match="took longer than 0.002 s"):
         m.compile(S(regex=regex))
     assert m.num_cached == 0  # a timeout is not cached as an error: it may be load
+
+
+def test_a_slow_build_runs_once_and_caches_its_outcome():
+    tok = make_tokenizer(512)
+    m = StructuredOutputManager(tok, vocab_size=512, eos_token_ids=[2], compile_timeout_s=0.002)
+    _ = m.tokenizer
+    params = S(regex="|".join(f"w{i}y{i * 7919}" for i in range(20_000)))
+    for _ in range(3):  # the client retries while the first build still runs
+        with pytest.raises(StructuredOutputError, match="took longer"):
+            m.compile(params)
+    assert m.num_building == 1  # one build, joined by the retries
+    deadline = time.monotonic() + 60
+    while m.num_building and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert m.num_cached == 1 and not m.num_building
+    assert m.compile(params) is not None  # the late outcome serves the next repeat
 
 
 def test_pathological_regexes_are_bounded(manager):

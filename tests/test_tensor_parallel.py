@@ -12,9 +12,9 @@ import time
 import pytest
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.config import EngineArgs
-from tokenmill.engine import EngineDeadError
-from tokenmill.request import RequestStatus
+from tokenmill.engine.config import EngineArgs
+from tokenmill.engine.llm_engine import EngineDeadError
+from tokenmill.engine.request import RequestStatus
 
 PROMPTS = ["The quick brown fox", "Paris is the capital of France; Berlin is", "def main():"]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -113,11 +113,12 @@ def test_serve_flag_is_validated(capsys):
 
 def test_tp1_builds_the_plain_model(tiny_dirs):
     """tp=1: no parallel module, so no communicator call, in the model."""
-    from tokenmill.model.parallel import RowParallelLinear, VocabParallelEmbedding
+    from tokenmill.model.linear import RowParallelLinear, VocabParallelEmbedding
 
     llm = _llm(tiny_dirs["llama"])
     model = llm.engine.executor.worker.runner.model
     kinds = {type(m) for m in model.modules()}
     assert not kinds & {RowParallelLinear, VocabParallelEmbedding}
+    assert not any(getattr(m, "shard_rules", None) for m in model.modules())
     assert model.tp.communicator is None
     llm.engine.shutdown()

@@ -9,7 +9,7 @@ import json
 import pytest
 from tiny_models import CHAT_TEMPLATE, make_tokenizer
 
-from tokenmill.tokenizing import apply_chat_template, template_reads_tools
+from tokenmill.frontend.tokenizing import apply_chat_template, template_reads_tools
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "weather",

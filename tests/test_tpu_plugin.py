@@ -60,6 +60,7 @@ def test_tpu_generation_table():
     assert "not a TPU" in cpu.name and cpu.link_bandwidth > 0
 
 
+@pytest.mark.long  # the plugin's JAX suite in a subprocess with four devices: a minute
 def test_jax_suite_on_four_cpu_devices():
     """plugins/tpu/tests: the kernel, the runner against transformers (llama, qwen3,
     Gemma 3), tensor parallel 4 == 1, no compilation once warm, the sampler."""

@@ -10,7 +10,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from stats import percentile
+from tokenmill.server.bench.stats import percentile
 
 
 @dataclass(frozen=True, slots=True)

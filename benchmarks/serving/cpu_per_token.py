@@ -21,9 +21,10 @@ import time
 from pathlib import Path
 
 import engines
-import workloads as wl
-from loadgen import Target, run_client, run_workload
 from served_vs_engine import _model_path, _words
+
+from tokenmill.server.bench import workloads as wl
+from tokenmill.server.bench.loadgen import Target, run_client, run_workload
 
 
 def _cpu_s(pid: int) -> float:
@@ -46,9 +47,9 @@ def main() -> int:
     import torch
 
     from tokenmill import SamplingParams
-    from tokenmill.config import EngineArgs
-    from tokenmill.engine import LLMEngine
-    from tokenmill.outputs import EngineCoreRequest
+    from tokenmill.engine.config import EngineArgs
+    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.frontend.outputs import EngineCoreRequest
 
     torch.set_num_threads(args.threads)
     model = _model_path(args.model)

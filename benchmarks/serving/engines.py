@@ -18,7 +18,8 @@ from pathlib import Path
 
 import httpx
 
-PEERS = Path(os.environ.get("PEERS_DIR", "/work/peers"))
+# the peer engines and models live beside the repo, in peers/ (prepare_peers.sh)
+PEERS = Path(os.environ.get("PEERS_DIR", Path(__file__).resolve().parents[3] / "peers"))
 HF_DIR = PEERS / "models" / "smollm2-135m-bf16"
 BF16_GGUF = PEERS / "models" / "smollm2-135m-bf16.gguf"
 SERVED = "smollm2"
@@ -37,7 +38,7 @@ class EngineSpec:
 
 
 def _tokenmill_block_size() -> int:
-    from tokenmill.config import EngineArgs
+    from tokenmill.engine.config import EngineArgs
 
     return EngineArgs.model_fields["block_size"].default  # the launcher passes no --block-size
 
@@ -53,7 +54,9 @@ def with_kv_pool(specs: dict[str, EngineSpec], pool_bytes: int, offload_host: st
     """The same engines with a device KV pool of `pool_bytes` (tokenmill and vLLM take
     the same --kv-cache-memory-bytes; vLLM's VLLM_CPU_KVCACHE_SPACE, whole GiB, would win
     over it, so it is dropped), plus "tokenmill-offload": tokenmill with the host tier
-    (and the disk tier under `offload_disk`, if given) behind that pool."""
+    (and the disk tier under `offload_disk`, if given) behind that pool, and
+    "tokenmill-fp8kv": tokenmill with an FP8 KV cache in the same bytes (twice the tokens;
+    docs/quantized-kv.md)."""
     out = dict(specs)
     pool = ["--kv-cache-memory-bytes", str(pool_bytes)]
     for name in ("tokenmill", "vllm"):
@@ -65,6 +68,9 @@ def with_kv_pool(specs: dict[str, EngineSpec], pool_bytes: int, offload_host: st
         tiers += ["--kv-offload-disk-path", offload_disk, "--kv-offload-disk-bytes", offload_disk_bytes]
     out["tokenmill-offload"] = dataclasses.replace(
         out["tokenmill"], name="tokenmill-offload", argv=[*out["tokenmill"].argv, *tiers])
+    out["tokenmill-fp8kv"] = dataclasses.replace(
+        out["tokenmill"], name="tokenmill-fp8kv",
+        argv=[*out["tokenmill"].argv, "--kv-cache-dtype", "fp8"])
     return out
 
 

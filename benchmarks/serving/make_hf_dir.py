@@ -5,7 +5,7 @@ model is built from its config with `quantization_config=None`, the state dict i
 into it, and it is saved with the tokenizer. tokenmill, vLLM and transformers all serve
 this one directory, so every engine computes with the same bf16 weights.
 
-    python benchmarks/serving/make_hf_dir.py /work/peers/models/smollm2-135m-bf16
+    python benchmarks/serving/make_hf_dir.py ../peers/models/smollm2-135m-bf16
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Prepare the peer engines and model files for the serving benchmark, idempotently.
-# Peer venvs and model files live OUTSIDE the repo (default /work/peers); nothing here is committed.
+# Peer venvs and model files live OUTSIDE the repo (default: peers/ beside it); nothing here is committed.
 #   bash benchmarks/serving/prepare_peers.sh [all|hf|vllm|llamacpp|gguf]
 # Recipes: ../shared/PEERS.md. Each step is skipped when its marker file exists.
 set -euo pipefail
-PEERS=${PEERS_DIR:-/work/peers}
-MAIN_PY=${MAIN_PY:-/work/venv/bin/python}
+PEERS=${PEERS_DIR:-$(cd "$(dirname "$0")/../../.." && pwd)/peers}
+MAIN_PY=${MAIN_PY:-python3}  # the environment tokenmill is installed in
 HERE=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$PEERS/models"
 what=${1:-all}

@@ -19,7 +19,8 @@ from pathlib import Path
 
 from capacity import PointVerdict, max_sessions_at_slo
 from run import CAPACITY, PER_REQUEST, REPLAYS
-from stats import median
+
+from tokenmill.server.bench.stats import median
 
 ORDER = ["tokenmill", "vllm", "transformers", "llamacpp-bf16", "llamacpp-q4_1"]
 

@@ -26,11 +26,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 import engines
-import workloads as wl
 from capacity import judge_point, max_sessions_at_slo
-from loadgen import Session, Target, run_workload
 from reuse import reuse_summary, seen_prefix_words, turn_reuse, working_set_tokens
-from stats import Slo, summarize
+
+from tokenmill.server.bench import workloads as wl
+from tokenmill.server.bench.loadgen import Session, Target, run_workload
+from tokenmill.server.bench.stats import Slo, summarize
 
 log = logging.getLogger("serving-bench")
 TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
@@ -79,7 +80,7 @@ def run_point(spec: engines.EngineSpec, target: Target, workload: str, label: st
               sessions: list[Session], conc: int | None, limit: float, rep: int, args) -> dict:
     """Run one workload point once; the run's JSON record (summary, per-request rows for the
     trace-like workloads, per-turn prefix reuse for the completion-style replays)."""
-    salted = ("tokenmill", "tokenmill-offload", "vllm")
+    salted = ("tokenmill", "tokenmill-offload", "tokenmill-fp8kv", "vllm")
     salt = {"cache_salt": f"{time.time_ns()}"} if spec.name in salted else {}
     # a fresh salt per repeat keeps one repeat's prefix cache from serving the next
     t = Target(target.base_url, target.model, {**target.extra_body, **salt})
@@ -201,14 +202,15 @@ def main() -> None:
                         '"vllm=--max-num-batched-tokens 512" (recorded in the results)')
     p.add_argument("--kv-pool-bytes", type=int, default=None,
                    help="device KV pool of tokenmill and vLLM, in bytes (both engines' "
-                        "--kv-cache-memory-bytes); adds the engine tokenmill-offload")
+                        "--kv-cache-memory-bytes); adds the engines tokenmill-offload and "
+                        "tokenmill-fp8kv (an FP8 KV cache in the same bytes)")
     p.add_argument("--offload-host-bytes", default="3GiB",
                    help="tokenmill-offload: host tier size (with --kv-pool-bytes)")
     p.add_argument("--offload-disk-path", default=None,
                    help="tokenmill-offload: disk tier directory (emptied at start); none: host only")
     p.add_argument("--offload-disk-bytes", default="16GiB")
     p.add_argument("--out", default="benchmarks/serving/results/run.json")
-    p.add_argument("--log-dir", default="/work/peers/logs")
+    p.add_argument("--log-dir", default=str(engines.PEERS / "logs"))
     args = p.parse_args()
     # SIGTERM unwinds like Ctrl-C, so the engine under test is stopped with the harness
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -3,7 +3,7 @@
 #   bash benchmarks/serving/run_all.sh [sweep|workloads]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-PY=${PY:-/work/venv/bin/python}
+PY=${PY:-python3}  # the environment tokenmill is installed in
 R=benchmarks/serving/results
 case "${1:-sweep}" in
   sweep)  # the batching engines 3 times, the one-request-at-a-time servers once, shorter points

@@ -33,9 +33,10 @@ import time
 from pathlib import Path
 
 import engines
-import workloads as wl
-from loadgen import Target, run_client, run_workload
-from stats import percentile
+
+from tokenmill.server.bench import workloads as wl
+from tokenmill.server.bench.loadgen import Target, run_client, run_workload
+from tokenmill.server.bench.stats import percentile
 
 
 def _model_path(arg: str | None) -> str:
@@ -55,7 +56,7 @@ def _words(engine) -> wl.Words:
 def engine_batch(engine, prompts: list[list[int]], output_len: int) -> float:
     """Output tok/s of the engine core alone on a batch that starts all at once."""
     from tokenmill import SamplingParams
-    from tokenmill.outputs import EngineCoreRequest
+    from tokenmill.frontend.outputs import EngineCoreRequest
 
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     t0 = time.perf_counter()
@@ -70,7 +71,7 @@ def engine_batch(engine, prompts: list[list[int]], output_len: int) -> float:
 def engine_single_itl_ms(engine, prompt: list[int], output_len: int) -> float:
     """Median core_step time (ms) of one request's decode steps."""
     from tokenmill import SamplingParams
-    from tokenmill.outputs import EngineCoreRequest
+    from tokenmill.frontend.outputs import EngineCoreRequest
 
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     engine.add_core_request(EngineCoreRequest(f"s{time.monotonic_ns()}", prompt, params))
@@ -118,8 +119,8 @@ def main() -> int:
 
     import torch
 
-    from tokenmill.config import EngineArgs
-    from tokenmill.engine import LLMEngine
+    from tokenmill.engine.config import EngineArgs
+    from tokenmill.engine.llm_engine import LLMEngine
 
     torch.set_num_threads(args.threads)
     model = _model_path(args.model)

@@ -15,15 +15,18 @@ from itertools import accumulate
 
 import torch
 
-from tokenmill.ops.reference import paged_attention
-from tokenmill.platforms.interfaces import AttentionBackend, AttentionMetadata, AttentionSpec
+from tokenmill.platforms.interfaces import (
+    AttentionBackend,
+    AttentionKind,
+    AttentionMetadata,
+    AttentionSpec,
+)
+from tokenmill.platforms.ops.reference import paged_attention
+from tokenmill_conformance.errors import ATTENTION_BOUNDS, assert_matches
 
-# Per-dtype tolerances of attention outputs against the float32-math reference.
-TOLERANCE = {
-    torch.float32: dict(atol=1e-4, rtol=1e-4),
-    torch.float16: dict(atol=5e-3, rtol=5e-3),
-    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
-}
+# Per-dtype elementwise tolerances of attention outputs against the float32-math reference
+# (the statistics on top: tokenmill_conformance.errors).
+TOLERANCE = {dtype: dict(atol=b.atol, rtol=b.rtol) for dtype, b in ATTENTION_BOUNDS.items()}
 
 
 @dataclass(slots=True)
@@ -94,9 +97,9 @@ def make_step(
     def randn(*size: int) -> torch.Tensor:
         return torch.randn(*size, generator=generator).to(spec.dtype)
 
-    kv_cache = randn(*shape)
+    kv_cache = randn(*shape).to(spec.kv_dtype)  # an FP8 cache: stored values, scale apart
     if poison:
-        written = torch.full(shape, float("nan"), dtype=spec.dtype)
+        written = torch.full(shape, float("nan"), dtype=spec.kv_dtype)
         for i, (cached, _) in enumerate(seqs):
             for p in range(cached):
                 block, offset = int(tables[i, p // spec.block_size]), p % spec.block_size
@@ -142,7 +145,8 @@ def check_step(
 ) -> torch.Tensor:
     """One layer of `backend` against the reference on a copy of the same step; returns
     the backend's output. `sinks` (float32 [num_heads], for a spec with sinks) goes to
-    both."""
+    both; so do the per-head `kv_scales(spec)` of a quantized cache (`spec.cache_dtype`),
+    which is compared byte for byte after the step."""
     device = step.kv_cache.device
     ref_meta = make_metadata(
         list(zip(
@@ -154,13 +158,17 @@ def check_step(
     )
     ref_cache = step.kv_cache.cpu().clone()
     ref_sinks = None if sinks is None else sinks.cpu()
+    scales = kv_scales(spec)
     expected = paged_attention(
-        spec, step.query.cpu(), step.key.cpu(), step.value.cpu(), ref_cache, ref_meta, ref_sinks
+        spec, step.query.cpu(), step.key.cpu(), step.value.cpu(), ref_cache, ref_meta, ref_sinks,
+        **scales,
     )
     inputs = (step.query.clone(), step.key.clone(), step.value.clone())
     if prepare:
         backend.prepare(step.metadata)
-    extra = {} if sinks is None else {"sinks": sinks.to(device)}
+    extra = {name: t.to(device) for name, t in scales.items()}
+    if sinks is not None:
+        extra["sinks"] = sinks.to(device)
     out = backend.forward(spec, *inputs, step.kv_cache, step.metadata, **extra)
     assert out.shape == step.query.shape, f"output shape {tuple(out.shape)}"
     assert out.dtype == step.query.dtype, f"output dtype {out.dtype}, query {step.query.dtype}"
@@ -169,11 +177,48 @@ def check_step(
         "the output holds NaN/inf although the reference's is finite: the backend let KV "
         "slots that no sequence wrote (e.g. the tail of a last partial block) into its result"
     )
-    torch.testing.assert_close(out.cpu(), expected, **TOLERANCE[spec.dtype])
-    assert torch.equal(step.kv_cache.cpu().nan_to_num(7.0), ref_cache.nan_to_num(7.0)), (
+    assert_matches(out, expected, op=attention_op(spec), shape=describe_step(spec, step.metadata),
+                   dtype=spec.dtype)
+    assert same_cache(step.kv_cache.cpu(), ref_cache), (
         "the KV cache after the step differs from the reference's (keys/values written to "
         "the wrong slots, or slots outside slot_mapping modified)"
     )
     for before, after, name in zip((step.query, step.key, step.value), inputs, "qkv"):
         assert torch.equal(before, after), f"forward modified its input {name}"
     return out
+
+
+def kv_scales(spec: AttentionSpec) -> dict[str, torch.Tensor]:
+    """The `k_scale` / `v_scale` keywords for a quantized cache ({} otherwise): a distinct
+    scale per KV head (so a backend that applies one head's scale to all, or none, fails),
+    one for an MLA latent row."""
+    if spec.cache_dtype is None:
+        return {}
+    heads = torch.arange(spec.num_kv_heads, dtype=torch.float32)
+    return {"k_scale": 0.5 + 0.25 * heads, "v_scale": 1.5 - 0.5 * heads / spec.num_kv_heads}
+
+
+def same_cache(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal caches, NaN slots alike: byte for byte for FP8, else with NaN read as 7."""
+    if got.dtype.itemsize == 1:
+        return torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    return torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
+
+
+def attention_op(spec: AttentionSpec) -> str:
+    """The op's name in failure messages: 'attention (full)', 'attention (mla)',
+    'attention (sliding_window 24)'."""
+    cache = "" if spec.cache_dtype is None else f", {str(spec.cache_dtype).removeprefix('torch.')} KV"
+    if spec.kind is AttentionKind.SLIDING_WINDOW:
+        return f"attention (sliding_window {spec.sliding_window}{cache})"
+    return f"attention ({spec.kind.value}{', sinks' if spec.sinks else ''}{cache})"
+
+
+def describe_step(spec: AttentionSpec, metadata: AttentionMetadata) -> str:
+    """The shape in failure messages: heads, head size, block size and the batch."""
+    seqs = [(s - q, q) for s, q in zip(metadata.seq_lens_cpu, metadata.query_lens_cpu)]
+    batch = str(seqs) if len(seqs) <= 6 else (
+        f"{len(seqs)} sequences, longest context {max(s for s, _ in seqs)}, longest query "
+        f"{max(q for _, q in seqs)}")
+    return (f"{spec.num_heads} query / {spec.num_kv_heads} kv heads x head size "
+            f"{spec.head_size}, block size {spec.block_size}, (cached, new) {batch}")

@@ -22,10 +22,12 @@ import tokenmill
 import tokenmill_conformance
 from tokenmill.platforms.interfaces import PLUGIN_API_VERSION
 from tokenmill.platforms.registry import PlatformError
+from tokenmill_conformance.compile_record import compile_lines
 from tokenmill_conformance.session import Conformance
 from tokenmill_conformance.tiers import TIERS, tier_of
 
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"
+QUICK_LABEL = "quick check, not a certificate"
 SCHEMA_PATH = Path(__file__).with_name("certificate.schema.json")
 _OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
 _MAX_MESSAGE = 2000
@@ -126,6 +128,7 @@ def _capabilities(conformance: Conformance) -> dict | None:
         "collectives": caps.collectives,
         "graphs": caps.graphs,
         "sleep_mode": caps.sleep_mode,
+        "kv_cache_dtypes": sorted(_dtype_name(d) for d in caps.kv_cache_dtypes),
     }
 
 
@@ -187,9 +190,14 @@ def build_certificate(conformance: Conformance, recorder: Recorder) -> dict:
     tiers = _tier_summary(recorder, results)
     required = [t for t in tiers if t["required"]]
     active = conformance.active
+    refused = any(t["status"] in ("failed", "empty") for t in required)
+    partial = any(t["status"] == "not_run" for t in tiers)
     return {
         "schema_version": SCHEMA_VERSION,
-        "certified": all(t["status"] == "passed" for t in required),
+        # a quick run checks the same shapes with smaller budgets: it never certifies
+        "certified": all(t["status"] == "passed" for t in required) and not conformance.quick,
+        "kind": "quick_check" if conformance.quick else "certificate",
+        "verdict": verdict(refused, partial, conformance.quick),
         "complete": all(t["status"] != "not_run" for t in tiers),
         "plugin": {
             "name": conformance.source.name,
@@ -222,7 +230,64 @@ def build_certificate(conformance: Conformance, recorder: Recorder) -> dict:
         "waivers": [asdict(w) for w in recorder.waivers],
         "tests": [asdict(r) | {"duration_s": round(r.duration_s, 4)} for r in results],
         "performance": conformance.performance or None,
+        "calibration": calibration(conformance),
+        "compile": conformance.compile_records or None,
     }
+
+
+def verdict(refused: bool, partial: bool, quick: bool) -> str:
+    """The verdict in words: "CERTIFIED", "NOT CERTIFIED", "PASSED (quick check, not a
+    certificate)", "PASSED the selected tiers (partial, not a certificate)" (a quick
+    partial run says both)."""
+    if refused:
+        return "NOT CERTIFIED" + (f" ({QUICK_LABEL})" if quick else "")
+    if partial:
+        return ("PASSED the selected tiers (partial run"
+                + ("; quick check, not a certificate)" if quick else ", not a certificate)"))
+    return f"PASSED ({QUICK_LABEL})" if quick else "CERTIFIED"
+
+
+def calibration(conformance: Conformance) -> dict | None:
+    """Tier T5's measurements as calibration data in the planner's format (`tokenmill plan
+    --calibrate` reads a certificate; docs/certificate-schema.md): per op class the
+    efficiencies the measurements give, and every measurement record under `measured`."""
+    records = conformance.calibration
+    if not records:
+        return None
+    spec = (_hardware(conformance) or {}).get("spec") or {}
+
+    def best(op: str, key: str, phase: str = "") -> float | None:
+        values = [r[key] for r in records
+                  if r["op"] == op and r[key] and r["shape"].startswith(phase)]
+        return max(values) if values else None
+
+    copy = best("memory_copy", "fraction_of_bandwidth")
+    efficiency = {}
+    for op, compute, memory in (
+        ("gemm", best("gemm", "fraction_of_peak_flops"), copy),
+        ("attention_full", best("attention_full", "fraction_of_peak_flops", "prefill"),
+         best("attention_full", "fraction_of_bandwidth", "decode")),
+    ):
+        if compute and memory:
+            efficiency[op] = {"compute": compute, "memory": memory}
+    return {
+        "format": CALIBRATION_FORMAT,
+        "version": CALIBRATION_VERSION,
+        "device": spec.get("name"),
+        "platform": conformance.source.name,
+        "efficiency": efficiency,
+        "measured": {
+            "source": "conformance tier T5",
+            "device_type": conformance.active.platform.device_type if conformance.active else None,
+            "declared": {k: spec.get(k) for k in ("peak_flops", "memory_bandwidth")},
+            "quick": conformance.quick,
+            "measurements": records,
+        },
+    }
+
+
+CALIBRATION_FORMAT = "tokenmill-calibration"  # the planner's (tokenmill.planner.calibration)
+CALIBRATION_VERSION = 1
 
 
 _CORE = frozenset(t.id for t in TIERS if not t.waivable)
@@ -242,11 +307,12 @@ def write(certificate: dict, json_path: str | None, markdown_path: str | None) -
 def render_markdown(cert: dict) -> str:
     """The certificate for people: verdict, versions, tiers, failures, waivers, T5."""
     plugin, versions = cert["plugin"], cert["versions"]
-    verdict = "CERTIFIED" if cert["certified"] else "NOT CERTIFIED"
+    quick = cert["kind"] == "quick_check"
+    title = QUICK_LABEL if quick else "certificate"
     lines = [
-        f"# tokenmill conformance certificate: {plugin['name']}",
+        f"# tokenmill conformance {title}: {plugin['name']}",
         "",
-        f"**{verdict}**" + ("" if cert["complete"] else " (partial run: not every tier ran)"),
+        f"**{cert['verdict']}**" + ("" if cert["complete"] else " (partial run: not every tier ran)"),
         "",
         f"- plugin: {plugin['name']} ({plugin['distribution']} {plugin['version']})",
         f"- core {versions['core']}, suite {versions['suite']}, plugin API "
@@ -287,8 +353,11 @@ def render_markdown(cert: dict) -> str:
         for w in cert["waivers"]
     ] or ["none"]
     if cert["performance"]:
-        lines += ["", "## T5 performance (reported, not pass/fail)", ""]
+        lines += ["", "## T5 performance (checked against the declared spec)", ""]
         lines += _performance_lines(cert["performance"])
+    if cert.get("compile"):
+        lines += ["", "## Kernels compiled for real targets", ""]
+        lines += compile_lines(cert["compile"])
     lines += ["", "## Tests", "", "| test | outcome | s |", "|---|---|---|"]
     lines += [f"| `{r['id']}` | {r['outcome']} | {r['duration_s']:.2f} |" for r in cert["tests"]]
     return "\n".join(lines) + "\n"

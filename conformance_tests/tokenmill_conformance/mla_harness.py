@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.ops.mla import mla_attention
 from tokenmill.platforms.interfaces import (
     AttentionBackend,
     AttentionKind,
@@ -23,7 +22,16 @@ from tokenmill.platforms.interfaces import (
     MLADims,
     kv_cache_shape,
 )
-from tokenmill_conformance.attention_harness import TOLERANCE, make_metadata, shuffled_tables
+from tokenmill.platforms.ops.mla import mla_attention
+from tokenmill_conformance.attention_harness import (
+    attention_op,
+    describe_step,
+    kv_scales,
+    make_metadata,
+    same_cache,
+    shuffled_tables,
+)
+from tokenmill_conformance.errors import assert_matches
 
 
 def mla_spec(
@@ -64,9 +72,9 @@ def make_mla_step(
         return (torch.randn(*size, generator=generator) * std).to(spec.dtype)
 
     shape = kv_cache_shape(spec, num_blocks)
-    kv_cache = randn(*shape)
+    kv_cache = randn(*shape).to(spec.kv_dtype)  # an FP8 cache: stored values, scale apart
     if poison:
-        written = torch.full(shape, float("nan"), dtype=spec.dtype)
+        written = torch.full(shape, float("nan"), dtype=spec.kv_dtype)
         for i, (cached, _) in enumerate(seqs):
             for p in range(cached):
                 block, offset = int(tables[i, p // spec.block_size]), p % spec.block_size
@@ -105,8 +113,9 @@ def check_mla_step(
     )
     ref_cache = step.kv_cache.cpu().clone()
     weights = dict(w_uk=step.w_uk.cpu(), w_uv=step.w_uv.cpu())
+    scales = kv_scales(spec)  # a quantized latent cache's k_scale (and unused v_scale)
     expected = mla_attention(
-        spec, step.query.cpu(), step.latent.cpu(), None, ref_cache, ref_meta, **weights
+        spec, step.query.cpu(), step.latent.cpu(), None, ref_cache, ref_meta, **weights, **scales
     )
     num_blocks = step.kv_cache.shape[0]
     declared = tuple(backend.kv_cache_shape(spec, num_blocks))
@@ -118,7 +127,9 @@ def check_mla_step(
     inputs = (step.query.clone(), step.latent.clone())
     if prepare:
         backend.prepare(meta)
-    out = backend.forward(spec, *inputs, None, cache_view, meta, w_uk=step.w_uk, w_uv=step.w_uv)
+    extra = {name: t.to(step.kv_cache.device) for name, t in scales.items()}
+    out = backend.forward(spec, *inputs, None, cache_view, meta, w_uk=step.w_uk, w_uv=step.w_uv,
+                          **extra)
     dims = spec.mla
     assert out.shape == (meta.num_tokens, spec.num_heads, dims.v_head_dim), (
         f"output shape {tuple(out.shape)}"
@@ -128,8 +139,9 @@ def check_mla_step(
         "the output holds NaN/inf although the reference's is finite: the backend let latent "
         "slots that no sequence wrote into its result"
     )
-    torch.testing.assert_close(out.cpu(), expected, **TOLERANCE[spec.dtype])
-    assert torch.equal(step.kv_cache.cpu().nan_to_num(7.0), ref_cache.nan_to_num(7.0)), (
+    shape = f"rank {dims.kv_lora_rank} / rope {dims.qk_rope_head_dim}, " + describe_step(spec, meta)
+    assert_matches(out, expected, op=attention_op(spec), shape=shape, dtype=spec.dtype)
+    assert same_cache(step.kv_cache.cpu(), ref_cache), (
         "the latent cache after the step differs from the reference's (rows written to the "
         "wrong slots, or slots outside slot_mapping modified)"
     )

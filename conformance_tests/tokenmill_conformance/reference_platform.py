@@ -9,7 +9,6 @@ from __future__ import annotations
 import pluggy
 import torch
 
-from tokenmill.ops.reference import ReferenceAttentionBackend
 from tokenmill.platforms.interfaces import (
     Allocator,
     AllocatorPurpose,
@@ -21,7 +20,8 @@ from tokenmill.platforms.interfaces import (
     MemoryInfo,
     Platform,
 )
-from tokenmill_conformance.host_allocator import HostAllocator
+from tokenmill.platforms.kit.host_allocator import HostAllocator
+from tokenmill.platforms.ops.reference import ReferenceAttentionBackend
 
 hookimpl = pluggy.HookimplMarker("tokenmill")
 
@@ -40,7 +40,7 @@ def _memory_info() -> MemoryInfo:
 
 @hookimpl
 def tokenmill_api_version() -> str:
-    return "1.0"
+    return "1.3"
 
 
 @hookimpl
@@ -70,14 +70,15 @@ def tokenmill_attention_backends(platform: Platform) -> list[AttentionBackend]:
 
 @hookimpl
 def tokenmill_allocator(platform: Platform, purpose: AllocatorPurpose) -> Allocator:
-    return HostAllocator(purpose, _LIMIT_BYTES)
+    return HostAllocator(purpose, _LIMIT_BYTES, "the reference platform's fixed limit", owner="reference")
 
 
 @hookimpl
 def tokenmill_hardware_spec(platform: Platform) -> HardwareSpec:
+    # ceilings no host CPU reaches (a PFLOP/s, 2 TB/s): T5 holds measurements to them
     return HardwareSpec(
-        name="reference (nominal)",
-        peak_flops={"float32": 1e11, "bfloat16": 1e11, "float16": 1e11},
-        memory_bandwidth=1e10,
+        name="reference (nominal ceilings)",
+        peak_flops={"float32": 1e15, "bfloat16": 1e15, "float16": 1e15},
+        memory_bandwidth=2e12,
         memory_bytes=_LIMIT_BYTES,
     )

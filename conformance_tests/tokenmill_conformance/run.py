@@ -57,8 +57,7 @@ class CertificationRun:
             terminalreporter.write_line(f"{tier['tier']} {tier['status']:>8}  {tier['title']}")
         for failure in certificate["failures"]:
             terminalreporter.write_line(f"FAILED [{failure['tier']}] {failure['id']}")
-        verdict = "CERTIFIED" if certificate["certified"] else "NOT CERTIFIED"
-        terminalreporter.write_line(f"{certificate['plugin']['name']}: {verdict}")
+        terminalreporter.write_line(f"{certificate['plugin']['name']}: {certificate['verdict']}")
 
 
 def _apply_waivers(

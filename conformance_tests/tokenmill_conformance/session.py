@@ -86,6 +86,8 @@ class Conformance:
     distribution: str = "<in-process>"
     version: str = "0"
     performance: dict[str, object] = field(default_factory=dict)  # filled by tier T5
+    calibration: list[dict] = field(default_factory=list)  # T5's records for the planner
+    compile_records: dict[str, object] = field(default_factory=dict)  # by t1/test_kernel_builds
 
     def load(self) -> None:
         """Register and activate the plugin; a failure is kept for tier T0 to report."""

@@ -87,6 +87,11 @@ def make_config(arch: str, vocab_size: int):
         return Qwen2Config(**common)
     if arch == "qwen3":
         return Qwen3Config(**common, head_dim=32)
+    if arch == "qwen3_h128":
+        # production attention shapes: head size 128, 8 query heads over 2 KV heads (GQA 4)
+        # positions for T3's prompts of two 256-token blocks and the tokens decoded after
+        return Qwen3Config(**{**common, "num_attention_heads": 8, "max_position_embeddings": 1024},
+                           head_dim=128)
     if arch == "gemma3":
         # a sliding layer (window 8, shorter than most prompts) then a global one, each
         # with its own rotary base, as Gemma 3 interleaves them
@@ -174,6 +179,8 @@ def make_tiny_model(path: Path, arch: str, seed: int = 0) -> Path:
     return path
 
 
+# Tier T3's production-shaped variant (head size 128, GQA 4), beside the per-type ones.
+PRODUCTION_VARIANTS = ("qwen3_h128",)
 # HF model_type -> the tiny variants that cover it (llama3 differs by its rope scaling).
 VARIANTS = {
     "llama": ("llama", "llama3"),

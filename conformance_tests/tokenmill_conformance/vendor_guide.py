@@ -17,6 +17,7 @@ from pathlib import Path
 
 from tokenmill.platforms import hookspecs
 from tokenmill.platforms.interfaces import OP_NAMES, PLUGIN_API_VERSION
+from tokenmill_conformance.guide_reference import render_all
 from tokenmill_conformance.tiers import TIERS
 
 SECTIONS = ("When called:", "Arguments:", "Returns:", "Core checks:", "Example:")
@@ -30,34 +31,50 @@ from platforms/hookspecs.py; edit those docstrings (or the generator), not this 
 A platform plugin brings tokenmill to a new accelerator without forking or patching the
 core: it is its own Python distribution that installs beside `tokenmill` and implements
 the hooks below. The core branches only on what the plugin declares; the conformance suite
-decides whether the plugin works.
+decides whether the plugin works. A plugin imports `tokenmill.platforms` and nothing
+else of tokenmill: that package is the whole contract (hookspecs, interfaces, the step
+description and its results, KV state specs, and a kit: the reference ops, the
+request-state table and sampler a runner keeps, recurrent-state page access, a host
+allocator, communicators). Every public name of it is listed at the end of this guide;
+docs/contract-changelog.md says which version introduced what.
 
 ## Start from the template
 
 ```bash
 tokenmill new-plugin myaccel --dir .      # writes ./myaccel (pyproject, plugin, allocator)
 pip install -e ./myaccel
+export TOKENMILL_MYACCEL_AVAILABLE=1      # until its tokenmill_detect finds your device
 tokenmill platforms                       # myaccel: available
+pip install -e <tokenmill>/conformance_tests   # the tool: tokenmill-conformance
 tokenmill-conformance --platform myaccel --report cert.json --markdown cert.md
 ```
 
 The template runs the core's reference attention and ops on the CPU, so it certifies
-before you change a line. Replace one piece at a time (device type, attention backends,
-allocators, ops, collectives, hardware spec) and re-run the suite after each.
+before you change a line. Its `tokenmill_detect` says available only where its device
+probe (`_device_present`, yours to write) finds the device or where the variable above
+opts in, so installing it does not make every `LLM()` on the machine ask which platform
+to use. Replace one piece at a time (device type, attention backends, allocators, ops,
+collectives, hardware spec, optionally a model runner) and re-run the suite after each.
 
 ## How tokenmill finds and checks a plugin
 
-- Announce the plugin module in your `pyproject.toml`:
-  `[project.entry-points."tokenmill.platforms"]` `myaccel = "tokenmill_myaccel.plugin"`.
-  The entry point name is what `--platform` / `$TOKENMILL_PLATFORM` take.
-- Hooks are module-level functions decorated with `pluggy.HookimplMarker("tokenmill")`,
+- Announce the plugin in your `pyproject.toml`:
+  `[project.entry-points."tokenmill.platforms"]` `myaccel = "tokenmill_myaccel.plugin"`
+  (a module, or `module:object` for an object whose methods are the hooks, as the
+  nvidia and rocm plugins' `GpuPlugin`). The entry point name is what `--platform` /
+  `$TOKENMILL_PLATFORM` take.
+- Hooks are functions (or methods) decorated with `pluggy.HookimplMarker("tokenmill")`,
   named exactly like the hooks below. An implementation may accept a subset of a hook's
-  arguments. Unknown `tokenmill_*` names and undecorated hooks are rejected at load.
-- The plugin API version is `{api}` (major.minor). Return the version you built against
-  from `tokenmill_api_version`; the core loads plugins of the same major and a minor no
-  newer than its own.
+  arguments. Unknown `tokenmill_*` names, hooks of another plugin kind and undecorated
+  hooks are rejected at load.
+- The plugin API version is `{api}` (major.minor). Return from `tokenmill_api_version`
+  the oldest version that has everything you use: the core loads plugins of the same
+  major and a minor no newer than its own, then refuses any hook, hook argument,
+  attention kind, op or field newer than the declared version, naming the version that
+  introduced it (`tokenmill.platforms.versions`; `ActivePlatform.required_api_version()`
+  computes what yours should declare).
 - Ops a plugin may override through `tokenmill_ops`: {ops}. Each has a reference of the
-  same signature in `tokenmill.ops.reference`.
+  same signature in `tokenmill.platforms.ops.reference`.
 - Importing the plugin module must be cheap and side-effect free; import your SDK inside
   the hooks that need it.
 
@@ -70,11 +87,24 @@ Required: {required}. `tokenmill_communicator` is required when the platform dec
 SUITE = """\
 ## Certification
 
+Install the suite beside the core and your plugin. It is the distribution
+`tokenmill-conformance` in the core's `conformance_tests/` folder (not on PyPI):
+
+```bash
+pip install <tokenmill> <tokenmill>/conformance_tests ./myaccel   # from a checkout
+# or from wheels, built once anywhere:
+pip wheel --no-deps -w dist <tokenmill> <tokenmill>/conformance_tests
+pip install dist/tokenmill-*.whl dist/tokenmill_conformance-*.whl ./myaccel
+tokenmill-conformance --help
+```
+
 `tokenmill-conformance --platform NAME [--tier T0..T5] [--report cert.json]
 [--markdown cert.md] [--quick]` runs the suite (a pytest plugin; also
 `pytest --pyargs tokenmill_conformance.suite --tokenmill-platform NAME`). The exit code is
-0 only when every required tier that ran passed; only a full run certifies. The tiers,
-in order; each failure is reported with its tier:
+0 only when every required tier that ran passed; only a full run without `--quick`
+certifies. `--quick` runs the same shapes with smaller property-test and benchmark budgets
+and is labelled "quick check, not a certificate". The tiers, in order; each failure is
+reported with its tier:
 
 | tier | what | required | waivable |
 |---|---|---|---|
@@ -84,6 +114,22 @@ Tests are selected by the capabilities the platform declares (every declared att
 kind, dtype, head size and a spread of block sizes; collectives in 2- and 4-process groups
 only when `collectives=True`). `--plugin path/to/plugin.py` certifies a plugin registered
 in-process before it is packaged.
+
+T1 runs production shapes in every certification: head sizes 64/128/256 x GQA ratios
+1/4/8 x every declared dtype and block size, windows shorter and longer than a block (a
+deterministic sample of the product that always holds its corners), decodes past 2,048
+and 8k tokens of context and a prefill chunk after 8k tokens, LINEAR layers over several
+64-token chunks with checkpoints between them, MLA at rank 512 / rope 64. Every comparison
+checks the largest error against per-dtype tolerances and, over many elements, the
+relative RMS error, the mean signed error and the scale error against the reference: a
+1% systematic scale or bias fails in bfloat16, and the failure names the op, the shape and
+the dtype. A plugin that implements `tokenmill_kernel_builds` has every kernel compiled
+ahead of time for its real targets in T1 (registers, spills and shared memory per kernel
+and launch configuration in the certificate; a compile error or a spill fails). T3 runs a
+head-128 GQA model at two block sizes with preemption and prefix hits and checks that
+every layer ran on the plugin's own attention backends. T5 checks each measurement's
+output and that its figure stays within the `HardwareSpec` (T0 requires a peak for every
+declared dtype) and records the figures as calibration data for the planner.
 
 Waivers: `tokenmill_waivers` returns (test id, reason) pairs, where a test id is the
 suite's (`t4/test_serving.py::test_anthropic_messages`, with or without its `[params]`).
@@ -163,7 +209,8 @@ def render() -> str:
         f"{'yes' if t.waivable else 'no'} |"
         for t in TIERS
     )
-    return "\n".join([intro, *hooks, SUITE.format(tiers=tiers)]).rstrip() + "\n"
+    parts = [intro, *hooks, SUITE.format(tiers=tiers), render_all()]
+    return "\n".join(parts).rstrip() + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

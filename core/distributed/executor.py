@@ -20,17 +20,17 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
-from tokenmill.distributed.config import WorkerConfig
 from tokenmill.distributed.errors import ExecutorError
 from tokenmill.distributed.worker import Worker
+from tokenmill.engine.config import EngineConfig
 from tokenmill.platforms.registry import ActivePlatform
-from tokenmill.step import StepDescription, StepResult
+from tokenmill.platforms.step import StepDescription, StepResult
 
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 
 class Executor(ABC):
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         self.config = config
 
     @abstractmethod
@@ -64,7 +64,7 @@ class Executor(ABC):
     @property
     def max_concurrent_batches(self) -> int:
         """How many submitted steps may be in flight at once: the pipeline's stages."""
-        return self.config.pipeline_parallel_size
+        return self.config.parallel.pipeline_parallel_size
 
     def execute(self, step: StepDescription) -> StepResult:
         """Run one step on every rank; the output rank's result."""
@@ -92,7 +92,7 @@ def check_step_result(result: Any, rank: int) -> StepResult:
 class UniExecutor(Executor):
     """One worker, in the engine's process: calls are plain method calls."""
 
-    def __init__(self, config: WorkerConfig, platform: ActivePlatform, hf_config: Any) -> None:
+    def __init__(self, config: EngineConfig, platform: ActivePlatform, hf_config: Any) -> None:
         super().__init__(config)
         self.worker = Worker(config, rank=0, platform=platform, hf_config=hf_config)
 
@@ -107,7 +107,7 @@ class UniExecutor(Executor):
 
 
 def make_executor(
-    backend: str, config: WorkerConfig, platform: ActivePlatform, hf_config: Any,
+    backend: str, config: EngineConfig, platform: ActivePlatform, hf_config: Any,
     in_process_registry: bool,
 ) -> Executor:
     """The executor for `backend` ("uni", "mp" or "ray"). `in_process_registry`: the

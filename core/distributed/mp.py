@@ -31,11 +31,12 @@ from typing import Any
 
 import msgspec
 import zmq
+from tqdm import tqdm  # the base class: every subclass (auto, asyncio) shares its lock
 
-from tokenmill.distributed.config import WorkerConfig
 from tokenmill.distributed.errors import ExecutorError, WorkerCallError, WorkerDiedError
 from tokenmill.distributed.executor import Executor, check_step_result
-from tokenmill.step import StepDescription, StepResult
+from tokenmill.engine.config import EngineConfig
+from tokenmill.platforms.step import StepDescription, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ Response = Reply | BlobReply | StepReply | ErrorReply
 
 # ---- the engine's side ---------------------------------------------------------------------
 class MultiprocExecutor(Executor):
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(Response)
@@ -116,7 +117,7 @@ class MultiprocExecutor(Executor):
         self.processes: list[multiprocessing.process.BaseProcess] = []
         spawn = multiprocessing.get_context("spawn")
         config_bytes = msgspec.msgpack.encode(config)
-        for rank in range(config.world_size):
+        for rank in range(config.parallel.world_size):
             inbox = self._zmq.socket(zmq.PUSH)
             step_addr = f"ipc://{self._dir}/rank{rank}"
             inbox.bind(step_addr)
@@ -267,7 +268,8 @@ def worker_main(
     from tokenmill.distributed.worker import Worker  # imports torch: in the child only
 
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker{rank} %(levelname)s %(message)s")
-    config = msgspec.msgpack.decode(config_bytes, type=WorkerConfig)
+    tqdm.set_lock(threading.RLock())  # not a named semaphore, which os._exit would leak
+    config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
     context = zmq.Context()
     inbox = context.socket(zmq.PULL)
     inbox.connect(step_addr)

@@ -18,8 +18,9 @@ rendezvous and small control tensors); each group gets the active platform's com
 (`ActivePlatform.communicator(group)`), which is what the model calls for collectives. A
 platform whose collectives need another transport builds it from the group it is handed.
 
-One parallel state per process: `init_parallel_state` sets it, `get_parallel_state` reads
-it (a one-rank state when none was set, so single-process code asks nothing), and
+`init_parallel_state` joins the world and returns this rank's `ParallelState`, which its
+owner (the worker) hands to whatever needs it (the model, built with it);
+`ParallelState.single()` is the state of a process that runs alone, and
 `destroy_parallel_state` tears the process groups down.
 """
 
@@ -32,6 +33,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from tokenmill.distributed.rendezvous import join_world
 from tokenmill.platforms.interfaces import Communicator
 
 DEFAULT_DIMS = ("dp", "pp", "tp")
@@ -195,6 +197,11 @@ class ParallelState:
     expert_parallel: bool = False
     sequence_parallel: bool = False
 
+    @classmethod
+    def single(cls) -> ParallelState:
+        """The state of a process that runs alone: every dimension a group of one."""
+        return cls(ParallelLayout.of(), 0, {})
+
     def group(self, dim: str) -> GroupCoordinator:
         if dim not in self.groups:
             return GroupCoordinator(dim, (self.rank,), 0, None)  # a dimension of size 1
@@ -220,10 +227,6 @@ class ParallelState:
             dim: sum(g.communicator.bytes.values())
             for dim, g in self.groups.items() if g.communicator is not None
         }
-
-
-_SINGLE = ParallelState(ParallelLayout.of(), 0, {})
-_state: ParallelState | None = None
 
 
 def build_groups(layout: ParallelLayout, rank: int, platform: Any) -> dict[str, GroupCoordinator]:
@@ -258,33 +261,24 @@ def init_parallel_state(
     expert_parallel: bool = False,
     sequence_parallel: bool = False,
 ) -> ParallelState:
-    """Join the world (`init_method`: e.g. "tcp://127.0.0.1:PORT", the same on every rank),
-    build every group of `layout` and make the result this process's parallel state.
-    `platform` is the ActivePlatform whose communicator each group gets; `expert_parallel`
-    splits MoE experts over the TP group, `sequence_parallel` the activations between TP
-    regions along the tokens (ParallelState)."""
-    global _state
-    if _state is not None:
-        raise RuntimeError("the parallel state is already initialised in this process")
+    """Join the world (`init_method`: e.g. "tcp://127.0.0.1:PORT", the same on every rank)
+    and build every group of `layout`; returns this rank's state. `platform` is the
+    ActivePlatform whose communicator each group gets; `expert_parallel` splits MoE
+    experts over the TP group, `sequence_parallel` the activations between TP regions
+    along the tokens (ParallelState). RuntimeError when this process has joined a world
+    already (one per process: `destroy_parallel_state` leaves it)."""
     if layout.world_size > 1:
-        if not dist.is_initialized():
-            dist.init_process_group(
-                backend, init_method=init_method, rank=rank, world_size=layout.world_size
-            )
+        if dist.is_initialized():
+            raise RuntimeError("this process has joined a torch.distributed world already; "
+                               "destroy_parallel_state() first")
+        join_world(init_method, backend, rank, layout.world_size)
         groups = build_groups(layout, rank, platform)
     else:
         groups = {}
-    _state = ParallelState(layout, rank, groups, expert_parallel, sequence_parallel)
-    return _state
-
-
-def get_parallel_state() -> ParallelState:
-    """This process's parallel state; a one-rank state when none was initialised."""
-    return _state if _state is not None else _SINGLE
+    return ParallelState(layout, rank, groups, expert_parallel, sequence_parallel)
 
 
 def destroy_parallel_state() -> None:
-    global _state
-    if _state is not None and dist.is_initialized():
+    """Leave the torch.distributed world this process joined (nothing when none)."""
+    if dist.is_initialized():
         dist.destroy_process_group()
-    _state = None

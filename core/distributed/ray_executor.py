@@ -8,7 +8,7 @@ the next, so TP ranks share a node when they fit and a larger world spills over 
 Rank 0's actor names the torch.distributed rendezvous on its own node's address, so
 the ranks find each other across hosts.
 
-What crosses to the actors is msgpack bytes of msgspec Structs (the WorkerConfig, each
+What crosses to the actors is msgpack bytes of msgspec Structs (the EngineConfig, each
 step, each result, the scalars of `collective_rpc`); Ray moves bytes, nothing of ours is
 pickled. Steps are actor calls, which Ray runs in submission order per actor, so
 `submit` returns at once and pipeline stages overlap as with "mp".
@@ -32,10 +32,10 @@ from typing import Any
 
 import msgspec
 
-from tokenmill.distributed.config import WorkerConfig
 from tokenmill.distributed.errors import ExecutorError, WorkerCallError, WorkerDiedError
 from tokenmill.distributed.executor import Executor, check_step_result
-from tokenmill.step import StepDescription, StepResult, decode_result, decode_step, encode
+from tokenmill.engine.config import EngineConfig
+from tokenmill.platforms.step import StepDescription, StepResult, decode_result, decode_step, encode
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class RayWorker:
 
     def __init__(self, config_bytes: bytes, rank: int) -> None:
         self.rank = rank
-        self.config = msgspec.msgpack.decode(config_bytes, type=WorkerConfig)
+        self.config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
         self.worker = None
 
     def rendezvous(self) -> str:
@@ -106,7 +106,7 @@ class RayWorker:
 
 
 class RayExecutor(Executor):
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -121,12 +121,12 @@ class RayExecutor(Executor):
             ray.init(logging_level=logging.WARNING)
         cpus = float(os.environ.get("TOKENMILL_RAY_WORKER_CPUS", "1"))
         strategy = os.environ.get("TOKENMILL_RAY_PLACEMENT", "PACK")
-        self._group = placement_group([{"CPU": cpus}] * config.world_size, strategy=strategy)
+        self._group = placement_group([{"CPU": cpus}] * config.parallel.world_size, strategy=strategy)
         ready, _ = ray.wait([self._group.ready()], timeout=_READY_S)
         if not ready:
             ray.util.remove_placement_group(self._group)
             raise ExecutorError(
-                f"Ray could not place {config.world_size} workers of {cpus} CPUs "
+                f"Ray could not place {config.parallel.world_size} workers of {cpus} CPUs "
                 f"({strategy}) in {_READY_S} s; cluster resources: {ray.cluster_resources()}"
             )
         actor_cls = ray.remote(concurrency_groups={"health": 1})(RayWorker)
@@ -138,12 +138,12 @@ class RayExecutor(Executor):
                     self._group, placement_group_bundle_index=rank
                 ),
             ).remote(config_bytes, rank)
-            for rank in range(config.world_size)
+            for rank in range(config.parallel.world_size)
         ]
         self._sentinels = [
             a.sentinel.options(concurrency_group="health").remote() for a in self.actors
         ]
-        self.locations: list[tuple[str, int | None]] = [("?", None)] * config.world_size
+        self.locations: list[tuple[str, int | None]] = [("?", None)] * config.parallel.world_size
         self.locations = self._wait(
             [a.where.remote() for a in self.actors], "where"
         )

@@ -19,10 +19,10 @@ Pure Python with no device import.
 
 from __future__ import annotations
 
+from tokenmill.engine.request import Request
 from tokenmill.kv.block_pool import NULL_BLOCK, BlockPool, KVBlock
 from tokenmill.kv.groups import KVGroup
 from tokenmill.kv.hashing import BlockHash
-from tokenmill.request import Request
 
 
 def _cdiv(a: int, b: int) -> int:

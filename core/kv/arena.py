@@ -16,7 +16,7 @@ Recurrent (LINEAR) layers see their slot's region as bytes, [2, num_blocks, page
 same bytes whichever group holds it. Beside MLA layers, whose pages are block-major
 (block b's latent rows contiguous), that view is a transposed one of [num_blocks, 2,
 half], for the same reason. A state spanning several pages is packed over them
-in table order (tokenmill.kv.state).
+in table order (tokenmill.platforms.kit.kv_state).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class KVArena:
     @classmethod
     def page_bytes_for(cls, spec: AttentionSpec, backend: AttentionBackend | None = None) -> int:
         """Bytes of one block of one attention layer."""
-        return math.prod(cls.cache_shape(spec, 1, backend)) * spec.dtype.itemsize
+        return math.prod(cls.cache_shape(spec, 1, backend)) * spec.kv_dtype.itemsize
 
     @classmethod
     def page_bytes_of(
@@ -151,7 +151,7 @@ class KVArena:
                     caches.append(region.view(2, num_blocks, page // 2))
                 continue
             shape = cls.cache_shape(spec, num_blocks, backend)
-            caches.append(region.view(spec.dtype).view(*shape))
+            caches.append(region.view(spec.kv_dtype).view(*shape))
         return cls(buffer=buffer, num_blocks=num_blocks, page_bytes=page, layer_caches=caches,
                    num_slots=num_slots, block_major=block_major)
 

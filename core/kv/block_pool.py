@@ -26,7 +26,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -98,6 +98,9 @@ class BlockPool:
         self._num_free_cached = 0
         self._ticks = itertools.count()
         self.clock = 0.0  # priority of the last cached block evicted ("benefit")
+        # told of every cached block whose content an allocation (or a reset) is about to
+        # drop, before it is reused: KV offload moves it to its host tier
+        self.evict_listener: Callable[[KVBlock], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -139,7 +142,7 @@ class BlockPool:
         """Remove the block eviction picks from the free blocks, its cache entry dropped."""
         if self._free:
             _, block = self._free.popitem(last=False)
-            self._evict(block)
+            self._evict(block, notify=True)
             return block
         while True:  # benefit: the least priority among the free cached blocks
             priority, tick, block = heapq.heappop(self._heap)
@@ -148,7 +151,7 @@ class BlockPool:
         block.entry = -1
         self._num_free_cached -= 1
         self.clock = max(self.clock, priority)
-        self._evict(block)
+        self._evict(block, notify=True)
         return block
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
@@ -240,16 +243,21 @@ class BlockPool:
         if self.num_free_blocks != self.num_usable_blocks:
             return False
         for block in self.blocks[self.num_reserved :]:
-            self._evict(block)
+            self._evict(block, notify=True)
         self._cached.clear()
         self._heap.clear()
         return True
 
-    def _evict(self, block: KVBlock) -> None:
+    def _evict(self, block: KVBlock, notify: bool = False) -> None:
         """Drop the block's cache entry (and its unit's); a free cached page of the unit
-        joins the uncached free blocks."""
+        joins the uncached free blocks. `notify`: its content is dropped with the entry
+        (eviction, reset), so `evict_listener` hears of each page first."""
         if block.block_hash is None:
             return
+        if notify and self.evict_listener is not None and (
+            self._cached.get(block.block_hash) is block
+        ):
+            self.evict_listener(block)
         if self._cached.get(block.block_hash) is block:
             del self._cached[block.block_hash]
         block.block_hash = None
@@ -259,4 +267,4 @@ class BlockPool:
             self._free[block.block_id] = block
         unit, block.unit = block.unit, None
         for page in unit or ():
-            self._evict(page)
+            self._evict(page, notify)

@@ -62,12 +62,12 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tokenmill.engine.request import Request
 from tokenmill.kv.allocators import FullAttentionAllocator, SlidingWindowAllocator
 from tokenmill.kv.block_pool import NULL_BLOCK, BlockPool, KVBlock
 from tokenmill.kv.groups import KVGroup
 from tokenmill.kv.recurrent import RecurrentStateAllocator
 from tokenmill.platforms.interfaces import AttentionKind, AttentionSpec
-from tokenmill.request import Request
 
 DEFAULT_WIDTH = 4096  # query heads x head size assumed when the specs are not given
 

@@ -104,7 +104,7 @@ def plan_groups(specs: list[AttentionSpec]) -> KVLayout:
 def attention_page_bytes(spec: AttentionSpec) -> int:
     """Bytes of one block of one attention layer in the standard layout
     (`interfaces.kv_cache_shape`): its keys and values, or an MLA layer's latent rows."""
-    return math.prod(kv_cache_shape(spec, 1)) * spec.dtype.itemsize
+    return math.prod(kv_cache_shape(spec, 1)) * spec.kv_dtype.itemsize
 
 
 def page_bytes_of(specs: list[AttentionSpec]) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from tokenmill.engine.request import Request
 from tokenmill.kv.allocators import FullAttentionAllocator, SlidingWindowAllocator
 from tokenmill.kv.block_pool import NULL_BLOCK, BlockPool, EvictionPolicy, KVBlock
 from tokenmill.kv.eviction import PrefixScorer, RecomputeCost
@@ -26,7 +27,6 @@ from tokenmill.kv.groups import KVGroup
 from tokenmill.kv.hashing import hash_blocks
 from tokenmill.kv.recurrent import CheckpointPolicy, RecurrentStateAllocator
 from tokenmill.platforms.interfaces import AttentionKind
-from tokenmill.request import Request
 
 
 @dataclass(slots=True)
@@ -184,8 +184,12 @@ class KVCacheManager:
         num_new_tokens: int,
         hits: PrefixHit | None = None,
         publish: bool = True,
+        num_lookahead_tokens: int = 0,
     ) -> bool:
-        """Reserve KV for `num_new_tokens` more tokens (after `hits`, if any).
+        """Reserve KV for `num_new_tokens` more tokens (after `hits`, if any), and
+        attention slots for `num_lookahead_tokens` after them (speculative decoding's
+        drafts: never published, as only the request's own tokens' blocks are keyed;
+        recurrent groups take nothing for them, and `trim` gives them back).
 
         `hits` are for a request that holds no KV yet, and must be what
         `find_cached_prefix` returned with no allocation in between: allocating may evict
@@ -217,7 +221,8 @@ class KVCacheManager:
         need = sum(
             (alloc.num_blocks_needed(request, total, table, num_computed) if publish
              else alloc.state_pages)
-            if i in recurrent else alloc.num_blocks_needed(request, total, table)
+            if i in recurrent
+            else alloc.num_blocks_needed(request, total + num_lookahead_tokens, table)
             for i, (alloc, table) in enumerate(zip(self.allocators, tables, strict=True))
         )
         # Cached hits sitting in the free queue stop being allocatable once touched.
@@ -232,13 +237,29 @@ class KVCacheManager:
             elif i in recurrent:
                 alloc.allocate_load(request, total)
             else:
-                alloc.allocate(request, total)
+                alloc.allocate(request, total + num_lookahead_tokens)
         if self.enable_prefix_caching and publish:
             self.update_block_hashes(request)
             for alloc in self.allocators:
                 alloc.cache_full_blocks(request, total)
             self._score_published(request, num_computed, total)
         return True
+
+    def trim(self, request: Request, num_tokens: int) -> list[int] | None:
+        """Give back the attention blocks past the first `num_tokens` tokens' (those only
+        rejected drafts wrote: unpublished, as no key reaches past the request's tokens).
+        Returns every group's table length after, or None if nothing was given back."""
+        keep = -(-num_tokens // self.block_size)
+        cut = False
+        for alloc in self.allocators:
+            blocks = alloc.req_to_blocks.get(request.request_id) if not isinstance(
+                alloc, RecurrentStateAllocator) else None
+            if blocks and len(blocks) > keep:
+                extra = blocks[keep:]
+                del blocks[keep:]
+                self.pool.free(b for b in reversed(extra) if b is not NULL_BLOCK)
+                cut = True
+        return [len(t) for t in self.group_block_ids(request)] if cut else None
 
     def _score_published(self, request: Request, num_computed: int, total: int) -> None:
         """Provisional benefits for the pages just published (`PrefixScorer.provisional`):

@@ -31,10 +31,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from tokenmill.engine.request import Request
 from tokenmill.kv.block_pool import BlockPool, KVBlock
 from tokenmill.kv.groups import KVGroup
 from tokenmill.kv.hashing import BlockHash
-from tokenmill.request import Request
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,6 +206,18 @@ class RecurrentStateAllocator:
                                f"{self.group_id}: a KV tier's checkpoint only starts a request")
         seq.restore = self.pool.allocate(self.state_pages)
         seq.loading = num_tokens
+
+    def allocate_slot(self, request: Request) -> list[KVBlock]:
+        """The slot alone, for a state that arrives from another engine (a prefill
+        engine's, core/kv_connector/handover/): the request's next step reads it as the
+        state before its query, as for any running sequence."""
+        seq = self.seqs.setdefault(request.request_id, _SeqState())
+        if seq.slot or seq.restore:
+            raise RuntimeError(f"request {request.request_id!r} already holds state in group "
+                               f"{self.group_id}: a handed-over state only starts a request")
+        seq.slot = self.pool.allocate(self.state_pages)
+        self.req_to_blocks[request.request_id] = seq.slot
+        return seq.slot
 
     def load_block_ids(self, request: Request) -> list[int]:
         """The pages a KV tier's checkpoint is being loaded into (empty: none)."""

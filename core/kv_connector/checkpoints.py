@@ -23,12 +23,12 @@ block, is stored once per shared prefix, whichever session computed it.
 
 from __future__ import annotations
 
+from tokenmill.engine.request import Request
 from tokenmill.kv.groups import KVGroup
 from tokenmill.kv.recurrent import checkpoint_key
-from tokenmill.kv_connector.messages import BlockTransfer
 from tokenmill.kv_connector.objects import ObjectKey, object_key
 from tokenmill.platforms.interfaces import AttentionKind
-from tokenmill.request import Request
+from tokenmill.platforms.kv_messages import BlockTransfer
 
 
 class CheckpointObjects:
@@ -57,16 +57,17 @@ class CheckpointObjects:
         ]
 
     def lookup(
-        self, stack, request: Request, start: int, end: int,
-        saving: set[ObjectKey] = frozenset(), fastest: str | None = None,
+        self, stack, request: Request, start: int, end: int, in_flight=None,
     ) -> dict[int, list[str | None]]:
         """Boundary j (blocks, start < j <= end) -> where each page of its checkpoint is
-        (`keys` order; None: no tier), in one batched lookup. A key in `saving` (its save
-        in flight) counts as in the `fastest` tier, as the scheduler side counts blocks."""
+        (`keys` order; None: no tier), in one batched lookup. `in_flight(key)`: the tier
+        an object no tier holds yet is on its way to (a save or an eviction in flight),
+        as the scheduler side counts blocks."""
         boundaries = list(range(start + 1, end + 1))
         keys = [k for j in boundaries for _, k in self.keys(request, j)]
         where = stack.locate(keys) if keys else []
-        where = [w if w is not None or k not in saving else fastest for k, w in zip(keys, where)]
+        if in_flight is not None:
+            where = [w if w is not None else in_flight(k) for k, w in zip(keys, where)]
         per = sum(self.pages.values())
         return {j: where[i * per : (i + 1) * per] for i, j in enumerate(boundaries)}
 
@@ -95,7 +96,7 @@ class CheckpointObjects:
     def hold(self, pages: list, skip) -> list:
         """Queue the save of held checkpoint `pages` (KVBlocks cached under their
         prefix-cache keys) with the next step; `skip(key)`: whether that object needs no
-        save (being saved, or in the fastest tier). Returns the pages to release now."""
+        save (being saved, or in the first durable tier). Returns the pages to release now."""
         release = []
         for page in pages:
             key = object_key(self.fingerprint, page.block_hash)

@@ -23,9 +23,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 
-from tokenmill.kv_connector.messages import TierIndex, WorkerReport
 from tokenmill.kv_connector.objects import ObjectKey
-from tokenmill.kv_connector.tier import TierStats
+from tokenmill.platforms.kv_messages import TierIndex, WorkerReport
+from tokenmill.platforms.kv_tier import TierStats
 
 
 class TierDirectory:
@@ -35,6 +35,8 @@ class TierDirectory:
         if len(index.keys) != len(index.tiers):
             raise ValueError(f"a TierIndex of {len(index.tiers)} tiers with {len(index.keys)} key lists")
         self.tier_names = list(index.tiers)
+        self.object_bytes = index.object_bytes
+        self.host_objects = index.host_objects
         self._held: dict[str, set[ObjectKey]] = {
             name: set(keys) for name, keys in zip(index.tiers, index.keys)
         }
@@ -60,8 +62,20 @@ class TierDirectory:
             next((name for name in self.tier_names if k in self._held[name]), None) for k in keys
         ]
 
-    def fastest_holds(self, key: ObjectKey) -> bool:
-        return bool(self.tier_names) and key in self._held[self.tier_names[0]]
+    @property
+    def host_name(self) -> str | None:
+        """The host tier's name if the stack has one (always first)."""
+        return self.tier_names[0] if self.tier_names and self.tier_names[0] == "host" else None
+
+    @property
+    def save_tier(self) -> str | None:
+        """The first durable tier (None: none)."""
+        return next((n for n in self.tier_names if n != self.host_name), None)
+
+    def durable_holds(self, key: ObjectKey) -> bool:
+        """Whether the first durable tier (below the host) holds `key`."""
+        durable = [n for n in self.tier_names if n != self.host_name]
+        return bool(durable) and key in self._held[durable[0]]
 
     def num_held(self, tier_name: str) -> int:
         return len(self._held[tier_name])

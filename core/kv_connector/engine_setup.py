@@ -12,14 +12,14 @@ from pathlib import Path
 
 from tokenmill.kv.groups import KVGroup
 from tokenmill.kv_connector.directory import TierDirectory
-from tokenmill.kv_connector.messages import TierIndex
 from tokenmill.kv_connector.objects import KVLayout
-from tokenmill.kv_connector.registry import OffloadConfig, TierContext, build_stack
+from tokenmill.kv_connector.registry import OffloadConfig, build_stack
 from tokenmill.kv_connector.scheduler_side import KVConnectorScheduler
 from tokenmill.kv_connector.stack import TierStack
-from tokenmill.kv_connector.tier import TierStats
 from tokenmill.kv_connector.worker import KVConnectorWorker
 from tokenmill.platforms.interfaces import AllocatorPurpose
+from tokenmill.platforms.kv_messages import TierIndex
+from tokenmill.platforms.kv_tier import TierStats
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +78,8 @@ def offload_config(args) -> OffloadConfig | None:
         disk_path=None if args.kv_offload_disk_path is None else os.fspath(args.kv_offload_disk_path),
         disk_bytes=args.kv_offload_disk_bytes,
         remote=args.kv_offload_remote,
+        mac_key=None if args.kv_offload_hmac_key is None
+        else args.kv_offload_hmac_key.get_secret_value().encode(),
     )
     if not config.enabled:
         return None
@@ -103,7 +105,7 @@ def make_worker_offload(
         itemsize=1,
     )
     staging = platform.allocator(AllocatorPurpose.HOST_STAGING)
-    stack = build_stack(config, TierContext(layout, lambda: staging))
+    stack = build_stack(config, layout, lambda: staging)
     worker = KVConnectorWorker(stack, layout, staging)
     worker.register_page_rows(rows)
     logger.info(

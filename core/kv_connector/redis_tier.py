@@ -17,7 +17,7 @@ import time
 import redis
 
 from tokenmill.kv_connector.objects import ObjectKey
-from tokenmill.kv_connector.tier import KVTier, TierUnavailableError
+from tokenmill.platforms.kv_tier import KVTier, TierUnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +88,21 @@ class RedisTier(KVTier):
         if data is None:
             return None
         return data
+
+    def read_into(self, keys: list[ObjectKey], buffers: list[memoryview]) -> list[int | None]:
+        """One MGET for all keys (one round trip), copied into the buffers."""
+        if not keys:
+            return []
+        values = self._call("mget", lambda: self._client.mget([self.redis_key(k) for k in keys]))
+        out: list[int | None] = []
+        for data, buf in zip(values, buffers, strict=True):
+            if data is None:
+                out.append(None)
+                continue
+            if len(data) == len(buf):
+                buf[:] = data
+            out.append(len(data))
+        return out
 
     def put(self, key: ObjectKey, data: bytes | memoryview) -> bool:
         rkey = self.redis_key(key)

@@ -1,78 +1,59 @@
-"""KV tiers as plugins: the entry point group `tokenmill.kv_tiers`.
+"""KV tiers as plugins: the `kv_tier` kind of the plugin manager
+(tokenmill.platforms.plugins), entry point group `tokenmill.kv_tiers`.
 
-Each entry point names a factory `make(options, context) -> KVTier`. The built-in tiers
-(host, disk, redis, valkey) are registered in the core's own pyproject.toml on the same
-group, so a third-party tier (Mooncake's store, say) installs beside them and is chosen
-the same way: the remote URL's scheme is the entry point name
-(`--kv-offload-remote mooncake://...` loads the `mooncake` tier).
+A KV tier plugin implements `tokenmill_kv_tiers() -> {name: make(options, context)}`. The
+built-in tiers (host, disk, redis, rediss, valkey) are this module's hooks, registered in
+the core's own pyproject.toml on the same group, so a third-party tier (Mooncake's store,
+say) installs beside them and is chosen the same way: the remote URL's scheme is the tier
+name (`--kv-offload-remote mooncake://...` uses the `mooncake` tier).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from importlib import metadata
+from dataclasses import dataclass, field
 from typing import Any
 
-from tokenmill.kv_connector.objects import KVLayout
+import pluggy
+
+from tokenmill.kv_connector.objects import KVLayout, ObjectCodec
 from tokenmill.kv_connector.stack import TierStack
-from tokenmill.kv_connector.tier import KVTier
 from tokenmill.platforms.interfaces import Allocator
+from tokenmill.platforms.kv_tier import KVTier, TierContext, TierFactory, parse_size
+from tokenmill.platforms.plugins import KV_TIER, PluginManager
 
-ENTRY_POINT_GROUP = "tokenmill.kv_tiers"
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
-_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
-
-
-def parse_size(value: int | str, name: str = "size") -> int:
-    """Bytes from an int or a string like "8GiB", "100GB", "512MiB", "4096".
-
-    Binary suffixes (KiB, MiB, GiB, TiB) are powers of 1024; decimal ones (KB, MB, GB, TB)
-    powers of 1000. Raises ValueError naming `name` and the value.
-    """
-    if isinstance(value, bool):
-        raise ValueError(f"{name}={value!r} is not a size")
-    if isinstance(value, int):
-        n = value
-    else:
-        m = _SIZE.match(str(value))
-        if m is None:
-            raise ValueError(f"{name}={value!r} is not a size; write e.g. 8GiB, 100GB or 4096")
-        base = 1024 if m.group(3) else 1000
-        n = int(float(m.group(1)) * base ** _POWERS[m.group(2).lower()])
-    if n < 1:
-        raise ValueError(f"{name}={value!r} must be at least one byte")
-    return n
+hookimpl = pluggy.HookimplMarker("tokenmill")
 
 
-@dataclass(frozen=True, slots=True)
-class TierContext:
-    """What a tier factory may use besides its own options."""
-
-    layout: KVLayout
-    host_allocator: Callable[[], Allocator]  # the platform's HOST_STAGING allocator
+def tier_context(layout: KVLayout, host_allocator: Callable[[], Allocator]) -> TierContext:
+    """The context tier factories get for arena objects of `layout`."""
+    return TierContext(layout.object_bytes, layout.fingerprint(), host_allocator)
 
 
-TierFactory = Callable[[Mapping[str, Any], TierContext], KVTier]
+def _check_factory(name: str, factory: object) -> str | None:
+    return None if callable(factory) else f"is {factory!r}, not a factory function"
 
 
-def tier_factories() -> dict[str, TierFactory]:
-    """Installed tier factories by entry point name (loaded lazily by `make_tier`)."""
-    return {ep.name: ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}
+def tier_factories(plugins: PluginManager | None = None) -> dict[str, TierFactory]:
+    """Installed tier factories by name, from every KV tier plugin (the core's included)."""
+    plugins = plugins if plugins is not None else PluginManager.discover([KV_TIER])
+    named = plugins.named(KV_TIER, "tokenmill_kv_tiers", _check_factory)
+    return {name: factory for name, (_, factory) in named.items()}
 
 
-def make_tier(name: str, options: Mapping[str, Any], context: TierContext) -> KVTier:
-    eps = tier_factories()
-    if name not in eps:
+def make_tier(
+    name: str, options: Mapping[str, Any], context: TierContext,
+    plugins: PluginManager | None = None,
+) -> KVTier:
+    factories = tier_factories(plugins)
+    if name not in factories:
         raise ValueError(
-            f"no KV tier {name!r} is installed (entry point group {ENTRY_POINT_GROUP!r}); "
-            f"installed: {sorted(eps)}"
+            f"no KV tier {name!r} is installed (KV tier plugins, entry point group "
+            f"{KV_TIER.entry_point_group!r}); installed: {sorted(factories)}"
         )
-    tier = eps[name].load()(options, context)
+    tier = factories[name](options, context)
     if not isinstance(tier, KVTier):
-        raise TypeError(f"KV tier entry point {name!r} returned {type(tier).__name__}, not a KVTier")
+        raise TypeError(f"KV tier {name!r} returned {type(tier).__name__}, not a KVTier")
     return tier
 
 
@@ -84,6 +65,8 @@ class OffloadConfig:
     disk_path: str | None = None
     disk_bytes: int | None = None
     remote: str | None = None  # URL; its scheme names the tier's entry point
+    # objects in shared tiers must carry an HMAC-SHA256 tag under this key (objects.py)
+    mac_key: bytes | None = field(default=None, repr=False)
 
     @property
     def enabled(self) -> bool:
@@ -103,32 +86,50 @@ class OffloadConfig:
             )
 
 
-def build_stack(config: OffloadConfig, context: TierContext) -> TierStack:
-    """The tier stack `config` asks for, fastest first."""
+def build_stack(
+    config: OffloadConfig, layout: KVLayout, host_allocator: Callable[[], Allocator],
+    plugins: PluginManager | None = None,
+) -> TierStack:
+    """The tier stack `config` asks for, fastest first, checking objects of `layout`
+    (and their MAC tags under `config.mac_key`)."""
+    codec = ObjectCodec(layout.payload_bytes, config.mac_key)
+    context = tier_context(layout, host_allocator)
+    plugins = plugins if plugins is not None else PluginManager.discover([KV_TIER])
     tiers: list[KVTier] = []
     try:
         if config.host_bytes:
-            tiers.append(make_tier("host", {"bytes": config.host_bytes}, context))
+            tiers.append(make_tier("host", {"bytes": config.host_bytes}, context, plugins))
         if config.disk_path:
             opts = {"path": config.disk_path, "bytes": config.disk_bytes}
-            tiers.append(make_tier("disk", opts, context))
+            tiers.append(make_tier("disk", opts, context, plugins))
         if config.remote:
             scheme = config.remote.split("://", 1)[0].lower()
-            tiers.append(make_tier(scheme, {"url": config.remote}, context))
+            tiers.append(make_tier(scheme, {"url": config.remote}, context, plugins))
     except BaseException:
         for t in tiers:
             t.close()
         raise
-    return TierStack(tiers)
+    return TierStack(tiers, codec)
 
 
-# ---- the built-in factories (registered in pyproject.toml) ------------------------------
+# ---- the built-in tiers: a KV tier plugin like any other (pyproject.toml) ----------------
+@hookimpl
+def tokenmill_api_version() -> str:
+    return "1.6"
+
+
+@hookimpl
+def tokenmill_kv_tiers() -> dict[str, TierFactory]:
+    return {"host": make_host_tier, "disk": make_disk_tier, "redis": make_redis_tier,
+            "rediss": make_redis_tier, "valkey": make_redis_tier}
+
+
 def make_host_tier(options: Mapping[str, Any], context: TierContext) -> KVTier:
     from tokenmill.kv_connector.host import HostMemoryTier
 
     return HostMemoryTier(
         context.host_allocator(), parse_size(options["bytes"], "kv_offload_host_bytes"),
-        context.layout.object_bytes,
+        context.object_bytes,
     )
 
 
@@ -136,7 +137,7 @@ def make_disk_tier(options: Mapping[str, Any], context: TierContext) -> KVTier:
     from tokenmill.kv_connector.disk import DiskTier
 
     # one directory per layout: another model's objects never share an index
-    path = f"{options['path']}/{context.layout.fingerprint().hex()[:16]}"
+    path = f"{options['path']}/{context.layout_fingerprint.hex()[:16]}"
     return DiskTier(path, parse_size(options["bytes"], "kv_offload_disk_bytes"))
 
 

@@ -7,11 +7,16 @@ Pure Python (no device import). The scheduler calls, in order:
    always asynchronous: the scheduler allocates blocks for them, calls
    `start_load(request, tables, num_device_tokens, num_external_tokens)` with the
    request's block table of every KV group, and parks the request until the load
-   reports. A block whose save is still in flight counts as held (the worker writes it
-   before it runs a load queued later).
-2. `build_step_meta(scheduled)` once per step: the loads to start and the blocks the
-   step fills, to save after its forward pass. A block whose object is being saved or
-   is already in the fastest tier is not saved again.
+   reports. A block whose save is still in flight counts as held by the first durable
+   tier, a block the device just evicted as held by the host (the worker writes them
+   before it runs a load queued later). The cost model (cost.py) may cut the hit
+   short: blocks that would load slower than they compute are recomputed.
+2. `build_step_meta(scheduled)` once per step: the loads to start, the blocks the
+   device evicted (to move into the host tier, placement.py), prefetches, and the
+   blocks the step fills, to save to the durable tiers after its forward pass. A block
+   whose object is being saved or is already in the first durable tier is not saved
+   again; a stack with no durable tier saves nothing (its host holds what the device
+   evicts).
 3. `process_report(report)` with each worker report: returns the requests whose loads
    ended and how many of their external tokens arrived (a failed or corrupt block cuts
    the load there; the scheduler recomputes only from that point).
@@ -40,10 +45,11 @@ them are in checkpoints.py. To the code here such a group is a window of zero le
 Sessions. A request may name its session (OpenAI `user` / `session_id`, Anthropic
 `metadata.user_id`). A turn that ended in a tool call (`session_returns`) says the session
 will be back: when its next turn arrives (`request_arrived`), the blocks of its prompt
-that only a slower tier holds are prefetched into the fastest one, in the background,
-while the turn waits for admission. Writing a session's KV down early needs no hint:
-saves are write-through as blocks fill, so an idle session's KV is already in every tier
-before the device evicts it.
+that only a durable tier holds are prefetched into the host, in the background, while
+the turn waits for admission. Any request that waits for admission gets the same
+(`prefetch`, called by the scheduler for the waiting requests it could not admit), so
+its load starts while earlier requests compute. Writing a session's KV down early needs
+no hint: saves are write-through to the durable tiers as blocks fill.
 """
 
 from __future__ import annotations
@@ -52,21 +58,23 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from tokenmill.engine.request import Request
 from tokenmill.kv.block_pool import NULL_BLOCK
 from tokenmill.kv.groups import KVGroup
 from tokenmill.kv_connector.checkpoints import CheckpointObjects
+from tokenmill.kv_connector.cost import LoadCostModel
 from tokenmill.kv_connector.directory import TierDirectory
-from tokenmill.kv_connector.messages import (
+from tokenmill.kv_connector.objects import ObjectKey, object_key
+from tokenmill.kv_connector.placement import HostPlacement
+from tokenmill.kv_connector.stack import TierStack
+from tokenmill.platforms.interfaces import AttentionKind
+from tokenmill.platforms.kv_messages import (
     BlockTransfer,
     ConnectorStepMeta,
     LoadJob,
     LoadResult,
     WorkerReport,
 )
-from tokenmill.kv_connector.objects import ObjectKey, object_key
-from tokenmill.kv_connector.stack import TierStack
-from tokenmill.platforms.interfaces import AttentionKind
-from tokenmill.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -122,8 +130,20 @@ class KVConnectorScheduler:
         # compute (a failed object was deleted, so the next lookup finds a shorter hit)
         self._no_load: dict[str, int] = {}
         self._returning: OrderedDict[str, None] = OrderedDict()  # sessions hinted to return
-        self._prefetch: list[ObjectKey] = []
         self.num_prefetched = 0  # objects prefetches copied up (reported by the worker)
+        # the host tier as the device pool's victim cache (evictions, prefetches, pins)
+        self.placement = HostPlacement(fingerprint, stack.host_name, stack.host_objects)
+        self.cost = LoadCostModel(stack.object_bytes, block_size)
+        self._save_tier = stack.save_tier  # the first durable tier (None: saves go nowhere)
+        self._cost_counted: set[str] = set()  # requests whose recompute choice is counted
+        self._pool = None  # the device pool, with a host tier (`attach`)
+
+    def attach(self, pool) -> None:
+        """Hear of the device pool's evictions (`BlockPool.evict_listener`): with a host
+        tier, each evicted block moves there."""
+        if self.placement.host is not None:
+            pool.evict_listener = self.placement.evicted
+            self._pool = pool
 
     def key(self, block_hash: bytes, group: int = 0) -> ObjectKey:
         """The object key of group `group`'s block with this hash (the prefix cache's
@@ -162,19 +182,17 @@ class KVConnectorScheduler:
         # the write lands before a load queued after it reads the key. Without this, a
         # block the device evicts while the save thread is behind (a busy machine) is
         # recomputed although its bytes are on their way to the host.
-        fastest = self._fastest_tier()
-        where = [
-            w if w is not None or k not in self._saving else fastest
-            for k, w in zip(keys, where)
-        ]
+        where = [self._in_flight_to(k) if w is None else w for k, w in zip(keys, where)]
         found = dict(zip(wanted, where))
+        on_device = self._device_copies(request, found)
         # full attention bounds the hit by its leading run; windows may shorten it further,
         # and recurrent groups to a boundary with a whole checkpoint
         n = end
         for g, w in enumerate(self.windows):
             if w is None:
                 n = next((p for p in range(start, n) if found[(g, p)] is None), n)
-        ckpts = (self.checkpoints.lookup(self.stack, request, start, n, self._saving, fastest)
+        n = start + self._worth_loading(request, found, start, n)
+        ckpts = (self.checkpoints.lookup(self.stack, request, start, n, self._in_flight_to)
                  if self.checkpoints else {})
         while n > start and (
             any(found[gp] is None for gp in self._needed(start, n))
@@ -182,7 +200,11 @@ class KVConnectorScheduler:
         ):
             n -= 1
         if n == start:
+            self.placement.release(rid)  # it computes: its prefetched objects may go
             return 0
+        for gp in self._needed(start, n):  # copied into the host before the load reads
+            if gp in on_device:
+                self.placement.evicted(on_device[gp])
         if self.checkpoints:  # page p of group g's checkpoint at n: entry (g, -1 - p)
             pages = dict.fromkeys(self.checkpoints.pages, 0)
             for (g, _), tier in zip(self.checkpoints.keys(request, n), ckpts[n], strict=True):
@@ -191,13 +213,51 @@ class KVConnectorScheduler:
         self._pending_lookup[rid] = found
         return (n - start) * bs
 
-    def _fastest_tier(self) -> str | None:
-        """The tier a save in flight writes first (None: the stack has no tier)."""
-        names = (
-            self.stack.tier_names if isinstance(self.stack, TierDirectory)
-            else [t.name for t in self.stack.tiers]
-        )
-        return names[0] if names else None
+    def _device_copies(self, request: Request, found: dict) -> dict:
+        """Blocks no tier holds that the device pool still caches, beyond the device hit
+        (a hybrid model's hit ends at a recurrent checkpoint, so cached attention blocks
+        may lie past it): with exclusive placement the host lacks them, so each counts as
+        the host's (marked in `found`), and the caller queues the copy of those its load
+        needs (the worker copies them into the host before it starts the step's loads).
+        Returns (group, block) -> the cached KVBlock."""
+        if self._pool is None:
+            return {}
+        out = {}
+        for (g, p), tier in found.items():
+            if tier is None:
+                block_hash = request.block_hashes[p]
+                block = self._pool.get_cached_block(
+                    block_hash if g == 0 else block_hash + b"/g%d" % g)
+                if block is not None:
+                    out[(g, p)] = block
+                    found[(g, p)] = self.placement.host
+        return out
+
+    def _in_flight_to(self, key: ObjectKey) -> str | None:
+        """The tier an object no tier holds yet is on its way to: a block whose save is
+        in flight counts as held by the first durable tier, an evicted block by the host
+        (the worker runs saves and loads on one thread in order, and moves evicted blocks
+        into the host before it starts a step's loads). Without this, a block the device
+        evicts while the save thread is behind (a busy machine) is recomputed although
+        its bytes are on their way."""
+        if key in self._saving:
+            return self._save_tier
+        return self.placement.host if self.placement.arriving(key) else None
+
+    def _worth_loading(self, request: Request, found: dict, start: int, end: int) -> int:
+        """How many of blocks [start, end), all held by some tier, the cost model says to
+        load rather than recompute; the rest are counted per tier as chosen recomputes."""
+        positions = [[found[(g, p)] for g in self._block_groups if found.get((g, p))]
+                     for p in range(start, end)]
+        k = self.cost.blocks_to_load(positions)
+        rid = request.request_id
+        if start + k < end and rid not in self._cost_counted:
+            self._cost_counted.add(rid)
+            for p in range(start + k, end):
+                tier = found.get((self._token_group, p))
+                if tier is not None:
+                    self.stack.count(tier, tokens_recompute_chosen=self.block_size)
+        return k
 
     def start_load(
         self, request: Request, tables: list[list[int]], num_device_tokens: int, num_tokens: int
@@ -236,21 +296,31 @@ class KVConnectorScheduler:
         while len(self._returning) > self._MAX_SESSIONS:
             self._returning.popitem(last=False)
 
-    def request_arrived(self, request: Request) -> None:
-        """A new request; with `request.block_hashes` filled. Queues the prefetch of its
-        prompt's blocks if its session was hinted to return."""
+    def request_arrived(self, request: Request, num_device_tokens: int = 0) -> None:
+        """A new request; with `request.block_hashes` filled and its device hit. Queues
+        the prefetch of its prompt's blocks after it if its session was hinted to return."""
         sid = request.session_id
         if sid is None or sid not in self._returning:
             return
         del self._returning[sid]
-        self._prefetch.extend(
-            self.key(h, g) for h in request.block_hashes for g in self._block_groups
-        )
-        if self.checkpoints and request.block_hashes:  # and the latest whole checkpoint
-            ckpts = self.checkpoints.lookup(self.stack, request, 0, len(request.block_hashes))
+        self.prefetch(request, num_device_tokens)
+
+    def prefetch(self, request: Request, num_device_tokens: int) -> None:
+        """Queue the copy into the host of the request's blocks after its device hit
+        that only durable tiers hold (and of the latest whole recurrent checkpoint), once
+        per request, pinned there for it until it is admitted or finishes."""
+        if self.placement.host is None or self.placement.prefetched(request.request_id):
+            return
+        first = num_device_tokens // self.block_size
+        keys = [self.key(h, g) for h in request.block_hashes[first:] for g in self._block_groups]
+        if self.checkpoints and len(request.block_hashes) > first:
+            ckpts = self.checkpoints.lookup(self.stack, request, first, len(request.block_hashes))
             last = max((j for j in ckpts if self.checkpoints.whole(ckpts, j)), default=0)
             if last:
-                self._prefetch.extend(k for _, k in self.checkpoints.keys(request, last))
+                keys.extend(k for _, k in self.checkpoints.keys(request, last))
+        host = self.placement.host
+        durable = [k for k, w in zip(keys, self.stack.locate(keys)) if w not in (None, host)]
+        self.placement.prefetch(request.request_id, durable)
 
     def is_loading(self, request_id: str) -> bool:
         return request_id in self._loads
@@ -268,14 +338,14 @@ class KVConnectorScheduler:
         tokens computed) for each request in the step. `checkpoint_saves`: (prefix-cache
         key, block id) of the kept recurrent checkpoint pages the step writes
         (`KVCacheManager.checkpoint_saves`)."""
-        meta = ConnectorStepMeta(prefetch=self._prefetch)
-        self._prefetch = []
+        meta = ConnectorStepMeta()
+        self.placement.fill(meta)
         for load in self._loads.values():
             if not load.started:
                 load.started = True
                 meta.loads.append(load.job)
         bs = self.block_size
-        for request, tables, start, num_new in scheduled:
+        for request, tables, start, num_new in scheduled if self._save_tier else ():
             for g, table in enumerate(tables):
                 if g in self.checkpoints.pages:
                     continue  # a state slot: never an object (checkpoints are, below)
@@ -285,12 +355,12 @@ class KVConnectorScheduler:
                         continue  # a window's block it no longer holds (a pool with
                         # windows reserves id 0 for the null block; a plain one uses it)
                     key = self.key(request.block_hashes[i], g)
-                    if key in self._saving or self.stack.fastest_holds(key):
+                    if key in self._saving or self.stack.durable_holds(key):
                         continue
                     self._saving.add(key)
                     meta.saves.append(BlockTransfer(table[i], key))
-        for transfer in self.checkpoints.saves(list(checkpoint_saves)):
-            if transfer.key not in self._saving and not self.stack.fastest_holds(transfer.key):
+        for transfer in self.checkpoints.saves(list(checkpoint_saves) if self._save_tier else []):
+            if transfer.key not in self._saving and not self.stack.durable_holds(transfer.key):
                 self._saving.add(transfer.key)
                 meta.saves.append(transfer)
         meta.saves.extend(self.checkpoints.take_unsent())  # held: in `_saving` already
@@ -301,6 +371,11 @@ class KVConnectorScheduler:
         if isinstance(self.stack, TierDirectory):
             self.stack.apply(report)  # first: the counts below land on its fresh counters
         self.num_prefetched += report.num_prefetched
+        self.placement.reported(report)
+        self.cost.observe_step(report.step_tokens, report.step_seconds)
+        for result in report.loads:
+            self.cost.observe_load(result.tier_bytes, result.tier_seconds)
+            self.placement.release(result.request_id)
         for key in (*report.saved_keys, *report.failed_save_keys):
             self._saving.discard(key)
             self.checkpoints.save_ended(key)
@@ -342,8 +417,11 @@ class KVConnectorScheduler:
         scheduler holds, `KVCacheManager.hold_rolling_checkpoints`): saved with the next
         step. Returns the pages to release now (already saved or being saved); the
         others come back from `take_released` once the worker reports their save."""
+        if not self._save_tier:  # no durable tier: evicted, they move to the host
+            return list(pages)
+
         def skip(key: ObjectKey) -> bool:
-            if key in self._saving or self.stack.fastest_holds(key):
+            if key in self._saving or self.stack.durable_holds(key):
                 return True
             self._saving.add(key)
             return False
@@ -355,8 +433,9 @@ class KVConnectorScheduler:
 
     @property
     def has_unsent_saves(self) -> bool:
-        """Held saves wait for a step to carry them (the engine runs one)."""
-        return self.checkpoints.has_unsent
+        """Held saves, evicted blocks or prefetch changes wait for a step to carry them
+        (the engine runs one)."""
+        return self.checkpoints.has_unsent or self.placement.has_unsent
 
     @property
     def holds_blocks(self) -> bool:
@@ -368,6 +447,8 @@ class KVConnectorScheduler:
         still be writing into them); False: free them now. Saves never hold blocks: the
         worker copies a block out during the step that fills it."""
         self._no_load.pop(request.request_id, None)
+        self._cost_counted.discard(request.request_id)
+        self.placement.forget(request.request_id)
         load = self._loads.get(request.request_id)
         if load is not None and not load.started:
             del self._loads[request.request_id]  # never sent: nothing writes into the blocks

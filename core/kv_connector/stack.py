@@ -1,12 +1,22 @@
 """Tiers stacked fastest first (host, disk, remote): lookups, checked reads, saves.
 
-- `put` writes an object to every reachable tier that lacks it (write-through): a block
-  saved once survives the loss of any tier, and a device block with content is already
-  on the host when the device evicts it, so eviction never waits for a copy.
-- `get` reads from the fastest tier that holds the key, checks the object (objects.py)
-  and copies it up into the faster tiers that lack it (promotion). A corrupt object is
-  deleted from its tier and the next tier is tried: a read returns the right bytes or
-  nothing, never wrong ones.
+Two roles. The host tier (`host`, host.py), if any, is the device pool's victim cache:
+it holds what the device evicted (the worker moves it there, `KVConnectorWorker`), and a
+load from it moves the block back to the device, so device and host hold different
+blocks and their capacities add. The tiers below it (`durable`: disk, remote) are
+write-through: every block is saved to them as it fills, so it survives the loss of the
+device, the host or any one of them, and an idle session's history is written down
+before anything evicts it.
+
+- `put` writes an object to every reachable durable tier that lacks it.
+- `get` reads from the fastest tier that holds the key, checks the object with the
+  stack's `ObjectCodec` (objects.py: framing, the layout's payload size, checksum, and
+  the MAC tag of an object read from a shared tier when a MAC key is set) and copies it
+  up into the faster durable tiers that lack it (a remote hit lands on disk too; never
+  into the host: what is read goes to the device). An object that fails any check is
+  deleted from its tier and counted corrupt, and the next tier is tried: a read returns
+  the right bytes or nothing, never wrong ones, and never raises for what a tier held.
+- `promote` copies an object into the host tier (a prefetch for a queued request).
 - A tier that raises `TierUnavailableError` is skipped for that call; the others carry
   on.
 
@@ -21,19 +31,28 @@ import copy
 import logging
 import threading
 
-from tokenmill.kv_connector.messages import TierChange, TierIndex
-from tokenmill.kv_connector.objects import CorruptObjectError, ObjectKey, decode
-from tokenmill.kv_connector.tier import KVTier, TierStats, TierUnavailableError
+from tokenmill.kv_connector.host import HostMemoryTier
+from tokenmill.kv_connector.objects import CorruptObjectError, ObjectCodec, ObjectKey
+from tokenmill.platforms.kv_messages import TierChange, TierIndex
+from tokenmill.platforms.kv_tier import KVTier, TierStats, TierUnavailableError
 
 logger = logging.getLogger(__name__)
 
 
 class TierStack:
-    def __init__(self, tiers: list[KVTier]) -> None:
+    """`codec`: frames and checks the objects of the engine's layout (every read)."""
+
+    def __init__(self, tiers: list[KVTier], codec: ObjectCodec) -> None:
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"KV tiers {names}: each tier may appear once")
         self.tiers = tiers
+        self.codec = codec
+        hosts = [t for t in tiers if isinstance(t, HostMemoryTier)]
+        if hosts and tiers[0] is not hosts[0] or len(hosts) > 1:
+            raise ValueError(f"KV tiers {names}: one host tier at most, first")
+        self.host: HostMemoryTier | None = hosts[0] if hosts else None
+        self.durable: list[KVTier] = [t for t in tiers if t is not self.host]
         self.stats: dict[str, TierStats] = {t.name: TierStats() for t in tiers}
         self._lock = threading.Lock()  # guards the counters and the change log
         self._changes: list[TierChange] | None = None  # None: not recording
@@ -73,11 +92,29 @@ class TierStack:
                 self._count(tier, errors=1)
                 keys.append([])
         return TierIndex(fingerprint, block_size, [t.name for t in self.tiers], keys,
-                         self.snapshot())
+                         self.snapshot(), self.object_bytes, self.host_objects)
 
-    def fastest_holds(self, key: ObjectKey) -> bool:
-        """Whether the fastest tier holds `key` (then a save of it is skipped)."""
-        return bool(self.tiers) and self._holds(self.tiers[0], key)
+    @property
+    def host_name(self) -> str | None:
+        return None if self.host is None else self.host.name
+
+    @property
+    def host_objects(self) -> int:
+        """How many objects the host tier holds at most (0: no host tier)."""
+        return 0 if self.host is None else self.host.capacity_bytes // self.codec.object_bytes
+
+    @property
+    def object_bytes(self) -> int:
+        return self.codec.object_bytes
+
+    @property
+    def save_tier(self) -> str | None:
+        """The first durable tier: where a save in flight lands first (None: none)."""
+        return self.durable[0].name if self.durable else None
+
+    def durable_holds(self, key: ObjectKey) -> bool:
+        """Whether the first durable tier holds `key` (then a save of it is skipped)."""
+        return bool(self.durable) and self._holds(self.durable[0], key)
 
     def _count(self, tier: KVTier, **deltas: int) -> None:
         self.count(tier.name, **deltas)
@@ -130,48 +167,53 @@ class TierStack:
             if data is None:
                 self._count(tier, misses=1)
                 continue
-            try:
-                payload = decode(key, data)
-            except CorruptObjectError as exc:
-                logger.warning("KV tier %s: %s; deleted, trying the next tier", tier.name, exc)
-                self._count(tier, corrupt=1)
-                self._delete(tier, key)
+            payload = self.checked(tier, key, data)
+            if payload is None:
                 continue
             self._count(tier, hits=1, bytes_read=len(data))
-            self._promote(key, data, self.tiers[:i])
+            self.promote_durable(key, data, [t for t in self.tiers[:i] if t is not self.host])
             return payload, tier.name
         return None
 
     def promote(self, key: ObjectKey) -> bool:
-        """Copy `key` up into the faster tiers that lack it (a prefetch); whether any holds it."""
-        return self.get(key) is not None
-
-    def demote(self, key: ObjectKey) -> bool:
-        """Move `key` out of the fastest tier holding it into the slower ones lacking it
-        (making room above for what is hotter). False if no reachable tier holds it or no
-        slower tier could take it (then it stays where it is)."""
-        for i, tier in enumerate(self.tiers):
+        """Copy `key` into the host tier from the fastest durable tier holding it (a
+        prefetch); whether the host holds it now."""
+        if self.host is None:
+            return False
+        if self.host.contains(key):
+            return True
+        for i, tier in enumerate(self.durable):
             try:
-                data = tier.get(key) if tier.contains(key) else None
+                data = tier.get(key)
             except TierUnavailableError:
                 self._count(tier, errors=1)
                 continue
             if data is None:
+                self._count(tier, misses=1)
                 continue
-            try:
-                decode(key, data)
-            except CorruptObjectError as exc:
-                logger.warning("KV tier %s: %s; deleted", tier.name, exc)
-                self._count(tier, corrupt=1)
-                self._delete(tier, key)
+            if self.checked(tier, key, data) is None:
                 continue
-            below = self.tiers[i + 1 :]
-            self._write(key, data, below, "bytes_written")
-            if not any(self._holds(t, key) for t in below):
-                return False
-            self._delete(tier, key)
-            return True
+            self._count(tier, hits=1, bytes_read=len(data))
+            self.promote_durable(key, data, self.durable[:i])  # as a read does
+            self._write(key, data, [self.host], "bytes_promoted")
+            return self.host.contains(key)
         return False
+
+    def checked(self, tier: KVTier, key: ObjectKey, data) -> memoryview | None:
+        """The payload of `data`, read from `tier` under `key`, if it passes every check;
+        else None, the object deleted from the tier and counted corrupt."""
+        try:
+            return self.codec.decode(key, data, authenticate=tier.shared)
+        except CorruptObjectError as exc:
+            self.refuse(tier, key, str(exc))
+            return None
+
+    def refuse(self, tier: KVTier, key: ObjectKey, why: str) -> None:
+        """An object of `tier` failed a check: count it corrupt and delete it."""
+        logger.warning("KV tier %s: object %s: %s; deleted, trying the next tier",
+                       tier.name, key.hex()[:16], why)
+        self._count(tier, corrupt=1)
+        self._delete(tier, key)
 
     def _holds(self, tier: KVTier, key: ObjectKey) -> bool:
         try:
@@ -181,10 +223,17 @@ class TierStack:
             return False
 
     def put(self, key: ObjectKey, data: bytes) -> list[str]:
-        """Save an encoded object to every reachable tier lacking it; the tiers written."""
-        return self._write(key, data, self.tiers, "bytes_written")
+        """Save an encoded object to every reachable durable tier lacking it; the tiers
+        written."""
+        return self._write(key, data, self.durable, "bytes_written")
 
-    def _promote(self, key: ObjectKey, data: bytes | memoryview, tiers: list[KVTier]) -> None:
+    def log_held(self, tier_name: str, keys: list[ObjectKey]) -> None:
+        """Record objects a tier gained outside `put` (the worker's moves into the host)."""
+        for key in keys:
+            self._log(tier_name, key, True)
+
+    def promote_durable(self, key: ObjectKey, data: bytes | memoryview, tiers: list[KVTier]) -> None:
+        """Copy a checked object read from a slower durable tier into faster `tiers`."""
         if tiers:
             self._write(key, data, tiers, "bytes_promoted")
 
@@ -199,6 +248,10 @@ class TierStack:
             except TierUnavailableError:
                 self._count(tier, errors=1)
         return written
+
+    def delete(self, tier: KVTier, key: ObjectKey) -> None:
+        """Drop `key` from `tier` (a block moved to the device, or a bad object)."""
+        self._delete(tier, key)
 
     def _delete(self, tier: KVTier, key: ObjectKey) -> None:
         try:

@@ -28,8 +28,6 @@ import logging
 import torch
 
 from tokenmill.distributed.parallel_state import GroupCoordinator
-from tokenmill.ops.attention_merge import merge_attention_states, partial_attention
-from tokenmill.ops.reference import gather_kv, write_kv
 from tokenmill.platforms.interfaces import (
     AttentionBackend,
     AttentionKind,
@@ -37,6 +35,8 @@ from tokenmill.platforms.interfaces import (
     AttentionSpec,
     token_positions,
 )
+from tokenmill.platforms.ops.attention_merge import merge_attention_states, partial_attention
+from tokenmill.platforms.ops.reference import gather_kv, write_kv
 
 logger = logging.getLogger(__name__)
 

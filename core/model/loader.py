@@ -2,7 +2,9 @@
 
 Nothing is downloaded: `model` must be a path. GGUF files are read with transformers' own GGUF
 machinery (dequantized to float32, llama.cpp's q/k row permutation undone), then cast to the
-requested dtype.
+requested dtype; with `quantization="gguf"` (asked for explicitly: `resolve_quantization`)
+their quantized layers stay quantized instead (`tokenmill.model.gguf_quant`,
+docs/quantization.md).
 """
 
 from __future__ import annotations
@@ -18,10 +20,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenmill.model.registry import model_class_for
-from tokenmill.ops import Ops
+from tokenmill.distributed.parallel_state import ParallelState
+from tokenmill.model.gguf_quant import GGUFCheckpoint, ParameterNames
+from tokenmill.model.linear import SchemeChooser
+from tokenmill.model.quant import module_plan, scheme_chooser
+from tokenmill.model.registry import family_for
 from tokenmill.platforms.interfaces import Allocator, AttentionBackend, AttentionSpec
-from tokenmill.sleep_mode import adopt_weights
+from tokenmill.platforms.ops import Ops
+from tokenmill.platforms.ops.quant import QUANT_METHODS
+from tokenmill.worker.sleep_mode import adopt_weights
 
 logger = logging.getLogger(__name__)
 
@@ -103,14 +110,81 @@ def load_model_info(model: str, *, tokenizer: str | None = None,
     )
 
 
+QUANTIZATION_CHOICES = ("none", *QUANT_METHODS)
+# what the core's loaders keep quantized today (docs/quantization.md)
+SUPPORTED_QUANTIZATION = ("none", "gguf")
+
+
+def detected_quantization(model_path: str, hf_config: Any) -> str:
+    """The checkpoint's own quantization: "gguf" for a GGUF file, an HF directory's
+    `quantization_config.quant_method`, else "none"."""
+    if Path(model_path).suffix == ".gguf":
+        return "gguf"
+    config = getattr(hf_config, "quantization_config", None) or {}
+    if not isinstance(config, dict):
+        config = config.to_dict()
+    return str(config.get("quant_method", "none"))
+
+
+def resolve_quantization(model_path: str, hf_config: Any, requested: str | None) -> str:
+    """`--quantization` against the checkpoint: None takes what the checkpoint is (a GGUF
+    file dequantized: see below);
+    "none" dequantizes (GGUF only: an HF quantized checkpoint has no float weights);
+    a method the checkpoint is not in, or one the loaders cannot keep yet, is a
+    ValueError naming it."""
+    detected = detected_quantization(model_path, hf_config)
+    if requested is not None and requested not in QUANTIZATION_CHOICES:
+        raise ValueError(f"quantization {requested!r} is not one of {QUANTIZATION_CHOICES}")
+    if requested is None and detected == "gguf":
+        # unset on a GGUF file: dequantized, because on the platforms measured so far the
+        # quantized matmul is slower than the dense one (docs/quantization.md, "Speed");
+        # `--quantization gguf` keeps the layers quantized
+        logger.info("%s is a GGUF checkpoint: dequantized to the compute dtype "
+                    "(--quantization gguf keeps it quantized)", model_path)
+        return "none"
+    method = detected if requested is None else requested
+    if method == "none" and detected in ("none", "gguf"):
+        return "none"
+    if method != detected:
+        raise ValueError(
+            f"quantization {method!r} does not fit {model_path}, which is quantized as "
+            f"{detected!r}; pass --quantization {detected}"
+            + (" or none" if detected == "gguf" else "") + " (or leave it unset)")
+    if method not in SUPPORTED_QUANTIZATION:
+        raise ValueError(f"quantization {method!r} ({model_path}) is not supported yet; "
+                         f"supported: {SUPPORTED_QUANTIZATION} (docs/quantization.md)")
+    return method
+
+
+def quant_schemes(
+    model_path: str, hf_config: Any, quantization: str, dtype: torch.dtype
+) -> SchemeChooser | None:
+    """Each layer's weight scheme for `quantization` (as `resolve_quantization` returns
+    it): the layers the checkpoint holds quantized kept so, the others dense; None
+    (every layer dense) for "none"."""
+    if quantization == "none":
+        return None
+    checkpoint = GGUFCheckpoint(model_path, hf_config)
+    names = [e.hf_name for e in checkpoint.entries]
+    plan = module_plan(checkpoint.schemes(), names, family_for(hf_config).model._map_name)
+    logger.info("%s: %d layers kept quantized (%s)", model_path, len(plan),
+                sorted({s.format for s in plan.values()}))
+    return scheme_chooser(plan, dtype)
+
+
 def checkpoint_weights(
-    model_path: str, hf_config: Any, keep: Callable[[str], bool] | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
+    model_path: str, hf_config: Any, keep: Callable[[str], bool] | None = None,
+    quantization: str = "none",
+) -> Iterator[tuple[str, Any]]:
     """(HF name, tensor) of every checkpoint tensor of `model_path` (as resolved by
     `load_model_info`), one at a time for safetensors; GGUF tensors are dequantized to
-    float32. `keep`: only the names it accepts (a pipeline stage's); safetensors skips
-    the others unread."""
+    float32, or with `quantization="gguf"` the quantized ones kept as
+    `QuantizedCheckpointTensor`. `keep`: only the names it accepts (a pipeline stage's);
+    safetensors skips the others unread."""
     path = Path(model_path)
+    if path.suffix == ".gguf" and quantization == "gguf":
+        tensors = GGUFCheckpoint(path, hf_config).tensors()
+        return tensors if keep is None else ((n, t) for n, t in tensors if keep(n))
     if path.suffix == ".gguf":
         weights = _gguf_weights(path, hf_config)
         return weights if keep is None else ((n, t) for n, t in weights if keep(n))
@@ -132,16 +206,23 @@ def build_model(
     attention_backend: AttentionBackend | Callable[[AttentionSpec], AttentionBackend],
     block_size: int,
     weights_allocator: Allocator | None = None,
+    parallel: ParallelState | None = None,
+    schemes: SchemeChooser | None = None,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> nn.Module:
-    """The model class for `hf_config` on `device` in `dtype`, `weights` loaded, prepacked
-    for the platform's ops and in eval mode. With `weights_allocator` (a platform with sleep
-    mode) the parameters live in its buffers (`tokenmill.sleep_mode.adopt_weights`), listed
-    in the model's `weight_buffers` for the caller to release."""
-    model_cls = model_class_for(hf_config)
+    """The model of `hf_config`'s family on `device` in `dtype`, built for this rank of
+    `parallel` (one process when None) with each layer's weight scheme from `schemes`
+    (dense when None), `weights` loaded, prepacked for the platform's ops and in eval
+    mode; attention caches in `kv_cache_dtype` when set (FP8). With `weights_allocator` (a
+    platform with sleep mode) the parameters live in its
+    buffers (`tokenmill.worker.sleep_mode.adopt_weights`), listed in the model's
+    `weight_buffers` for the caller to release."""
+    family = family_for(hf_config)
     with torch.device(device):
-        lm = model_cls(
+        lm = family.model(
             hf_config, ops=ops, attention_backend=attention_backend, dtype=dtype,
-            block_size=block_size,
+            block_size=block_size, family=family, parallel=parallel, schemes=schemes,
+            kv_cache_dtype=kv_cache_dtype,
         )
     lm.load_weights(weights)
     if weights_allocator is not None:
@@ -160,19 +241,24 @@ def load_model_and_tokenizer(
     block_size: int,
     *,
     tokenizer: str | None = None,
+    quantization: str | None = "none",
 ) -> LoadedModel:
     """Build the model for `model` (an HF directory or a `.gguf` file) with weights in `dtype`
     on `device`, and load its tokenizer (from `tokenizer` if given, else beside the weights).
 
     `dtype=None` takes the checkpoint's dtype (float32 for GGUF, whose weights are dequantized).
-    Raises FileNotFoundError for a missing path or weights, ValueError for an unsupported
-    model type, KeyError for unknown or missing weights.
+    `quantization`: as `--quantization` (None: the checkpoint's own; "none", the default
+    here: dequantized). Raises FileNotFoundError for a missing path or weights, ValueError
+    for an unsupported model type or quantization, KeyError for unknown or missing weights.
     """
     info = load_model_info(model, tokenizer=tokenizer)
     dtype = dtype or checkpoint_dtype(info.model_path, info.hf_config)
+    method = resolve_quantization(info.model_path, info.hf_config, quantization)
     lm = build_model(
-        info.hf_config, checkpoint_weights(info.model_path, info.hf_config), dtype=dtype,
-        device=device, ops=ops, attention_backend=attention_backend, block_size=block_size,
+        info.hf_config, checkpoint_weights(info.model_path, info.hf_config, quantization=method),
+        dtype=dtype, device=device, ops=ops, attention_backend=attention_backend,
+        block_size=block_size,
+        schemes=quant_schemes(info.model_path, info.hf_config, method, dtype),
     )
     logger.info("loaded %s (%s) in %s on %s", info.model_path, info.hf_config.model_type,
                 dtype, device)
@@ -249,24 +335,6 @@ def _safetensors_weights(
     return tensors()
 
 
-class _ParameterNames:
-    """What transformers' GGUF name mapping reads of a model: its config and parameter names.
-
-    The real (meta) model works too, but the mapping then rebuilds gguf's name table once per
-    submodule, which costs ~6 s on a 30-layer model.
-    """
-
-    def __init__(self, config: Any, names: list[str]) -> None:
-        self.config = config
-        self._names = names
-
-    def state_dict(self) -> dict[str, None]:
-        return dict.fromkeys(self._names)
-
-    def named_children(self) -> Iterator[tuple[str, nn.Module]]:
-        return iter(())
-
-
 def _gguf_config(path: Path) -> Any:
     """The HF config of a GGUF file (its metadata only)."""
     from transformers import AutoConfig
@@ -275,7 +343,7 @@ def _gguf_config(path: Path) -> Any:
     config_dict = dict(load_gguf_checkpoint(str(path), return_tensors=False)["config"])
     model_type = config_dict.pop("model_type")
     hf_config = AutoConfig.for_model(model_type, **config_dict)
-    model_class_for(hf_config)  # an unsupported type fails here, before the slow part
+    family_for(hf_config)  # an unsupported type fails here, before the slow part
     return hf_config
 
 
@@ -287,7 +355,7 @@ def _gguf_weights(path: Path, hf_config: Any) -> Iterator[tuple[str, torch.Tenso
     with torch.device("meta"):
         names = list(AutoModelForCausalLM.from_config(hf_config).state_dict())
     parsed = load_gguf_checkpoint(
-        str(path), return_tensors=True, model_to_load=_ParameterNames(hf_config, names)
+        str(path), return_tensors=True, model_to_load=ParameterNames(hf_config, names)
     )
     return iter(parsed["tensors"].items())
 

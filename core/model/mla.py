@@ -12,6 +12,13 @@ Rotary: DeepSeek rotates interleaved pairs (x0, x1), (x2, x3)... (`rope_interlea
 layer gathers the even then the odd channels of q_pe and k_pe and applies the ordinary
 rotate-half rotary, which is the same rotation (and a dot product does not care about a
 permutation both sides share). Kimi's MLA layers have no rotary (NoPE): `rotary` None.
+
+Tensor parallel splits the layer by heads (built at this rank's heads): q (or q_b) and
+kv_b keep this rank's heads' rows, o_proj its columns and all-reduces. The latent path
+(q_a, kv_a_proj_with_mqa and their norms) is replicated, and so is the latent cache:
+every rank caches each token's whole latent row (kv_lora_rank + rope dims), as vLLM
+does, since the up-projections of every rank's heads read all of it. Under sequence
+parallel the layer all-gathers its token slice first and o_proj reduce-scatters.
 """
 
 from __future__ import annotations
@@ -21,10 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenmill.distributed.parallel_state import GroupCoordinator
-from tokenmill.model.layers import Linear, RMSNorm, RotaryEmbedding
-from tokenmill.model.parallel import RowParallelLinear, SequenceParallel, Slice
-from tokenmill.ops import Ops
+from tokenmill.model.kv_scales import add_kv_scales, kv_scale_kwargs
+from tokenmill.model.layers import RMSNorm, RotaryEmbedding
+from tokenmill.model.linear import LayerBuilder
 from tokenmill.platforms.interfaces import (
     AttentionBackend,
     AttentionKind,
@@ -64,48 +70,39 @@ class MLAAttention(nn.Module):
         rotary: RotaryEmbedding | None,
         rope_interleave: bool,
         backend: AttentionBackend,
-        ops: Ops,
-        dtype: torch.dtype,
+        build: LayerBuilder,
+        prefix: str,
     ) -> None:
         super().__init__()
         dims = spec.mla
+        ops, dtype = build.ops, build.dtype
         hidden, heads = hf_config.hidden_size, spec.num_heads
         bias = bool(getattr(hf_config, "attention_bias", False))
         self.spec, self.dims, self.num_heads = spec, dims, heads
         q_lora_rank = getattr(hf_config, "q_lora_rank", None)
         self.q_proj = self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
+        q_rows = heads * dims.qk_head_dim  # this rank's heads'
         if q_lora_rank is None:
-            self.q_proj = Linear(hidden, heads * dims.qk_head_dim, False, dtype)
+            self.q_proj = build.column(f"{prefix}.q_proj", hidden, q_rows, False)
         else:
-            self.q_a_proj = Linear(hidden, q_lora_rank, bias, dtype)
+            self.q_a_proj = build.replicated(f"{prefix}.q_a_proj", hidden, q_lora_rank, bias)
             self.q_a_layernorm = RMSNorm(q_lora_rank, 1e-6, ops, dtype)
-            self.q_b_proj = Linear(q_lora_rank, heads * dims.qk_head_dim, False, dtype)
-        self.kv_a_proj_with_mqa = Linear(hidden, dims.latent_size, bias, dtype)
+            self.q_b_proj = build.column(f"{prefix}.q_b_proj", q_lora_rank, q_rows, False)
+        self.kv_a_proj_with_mqa = build.replicated(
+            f"{prefix}.kv_a_proj_with_mqa", hidden, dims.latent_size, bias
+        )
         # transformers builds these norms with its default eps (1e-6), not rms_norm_eps
         self.kv_a_layernorm = RMSNorm(dims.kv_lora_rank, 1e-6, ops, dtype)
-        self.kv_b_proj = Linear(dims.kv_lora_rank, heads * (dims.qk_nope_head_dim + dims.v_head_dim),
-                                False, dtype)
-        self.o_proj = Linear(heads * dims.v_head_dim, hidden, bias, dtype)
+        self.kv_b_proj = build.column(
+            f"{prefix}.kv_b_proj", dims.kv_lora_rank,
+            heads * (dims.qk_nope_head_dim + dims.v_head_dim), False,
+        )
+        self.o_proj = build.row(f"{prefix}.o_proj", heads * dims.v_head_dim, hidden, bias)
         self.rope_interleave = rope_interleave
         self.__dict__["rotary"] = rotary  # shared by every layer: not a submodule
         self.backend = backend
-
-    def shard_for_tp(self, tp: GroupCoordinator, sp: SequenceParallel | None = None) -> None:
-        """Make this layer (built at one rank's heads) tensor-parallel rank
-        `tp.rank_in_group`'s: q (or q_b) and kv_b keep this rank's heads' rows, o_proj
-        its columns and all-reduces. The latent path (q_a, kv_a_proj_with_mqa and their
-        norms) is replicated, and so is the latent cache: every rank caches each token's
-        whole latent row (kv_lora_rank + rope dims), as vLLM does, since the up-projections
-        of every rank's heads read all of it. Under sequence parallel (`sp`) the layer
-        all-gathers its token slice first and o_proj reduce-scatters."""
-        self.__dict__["sp"] = sp
-        d, h, rank = self.dims, self.num_heads, tp.rank_in_group
-        q = self.q_proj if self.q_proj is not None else self.q_b_proj
-        q.tp_shards = {"weight": Slice(0, rank * h * d.qk_head_dim, h * d.qk_head_dim)}
-        per_head = d.qk_nope_head_dim + d.v_head_dim
-        self.kv_b_proj.tp_shards = {"weight": Slice(0, rank * h * per_head, h * per_head)}
-        self.o_proj = RowParallelLinear(self.o_proj.weight, self.o_proj.bias, tp, sp)
-        self.o_proj.tp_shards = {"weight": Slice(1, rank * h * d.v_head_dim, h * d.v_head_dim)}
+        self.sp = build.sp  # the latent path and every head need every token
+        add_kv_scales(self, spec)  # a quantized latent cache's scale ([1]; v_scale unused)
 
     def up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w_uk [H, nope, rank], w_uv [H, v, rank]): views of `kv_b_proj.weight`."""
@@ -122,9 +119,8 @@ class MLAAttention(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         d = self.dims
-        sp = self.__dict__.get("sp")
-        if sp is not None:  # the latent path and every head need every token
-            hidden = sp.gather(hidden)
+        if self.sp is not None:  # the latent path and every head need every token
+            hidden = self.sp.gather(hidden)
         if self.q_proj is not None:
             q = self.q_proj(hidden)
         else:
@@ -144,6 +140,7 @@ class MLAAttention(nn.Module):
         latent = torch.cat((c_kv.unsqueeze(1), k_pe), dim=-1)  # [T, 1, rank + rope]
         w_uk, w_uv = self.up_projections()
         out = self.backend.forward(
-            self.spec, query, latent, None, kv_cache, metadata, w_uk=w_uk, w_uv=w_uv
+            self.spec, query, latent, None, kv_cache, metadata, w_uk=w_uk, w_uv=w_uv,
+            **kv_scale_kwargs(self),
         )
         return self.o_proj(out.reshape(-1, self.num_heads * d.v_head_dim))

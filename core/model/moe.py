@@ -1,14 +1,15 @@
 """Mixture-of-experts: top-k routing with the model's normalisation, then the expert GEMMs.
 
 Routing is here, in plain torch (a [T, E] matmul and a top-k are cheap); the expert
-GEMMs are the op `moe_experts` (reference: `tokenmill.ops.reference.moe_experts`), which a
+GEMMs are the op `moe_experts` (reference: `tokenmill.platforms.ops.reference.moe_experts`), which a
 platform overrides with a fused kernel. The weights of every expert are stacked in one
 tensor per projection, in the op's layout: `w13` [E, 2I, H] (each expert's gate rows,
 then its up rows) and `w2` [E, H, I]. Checkpoints that store experts otherwise (gpt-oss:
 transposed and gate/up interleaved; Qwen/Mixtral: one tensor per expert) are converted
 once at load by the model family's weight mapping.
 
-Over several ranks (tokenmill.distributed.parallel_state) a layer is built at its share:
+Over several ranks a layer is built at its share (the model's `LayerBuilder.experts`,
+core/model/linear.py, says which):
 
 - tensor parallel (`moe_tp` group of t ranks): every expert's intermediate dim is split,
   each rank holding rows [r I/t, (r+1) I/t) of its gate and of its up projection and
@@ -22,9 +23,9 @@ Over several ranks (tokenmill.distributed.parallel_state) a layer is built at it
   (all-to-all combine), weights and sums them per token, and the slices are all-gathered
   so every rank again holds every token's output.
 
-Shared experts (DeepSeek, Kimi, Qwen3-Next) split by their intermediate dim under TP
-(`tokenmill.model.parallel`); their partial sum joins the routed one's reduction
-(`combine`). Under sequence parallel the layer all-gathers its token slice first (TP)
+Shared experts (DeepSeek, Kimi, Qwen3-Next) are built by their family split by their
+intermediate dim under TP and unreduced (`GatedMLP(partial=True)`, `shared_partial`);
+their partial sum joins the routed one's reduction (`combine`). Under sequence parallel the layer all-gathers its token slice first (TP)
 and reduce-scatters its output, or (EP) routes the rank's own slice and skips the
 final all-gather.
 
@@ -34,13 +35,14 @@ never copies another rank's experts (or intermediate rows) to its device.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.distributed.parallel_state import get_parallel_state
-from tokenmill.model.layers import Linear
-from tokenmill.ops import Ops
+from tokenmill.model.linear import LayerBuilder
+from tokenmill.model.parallel import check_moe_parallel
 
 # How a family turns router logits into top-k weights:
 # - "softmax_topk": softmax over all experts, keep the top k (Mixtral, Qwen); with
@@ -130,7 +132,8 @@ class FusedMoE(nn.Module):
     With "sigmoid_group_topk" routing the router runs in float32 and the layer has
     `e_score_correction_bias` (float32 [E]). `shared_experts` (DeepSeek, Kimi, Qwen MoE):
     a module every token goes through beside its routed experts; its output is added
-    (whole on every rank: a family that shards it does so itself).
+    (`shared_partial`: it is this rank's partial sum over the TP group, built sharded by
+    its family, and joins the routed experts' one reduction).
     """
 
     def __init__(
@@ -145,37 +148,40 @@ class FusedMoE(nn.Module):
         activation: str,
         router_bias: bool,
         expert_bias: bool,
-        ops: Ops,
-        dtype: torch.dtype,
+        build: LayerBuilder,
+        prefix: str,
         swiglu_alpha: float = 1.702,
         swiglu_limit: float = 7.0,
         num_groups: int = 1,
         topk_group: int = 1,
         routed_scaling_factor: float = 1.0,
         shared_experts: nn.Module | None = None,
+        shared_partial: bool = False,
     ) -> None:
         super().__init__()
         if routing not in ROUTING:
             raise ValueError(f"routing {routing!r} is not one of {ROUTING}")
         if not 0 < top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
-        state = get_parallel_state()
-        self.__dict__["ep"] = state.ep  # plain attributes, not submodules
-        self.__dict__["tp"] = state.moe_tp
+        shard = build.experts(prefix, num_experts, intermediate_size)
+        self.ep, self.tp = shard.ep, shard.tp
         check_moe_parallel(num_experts, intermediate_size, self.ep.world_size, self.tp.world_size)
+        # under sequence parallel: a TP layer gathers its input and reduce-scatters its
+        # output, an EP layer routes the rank's own token slice (the module docstring)
+        self.sp = build.sp
+        # the shared experts' output is a partial sum over this TP group (see combine)
+        self.shared_tp = build.tp if shared_partial and build.sharded else None
         self.num_experts, self.top_k = num_experts, top_k
         self.routing, self.renormalize, self.activation = routing, renormalize, activation
         self.swiglu_alpha, self.swiglu_limit = swiglu_alpha, swiglu_limit
-        self.router = Linear(hidden_size, num_experts, router_bias, dtype)
-        e = self.num_local_experts = num_experts // self.ep.world_size
-        self.first_expert = self.ep.rank_in_group * e
-        i = self.local_intermediate = intermediate_size // self.tp.world_size
-        self.intermediate_start = self.tp.rank_in_group * i
-        self.intermediate_size, h = intermediate_size, hidden_size
-        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype))
-        self.w2 = nn.Parameter(torch.empty(e, h, i, dtype=dtype))
-        self.w13_bias = nn.Parameter(torch.empty(e, 2 * i, dtype=dtype)) if expert_bias else None
-        self.w2_bias = nn.Parameter(torch.empty(e, h, dtype=dtype)) if expert_bias else None
+        self.router = build.replicated(f"{prefix}.router", hidden_size, num_experts, router_bias)
+        self.num_local_experts, self.first_expert = shard.num_local_experts, shard.first_expert
+        self.local_intermediate = shard.local_intermediate
+        self.intermediate_start = shard.intermediate_start
+        self.intermediate_size = intermediate_size
+        self.scheme = shard.scheme
+        self.scheme.create_experts(self, self.num_local_experts, self.local_intermediate,
+                                   hidden_size, expert_bias)
         self.e_score_correction_bias = None
         if routing == "sigmoid_group_topk":
             # float32 as in the checkpoint: a rounded bias could change which experts win
@@ -185,7 +191,7 @@ class FusedMoE(nn.Module):
         self.num_groups, self.topk_group = num_groups, topk_group
         self.routed_scaling_factor = routed_scaling_factor
         self.shared_experts = shared_experts
-        self.ops = ops
+        self.ops = build.ops
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         if self.routing == "sigmoid_group_topk":  # DeepSeek routes in float32
@@ -194,7 +200,7 @@ class FusedMoE(nn.Module):
         return self.router(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        sp = self.__dict__.get("sp")
+        sp = self.sp
         if sp is not None and self.ep.world_size == 1:
             x = sp.gather(x)  # every rank's slice of every expert needs every token
         routed, partial = self.routed(x)
@@ -220,12 +226,11 @@ class FusedMoE(nn.Module):
         self, routed: torch.Tensor, partial: bool, shared: torch.Tensor | None
     ) -> torch.Tensor:
         """Routed plus shared output, reduced once. The shared experts' output is a
-        partial sum over the TP group when tensor parallel split them (`shared_tp`, set
-        by tokenmill.model.parallel): with the routed partial (same group) it joins one
-        all-reduce, beside a whole routed output (EP) it is reduced alone. Under sequence
-        parallel the reduction is a reduce-scatter to this rank's tokens."""
-        shared_tp = self.__dict__.get("shared_tp")
-        if shared is not None and shared_tp is None:  # whole on every rank
+        partial sum over the TP group when its family built them split (`shared_tp`):
+        with the routed partial (same group) it joins one all-reduce, beside a whole
+        routed output (EP) it is reduced alone. Under sequence parallel the reduction is
+        a reduce-scatter to this rank's tokens."""
+        if shared is not None and self.shared_tp is None:  # whole on every rank
             routed = self._reduce(routed) if partial else routed
             return routed + shared
         if shared is None:
@@ -235,10 +240,9 @@ class FusedMoE(nn.Module):
         return routed + self._reduce(shared)
 
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        sp = self.__dict__.get("sp")
-        if sp is not None:
-            return sp.scatter(partial)
-        tp = self.__dict__.get("shared_tp") or self.tp
+        if self.sp is not None:
+            return self.sp.scatter(partial)
+        tp = self.shared_tp or self.tp
         return tp.communicator.all_reduce(partial)
 
     def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -251,25 +255,15 @@ class FusedMoE(nn.Module):
     def _experts(
         self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, with_down_bias: bool
     ) -> torch.Tensor:
-        """The op over this rank's experts; `ids` are local expert ids."""
-        return self.ops.moe_experts(
-            x,
-            self.w13,
-            self.w2,
-            weights,
-            ids,
-            w13_bias=self.w13_bias,
-            w2_bias=self.w2_bias if with_down_bias else None,
-            activation=self.activation,
-            swiglu_alpha=self.swiglu_alpha,
-            swiglu_limit=self.swiglu_limit,
-        )
+        """This rank's experts through their weight scheme (dense: the op `moe_experts`);
+        `ids` are local expert ids."""
+        return self.scheme.apply_experts(self, x, weights, ids, with_down_bias)
 
     def _forward_expert_parallel(self, x: torch.Tensor) -> torch.Tensor:
         """Dispatch this rank's slice of the tokens to the experts' owners, combine the
         outputs back, all-gather the slices (the module docstring's steps)."""
         comm, n = self.ep.communicator, self.ep.world_size
-        sp = self.__dict__.get("sp")
+        sp = self.sp
         num_tokens = x.shape[0]
         chunk = -(-num_tokens // n)
         lo = min(self.ep.rank_in_group * chunk, num_tokens)
@@ -368,19 +362,26 @@ class FusedMoE(nn.Module):
         return filled
 
 
-def check_moe_parallel(num_experts: int, intermediate_size: int, ep: int, tp: int) -> None:
-    """ValueError naming the sizes when the experts (EP) or their intermediate dim (TP)
-    do not split evenly."""
-    if num_experts % ep:
-        raise ValueError(
-            f"enable_expert_parallel over {ep} ranks does not divide the model's "
-            f"{num_experts} experts"
-        )
-    if intermediate_size % tp:
-        raise ValueError(
-            f"tensor_parallel_size={tp} does not divide the experts' intermediate size "
-            f"{intermediate_size}; try enable_expert_parallel"
-        )
+# per-expert checkpoint projection -> (our FusedMoE parameter, part: 0 gate, 1 up, None down)
+_PER_EXPERT = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", None)}
+_STACKED = {"gate_up_proj": "w13", "down_proj": "w2"}
+
+
+def convert_expert_tensor(
+    prefix: str, leaf: str, tensor: torch.Tensor
+) -> Iterator[tuple[str, int | None, torch.Tensor]]:
+    """`{prefix}.experts.{e}.{proj}.weight` or `{prefix}.experts.{stacked}` -> FusedMoE
+    parameters under `prefix` (shard numbering: FusedMoE.checkpoint_shards); nothing for
+    other names. `leaf` is the name after `{prefix}.experts.`. Per-expert checkpoints
+    (Qwen, DeepSeek, Mixtral) and transformers 5's stacked in-memory names both load."""
+    parts = leaf.split(".")
+    if len(parts) == 3 and parts[0].isdigit() and parts[1] in _PER_EXPERT and parts[2] == "weight":
+        param, part = _PER_EXPERT[parts[1]]
+        expert = int(parts[0])
+        shard = expert if part is None else 2 * expert + part
+        yield f"{prefix}.{param}", shard, tensor
+    elif len(parts) == 1 and parts[0] in _STACKED:
+        yield f"{prefix}.{_STACKED[parts[0]]}", None, tensor
 
 
 def deinterleave_gate_up(t: torch.Tensor, dim: int) -> torch.Tensor:

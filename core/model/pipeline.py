@@ -1,7 +1,6 @@
 """Pipeline parallelism: which layers a stage owns, the KV groups it keeps, and the
-activations it hands on. Every family built on `CausalLM` (core/model/llama.py) whose
-body has `embed_tokens` (or an `embed` method), `layers` and `norm` splits this way,
-hybrids included.
+activations it hands on. Every family built on `CausalLM` and `DecoderModel`
+(core/model/base.py) splits this way, hybrids included.
 
 A model split over p stages (the "pp" dimension of tokenmill.distributed.parallel_state)
 is built per stage in `CausalLM.__init__`:
@@ -9,11 +8,11 @@ is built per stage in `CausalLM.__init__`:
 1. `stage_layers` gives the stage its contiguous run of decoder layers (as even as the
    layer count allows; earlier stages take the remainder). Only those layers are
    built, so a stage's KV arena holds its own layers' caches and nothing else.
-2. `apply_pipeline_parallel` puts them at their global indices in a full-length
-   `ModuleList` (the others are parameterless `PPMissingLayer`s), so parameter names stay
-   the checkpoint's (`model.layers.7...`), and drops what the stage does not run: the
-   embedding off the first stage (kept on the last when the head is tied to it), the
-   final norm and LM head off the last.
+2. `DecoderModel` builds them at their global indices in a full-length `ModuleList`
+   (`place_layers`: the others are parameterless `PPMissingLayer`s), so parameter names
+   stay the checkpoint's (`model.layers.7...`), and builds only what the stage runs
+   (`Stage`): the embedding on the first stage (and on the last when the head is tied
+   to it), the final norm and LM head on the last.
 3. `stage_kv_layout` keeps the whole model's KV groups (the engine plans its block
    tables for those, so a step's metadata comes one per model group) and gives the
    stage's layers their groups and slots, the slots renumbered densely: a stage's arena
@@ -35,7 +34,8 @@ hands its (replicated) activations to its counterpart.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -44,15 +44,6 @@ from torch import nn
 from tokenmill.distributed.parallel_state import GroupCoordinator
 from tokenmill.kv.groups import KVLayout
 from tokenmill.platforms.interfaces import AttentionMetadata
-
-# model types whose layers split into stages (their checkpoints name layers
-# `model.layers.N.`); the hybrids' recurrent groups split with their layers
-PP_MODEL_TYPES = (
-    "llama", "qwen2", "qwen3", "gemma3_text", "gpt_oss", "qwen3_moe", "mixtral", "deepseek_v3",
-    "qwen3_next", "kimi_linear", "bamba",
-)
-# the final norm's checkpoint names (Bamba calls it final_layernorm): the last stage's
-_FINAL_NORMS = ("model.norm.", "model.final_layernorm.")
 
 
 def stage_layers(num_layers: int, pp_size: int, stage: int) -> range:
@@ -74,27 +65,47 @@ class PPMissingLayer(nn.Module):
         raise RuntimeError("PPMissingLayer is another pipeline stage's layer; it never runs here")
 
 
-def apply_pipeline_parallel(lm: nn.Module, hf_config: Any, layers: range,
-                            pp: GroupCoordinator) -> None:
-    """Make `lm` (built with only `layers`' decoder layers) stage `pp.rank_in_group`."""
-    body = lm.model
-    num_layers = hf_config.num_hidden_layers
-    body.hidden_size = hf_config.hidden_size
-    local = list(body.layers)
-    if len(local) != len(layers):
-        raise ValueError(f"stage built {len(local)} layers for the {len(layers)} of {layers}")
-    full: list[nn.Module] = [PPMissingLayer() for _ in range(num_layers)]
-    for i, layer in zip(layers, local, strict=True):
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """What one pipeline stage builds: `layers` of the model's `num_layers`, and which
+    of the embedding, final norm and LM head (`pp`: its group; one stage without pp)."""
+
+    pp: GroupCoordinator
+    num_layers: int
+    layers: range
+    tied: bool  # the LM head is the embedding
+
+    @classmethod
+    def of(cls, pp: GroupCoordinator, num_layers: int, tied: bool) -> Stage:
+        if pp.world_size == 1:
+            return cls(pp, num_layers, range(num_layers), tied)
+        return cls(pp, num_layers, stage_layers(num_layers, pp.world_size, pp.rank_in_group), tied)
+
+    @property
+    def is_first(self) -> bool:
+        return self.pp.rank_in_group == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.pp.rank_in_group == self.pp.world_size - 1
+
+    @property
+    def has_embedding(self) -> bool:
+        """The first stage embeds; the last computes logits with it when it is the head."""
+        return self.is_first or (self.is_last and self.tied)
+
+
+def place_layers(stage: Stage, built: Iterable[nn.Module]) -> nn.ModuleList:
+    """The stage's layers (`built`, in order) at their model indices, `PPMissingLayer`s
+    in the other places."""
+    full: list[nn.Module] = [PPMissingLayer() for _ in range(stage.num_layers)]
+    local = list(built)
+    if len(local) != len(stage.layers):
+        raise ValueError(f"stage built {len(local)} layers for the {len(stage.layers)} of "
+                         f"{stage.layers}")
+    for i, layer in zip(stage.layers, local, strict=True):
         full[i] = layer
-    body.layers = nn.ModuleList(full)
-    body.stage_layers = layers
-    body.__dict__["pp"] = pp  # not a submodule
-    is_first, is_last = pp.is_first, pp.rank_in_group == pp.world_size - 1
-    if not is_first and not (is_last and lm.tie_word_embeddings):
-        body.embed_tokens = None
-    if not is_last:
-        body.norm = None
-        lm.lm_head = None
+    return nn.ModuleList(full)
 
 
 def stage_kv_layout(model_layout: KVLayout, layers: range) -> KVLayout:
@@ -114,12 +125,13 @@ def stage_kv_layout(model_layout: KVLayout, layers: range) -> KVLayout:
 
 
 def stage_weight_filter(
-    hf_config: Any, pp_size: int, stage: int, *, tied: bool
+    hf_config: Any, pp_size: int, stage: int, *, tied: bool, final_norm: str = "model.norm."
 ) -> Callable[[str], bool]:
     """Whether a checkpoint tensor (by HF name) belongs to `stage`: its layers', the
     embedding on the first stage (and on the last when the head is `tied` to it: the
-    family's rule, `CausalLM.head_is_tied`), the final norm and the LM head on the last.
-    Decided before any tensor is read, so the loader can skip other stages' tensors."""
+    family's rule, `ModelFamily.head_is_tied`), the final norm (`final_norm`: its
+    checkpoint prefix, the family's) and the LM head on the last. Decided before any
+    tensor is read, so the loader can skip other stages' tensors."""
     layers = stage_layers(hf_config.num_hidden_layers, pp_size, stage)
     is_first, is_last = stage == 0, stage == pp_size - 1
 
@@ -129,7 +141,7 @@ def stage_weight_filter(
             return int(parts[2]) in layers
         if hf_name.startswith("model.embed_tokens."):
             return is_first or (is_last and tied)
-        if hf_name.startswith((*_FINAL_NORMS, "lm_head.")):
+        if hf_name.startswith((final_norm, "lm_head.")):
             return is_last
         return True
 
@@ -145,14 +157,12 @@ def stage_forward(
 ) -> torch.Tensor | None:
     """One stage's share of the step. `kv_caches` and `metadata` are this stage's layers',
     in order. Returns the final-normed hidden states on the last stage, None elsewhere."""
-    pp: GroupCoordinator = body.pp
-    layers = [body.layers[i] for i in body.stage_layers]
-    if pp.is_first:  # a family that scales its embedding (Gemma) has an `embed` method
-        embed = getattr(body, "embed", body.embed_tokens)
-        hidden, residual = embed(input_ids), None
+    pp: GroupCoordinator = body.stage.pp
+    layers = [body.layers[i] for i in body.stage.layers]
+    if pp.is_first:
+        hidden, residual = body.embed(input_ids), None
     else:
-        dtype = next(layers[0].parameters()).dtype
-        pair = torch.empty(2, input_ids.shape[0], body.hidden_size, dtype=dtype,
+        pair = torch.empty(2, input_ids.shape[0], body.hidden_size, dtype=body.dtype,
                            device=input_ids.device)
         pp.communicator.recv(pair, pp.rank_in_group - 1)
         hidden, residual = pair[0], pair[1]
@@ -167,12 +177,13 @@ def stage_forward(
     return hidden
 
 
-def check_pipeline(hf_config: Any, pp_size: int) -> None:
+def check_pipeline(hf_config: Any, pp_size: int, supported: bool = True) -> None:
     """ValueError naming the problem when `hf_config` cannot be split into `pp_size`
-    stages (checked by the engine before any worker starts)."""
-    if hf_config.model_type not in PP_MODEL_TYPES:
+    stages (checked by the engine before any worker starts); `supported`: whether its
+    family's layers split into stages."""
+    if not supported:
         raise ValueError(
-            f"pipeline parallel supports model types {PP_MODEL_TYPES}, not "
-            f"{hf_config.model_type!r}; use pipeline_parallel_size=1"
+            f"pipeline parallel does not support model type {hf_config.model_type!r}; use "
+            "pipeline_parallel_size=1"
         )
     stage_layers(hf_config.num_hidden_layers, pp_size, 0)

@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.distributed.parallel_state import GroupCoordinator
-from tokenmill.ops.reference import write_kv
 from tokenmill.platforms.interfaces import (
     AttentionBackend,
     AttentionKind,
@@ -31,6 +30,7 @@ from tokenmill.platforms.interfaces import (
     AttentionSpec,
     kv_cache_shape,
 )
+from tokenmill.platforms.ops.reference import write_kv
 
 MIN_TOKENS_PER_RANK = 2  # a step with fewer per rank runs whole everywhere
 _STATE = "prefill_context_parallel"
@@ -96,6 +96,7 @@ class PrefillContextParallelAttention(AttentionBackend):
         self.pcp = pcp
         self.kind = inner.kind
         self.supports_sinks = inner.supports_sinks
+        self.kv_cache_dtypes = inner.kv_cache_dtypes
 
     def supports(self, spec: AttentionSpec) -> bool:
         return self.inner.supports(spec)
@@ -123,5 +124,5 @@ class PrefillContextParallelAttention(AttentionBackend):
             comm = self.pcp.communicator
             keys = comm.all_gather(_pad_rows(key, chunk))[:num_tokens]
             values = comm.all_gather(_pad_rows(value, chunk))[:num_tokens]
-            write_kv(keys, values, kv_cache, slots)
+            write_kv(keys, values, kv_cache, slots, kwargs.get("k_scale"), kwargs.get("v_scale"))
         return self.inner.forward(spec, query, key, value, kv_cache, metadata, **kwargs)

@@ -3,8 +3,9 @@ matcher per sequence, fills each step's token bitmask and advances the matchers.
 
 Bounds, so that no user input can stall the engine:
 - compile time: each constraint is compiled in a worker thread and abandoned after
-  `compile_timeout_s`; llguidance's fuel limits (`LLParserLimits`) bound the work the
-  abandoned compile can still do, and the work of every later mask step.
+  `compile_timeout_s`; llguidance's fuel limits (`LLParserLimits`) bound the work of every
+  mask step. An abandoned build runs on (a Rust build cannot be interrupted) and caches its
+  outcome when it ends; a repeat meanwhile joins it, so retries never pile up builds.
 - regexes: llguidance lexes with derivatives of regexes (no backtracking), so a regex such
   as `(a|aa)*b` costs linear time; too large a lexer is refused by the fuel limit.
 - cache: an LRU of at most `cache_size` compiled grammars, keyed by the canonical
@@ -22,7 +23,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,11 @@ from tokenmill.structured.params import StructuredOutputError, StructuredOutputs
 logger = logging.getLogger(__name__)
 
 DEFAULT_CACHE_SIZE = 256
+# Optional whitespace between JSON tokens, bounded: a few blanks, at most one line break
+# and an indent. Unbounded (llguidance's default), a small model may spend its whole
+# max_tokens on newlines inside an object it never closes; a schema's own
+# `"x-guidance": {"whitespace_pattern": ...}` still wins.
+BOUNDED_JSON_WHITESPACE = r"[\x20\x09]{0,4}(\x0D?\x0A[\x20\x09]{0,20})?"
 DEFAULT_COMPILE_TIMEOUT_S = 5.0
 
 
@@ -68,7 +74,8 @@ def grammar_for(params: StructuredOutputsParams) -> tuple[str, str]:
                 f"the JSON schema must be an object, not {type(schema).__name__}: {schema!r:.80}"
             )
         text = json.dumps(schema, sort_keys=True, separators=(",", ":"))
-        options = {"whitespace_flexible": not params.disable_any_whitespace}
+        options = ({"whitespace_flexible": False} if params.disable_any_whitespace else
+                   {"whitespace_flexible": True, "whitespace_pattern": BOUNDED_JSON_WHITESPACE})
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=options)
         except ValueError as e:
@@ -113,6 +120,8 @@ class StructuredOutputManager:
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._cache: OrderedDict[str, llguidance.LLMatcher | str] = OrderedDict()
         self._pool: ThreadPoolExecutor | None = None
+        self._building: dict[str, Future] = {}  # cache key -> its build in flight
+        self._background: ThreadPoolExecutor | None = None  # compile_in_background
         self._executor: llguidance.LLExecutor | None = None
         self._matchers: dict[str, llguidance.LLMatcher] = {}  # request id -> matcher
         self._bitmask = torch.empty(0, self.num_words, dtype=torch.int32)
@@ -139,6 +148,12 @@ class StructuredOutputManager:
     def num_cached(self) -> int:
         return len(self._cache)
 
+    @property
+    def num_building(self) -> int:
+        """Builds in flight (those whose callers gave up included)."""
+        with self._lock:
+            return len(self._building)
+
     def compile(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
         """A fresh matcher's template for `params`, from the cache or compiled now.
 
@@ -153,12 +168,7 @@ class StructuredOutputManager:
             if hit is not None:
                 self._cache.move_to_end(key)
         if hit is None:
-            tokenizer = self.tokenizer
-            with self._lock:
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(2, thread_name_prefix="tokenmill-grammar")
-                pool = self._pool
-            future = pool.submit(self._build, tokenizer, grammar)
+            future = self._build_once(key, grammar)
             try:
                 hit = future.result(timeout=self.compile_timeout_s)
             except FutureTimeout:
@@ -166,13 +176,67 @@ class StructuredOutputManager:
                     f"compiling the {params.kind} constraint took longer than "
                     f"{self.compile_timeout_s} s; simplify it"
                 ) from None
-            with self._lock:
-                self._cache[key] = hit
-                self._cache.move_to_end(key)
-                while len(self._cache) > self.cache_size:
-                    self._cache.popitem(last=False)
         if isinstance(hit, str):
             raise StructuredOutputError(f"invalid {params.kind} constraint: {hit}")
+        return hit
+
+    def cached(self, params: StructuredOutputsParams) -> llguidance.LLMatcher | None:
+        """The compiled template for `params` if the cache has it, else None; raises
+        StructuredOutputError for a constraint cached as invalid."""
+        key, _ = grammar_for(params)
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+        if isinstance(hit, str):
+            raise StructuredOutputError(f"invalid {params.kind} constraint: {hit}")
+        return hit
+
+    def compile_in_background(self, params: StructuredOutputsParams) -> Future:
+        """`compile(params)` on a thread of its own; the future holds the template or the
+        StructuredOutputError. llguidance builds without the GIL, so the caller's thread
+        (the engine's step loop) goes on meanwhile."""
+        with self._lock:
+            if self._background is None:
+                self._background = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-grammar-bg")
+            background = self._background
+        return background.submit(self.compile, params)
+
+    def _build_once(self, key: str, grammar: str) -> Future:
+        """The build of `key`: the one in flight, or a new one. A build caches its result
+        when it ends, whether or not anyone still waits for it: a constraint that ran past
+        `compile_timeout_s` is built once, not once per retry, and a repeat after it ends
+        gets its outcome from the cache."""
+        tokenizer = self.tokenizer
+        with self._lock:
+            future = self._building.get(key)
+            if future is not None:
+                return future
+            if key in self._cache:  # built since the caller looked
+                future = Future()
+                future.set_result(self._cache[key])
+                return future
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(2, thread_name_prefix="tokenmill-grammar")
+            future = self._pool.submit(self._build_and_cache, key, tokenizer, grammar)
+            self._building[key] = future
+            return future
+
+    def _build_and_cache(
+        self, key: str, tokenizer: llguidance.LLTokenizer, grammar: str
+    ) -> llguidance.LLMatcher | str:
+        try:
+            hit = self._build(tokenizer, grammar)
+        except BaseException:
+            with self._lock:
+                self._building.pop(key, None)
+            raise
+        with self._lock:  # one step: a caller sees the build in flight or its outcome
+            self._building.pop(key, None)
+            self._cache[key] = hit
+            self._cache.move_to_end(key)
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
         return hit
 
     def _build(self, tokenizer: llguidance.LLTokenizer, grammar: str) -> llguidance.LLMatcher | str:
@@ -202,15 +266,25 @@ class StructuredOutputManager:
     def num_requests(self) -> int:
         return len(self._matchers)
 
-    def step_masks(self, sample_request_ids: list[str]) -> StructuredStep | None:
-        """Masks for this step's sampling rows (`sample_request_ids`, in row order); None
-        when none of them has a constraint. A matcher in an error state (a step exceeded
-        its fuel) allows only EOS, and `accept` then reports the error."""
-        rows = [(i, self._matchers[rid]) for i, rid in enumerate(sample_request_ids)
-                if rid in self._matchers]
+    def step_masks(
+        self, sample_request_ids: list[str], drafts: dict[str, list[int]] | None = None
+    ) -> StructuredStep | None:
+        """Masks for this step's sampling positions; None when none of them has a
+        constraint. Each sampling row (`sample_request_ids`, in row order) is one
+        position, or 1 + k with k `drafts` (speculative decoding): position i is masked
+        as after its first i drafts (`valid_drafts` checked them). A matcher in an error
+        state (a step exceeded its fuel) allows only EOS, and `accept` then reports it."""
+        drafts = drafts or {}
+        rows: list[tuple[int, llguidance.LLMatcher, list[int]]] = []
+        position = 0
+        for rid in sample_request_ids:
+            ahead = drafts.get(rid, [])
+            if rid in self._matchers:
+                rows.append((position, self._matchers[rid], ahead))
+            position += 1 + len(ahead)
         if not rows:
             return None
-        num = len(rows)
+        num = sum(1 + len(ahead) for _, _, ahead in rows)
         if self._bitmask.shape[0] < num:
             self._bitmask = torch.empty(max(num, 2 * self._bitmask.shape[0]), self.num_words,
                                         dtype=torch.int32)
@@ -218,20 +292,53 @@ class StructuredOutputManager:
         row_bytes = self.num_words * 4
         if num == 1:
             rows[0][1].unsafe_compute_mask_ptr(bitmask.data_ptr(), row_bytes)
-        else:
+        elif not drafts:
             if self._executor is None:
                 self._executor = llguidance.LLExecutor(num_threads=min(4, os.cpu_count() or 1))
             self._executor.unsafe_compute_mask_ptr(
-                [(m, k) for k, (_, m) in enumerate(rows)], bitmask.data_ptr(), row_bytes, num
+                [(m, k) for k, (_, m, _) in enumerate(rows)], bitmask.data_ptr(), row_bytes, num
             )
+        else:  # drafts: each position's mask after consuming the drafts before it
+            k = 0
+            for _, matcher, ahead in rows:
+                for i in range(len(ahead) + 1):
+                    matcher.unsafe_compute_mask_ptr(bitmask[k].data_ptr(), row_bytes)
+                    k += 1
+                    if i < len(ahead) and not matcher.consume_token(ahead[i]):
+                        raise RuntimeError(f"draft token {ahead[i]} was not validated")
+                if ahead:
+                    matcher.rollback(len(ahead))
         ended: list[int] = []
-        for k, (i, matcher) in enumerate(rows):
+        positions: list[int] = []
+        k = 0
+        for start, matcher, ahead in rows:
+            positions.extend(range(start, start + 1 + len(ahead)))
             if matcher.is_error():
                 self._allow_only_eos(bitmask[k])
-                ended.append(i)
+                ended.append(start)
             elif matcher.is_stopped():
-                ended.append(i)
-        return StructuredStep(bitmask, [i for i, _ in rows], ended)
+                ended.append(start)
+            k += 1 + len(ahead)
+        return StructuredStep(bitmask, positions, ended)
+
+    def valid_drafts(self, request_id: str, drafts: list[int]) -> list[int]:
+        """The longest prefix of `drafts` the request's constraint accepts, short of
+        completing it (past a complete constraint only EOS may follow). A request
+        without a constraint keeps them all."""
+        matcher = self._matchers.get(request_id)
+        if matcher is None or not drafts:
+            return drafts
+        if matcher.is_stopped() or matcher.is_error():
+            return []
+        n = matcher.validate_tokens(drafts)
+        kept = 0
+        for token in drafts[:n]:
+            if not matcher.consume_token(token) or matcher.is_stopped():
+                break
+            kept += 1
+        consumed = kept + (1 if kept < n else 0)
+        matcher.rollback(consumed)
+        return drafts[:kept]
 
     def _allow_only_eos(self, row: torch.Tensor) -> None:
         row.zero_()

@@ -8,16 +8,14 @@
 
 from __future__ import annotations
 
-from tokenmill.server.reasoning.base import ReasoningParser, register_reasoning_parser
+from tokenmill.platforms.reasoning import ReasoningParser
 
 
-@register_reasoning_parser("qwen3")
 class Qwen3ReasoningParser(ReasoningParser):
     def starts_in_reasoning(self, prompt: str) -> bool:
         return prompt.rstrip().endswith(self.start_token)
 
 
-@register_reasoning_parser("deepseek_r1")
 class DeepSeekR1ReasoningParser(ReasoningParser):
     def starts_in_reasoning(self, prompt: str) -> bool:
         return True

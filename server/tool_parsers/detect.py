@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from tokenmill.tokenizing import template_reads_tools
+from tokenmill.frontend.tokenizing import template_reads_tools
 
 # (parser, what in the template shows it), most specific first: Qwen3-Coder's template
 # also writes <tool_call>.

@@ -9,27 +9,18 @@ from __future__ import annotations
 import json
 import re
 
-from tokenmill.server.tool_parsers.base import (
+from tokenmill.platforms.tool_parsing import (
     ExtractedToolCalls,
     ToolParser,
     not_called,
     parse_call,
-    register_tool_parser,
+    partial_marker_start,
 )
 
 START, END = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(START) + r"(.*?)(?:" + re.escape(END) + r"|\Z)", re.DOTALL)
 
 
-def partial_marker_start(text: str, marker: str) -> int | None:
-    """The index where a proper prefix of `marker` ends `text`, if one does."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:k]):
-            return len(text) - k
-    return None
-
-
-@register_tool_parser("hermes")
 class HermesToolParser(ToolParser):
     def extract_tool_calls(self, text: str) -> ExtractedToolCalls:
         if START not in text:

@@ -6,18 +6,16 @@ from __future__ import annotations
 
 import json
 
-from tokenmill.server.tool_parsers.base import (
+from tokenmill.platforms.tool_parsing import (
     ExtractedToolCalls,
     ToolParser,
     not_called,
     parse_call,
-    register_tool_parser,
 )
 
 PYTHON_TAG = "<|python_tag|>"
 
 
-@register_tool_parser("llama3_json")
 class Llama3JsonToolParser(ToolParser):
     def extract_tool_calls(self, text: str) -> ExtractedToolCalls:
         s = text.lstrip()

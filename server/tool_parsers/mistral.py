@@ -11,19 +11,17 @@ from __future__ import annotations
 
 import json
 
-from tokenmill.server.tool_parsers.base import (
+from tokenmill.platforms.tool_parsing import (
     ExtractedToolCalls,
     ToolParser,
     not_called,
     parse_call,
-    register_tool_parser,
+    partial_marker_start,
 )
-from tokenmill.server.tool_parsers.hermes import partial_marker_start
 
 TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
 
 
-@register_tool_parser("mistral")
 class MistralToolParser(ToolParser):
     keeps_special_tokens = True
 

@@ -20,15 +20,14 @@ import json
 import re
 from typing import Any
 
-from tokenmill.server.tool_parsers.base import (
+from tokenmill.platforms.tool_parsing import (
     ExtractedToolCalls,
     ToolCall,
     ToolParser,
     new_tool_call_id,
     not_called,
-    register_tool_parser,
+    partial_marker_start,
 )
-from tokenmill.server.tool_parsers.hermes import partial_marker_start
 
 MARKERS = ("<tool_call>", "<function=")
 _CALL = re.compile(
@@ -60,7 +59,6 @@ def _typed(value: str, schema: dict[str, Any] | None) -> Any:
         return value
 
 
-@register_tool_parser("qwen3_coder")
 class Qwen3CoderToolParser(ToolParser):
     def _schemas(self, name: str) -> dict[str, Any]:
         for t in self.tools:

@@ -1,8 +1,9 @@
 """The nvidia plugin with a deliberately broken Triton attention kernel: T1 must refuse it.
 
-Registered in-process (`tokenmill-conformance --platform broken-triton --plugin <this
-file>`, with TRITON_INTERPRET=1 on a machine without a GPU). Every hook is the nvidia
-plugin's except the attention backends, whose kernel has the classic off-by-one of a causal
+Registered in-process (`tokenmill-conformance --platform broken-triton --plugin
+<this file>:plugin`, with TRITON_INTERPRET=1 on a machine without a GPU). Every hook is
+the nvidia plugin's (a `GpuPlugin` subclass built from its parts) except the attention
+backends, whose kernel has the classic off-by-one of a causal
 bound: each query also sees the slot after its own position. For a sequence's last token
 that slot is the unwritten tail of its last partial block (or, on a block boundary,
 whatever the padded block table points at), so the result is wrong, or NaN where the
@@ -11,23 +12,17 @@ suite poisons unwritten slots.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pluggy
 import torch
 import triton
 import triton.language as tl
 
 from tokenmill.platforms.interfaces import AttentionBackend, AttentionKind, Platform
-from tokenmill_nvidia.plugin import (  # noqa: F401 - re-exported hooks of the real plugin
-    tokenmill_allocator,
-    tokenmill_api_version,
-    tokenmill_communicator,
-    tokenmill_detect,
-    tokenmill_hardware_spec,
-    tokenmill_ops,
-    tokenmill_platform,
-    tokenmill_waivers,
-)
+from tokenmill_nvidia.plugin import plugin as nvidia
 from tokenmill_triton.attention import TritonPagedAttention, write_kv
+from tokenmill_triton.platform_kit import GpuPlugin
 
 hookimpl = pluggy.HookimplMarker("tokenmill")
 
@@ -91,14 +86,21 @@ class OffByOneAttention(TritonPagedAttention):
         return out
 
 
-@hookimpl
-def tokenmill_attention_backends(platform: Platform) -> list[AttentionBackend]:
-    from tokenmill_nvidia.configs import INTERPRETER
-    from tokenmill_triton.linear_attention import TritonLinearAttention
-    from tokenmill_triton.mla import TritonMLAAttention
+class BrokenTritonPlugin(GpuPlugin):
+    """The nvidia plugin with the off-by-one kernel for FULL and SLIDING_WINDOW."""
 
-    # the broken paged kernel for the kinds it serves; the plugin's own LINEAR and MLA
-    # backends for the other declared kinds (T0 checks every declared kind has one)
-    return [OffByOneAttention(kind, INTERPRETER, "broken")
-            for kind in (AttentionKind.FULL, AttentionKind.SLIDING_WINDOW)] + [
-        TritonLinearAttention(INTERPRETER, "broken"), TritonMLAAttention(INTERPRETER, "broken")]
+    @hookimpl
+    def tokenmill_attention_backends(self, platform: Platform) -> list[AttentionBackend]:
+        from tokenmill_nvidia.configs import INTERPRETER
+        from tokenmill_triton.linear_attention import TritonLinearAttention
+        from tokenmill_triton.mla import TritonMLAAttention
+
+        # the broken paged kernel for the kinds it serves; the plugin's own LINEAR and MLA
+        # backends for the other declared kinds (T0 checks every declared kind has one)
+        return [OffByOneAttention(kind, INTERPRETER, "broken")
+                for kind in (AttentionKind.FULL, AttentionKind.SLIDING_WINDOW)] + [
+            TritonLinearAttention(INTERPRETER, "broken"),
+            TritonMLAAttention(INTERPRETER, "broken")]
+
+
+plugin = BrokenTritonPlugin(**{f.name: getattr(nvidia, f.name) for f in dataclasses.fields(nvidia)})

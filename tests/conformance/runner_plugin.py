@@ -14,16 +14,18 @@ import re
 import pluggy
 import torch
 
-from tokenmill.kv.arena import KVArena
 from tokenmill.platforms.interfaces import (
     AttentionKind,
+    KVCacheLayout,
+    KVCachePages,
     ModelRunnerBase,
     ModelRunnerContext,
     Platform,
+    RunnerCapabilities,
 )
-from tokenmill.runner_state import RequestStateTable
-from tokenmill.sampler import Sampler, SamplingRow, prompt_logprobs
-from tokenmill.step import StepDescription, StepResult
+from tokenmill.platforms.kit.runner_state import RequestStateTable
+from tokenmill.platforms.kit.sampler import Sampler, SamplingRow, prompt_logprobs
+from tokenmill.platforms.step import StepDescription, StepResult
 from tokenmill_conformance import reference_platform
 from tokenmill_conformance.reference_platform import (  # noqa: F401 - hooks re-exported
     tokenmill_allocator,
@@ -83,12 +85,16 @@ class TransformersRunner(ModelRunnerBase):
         self.sampler = Sampler()
         self.num_steps = 0
 
-    def kv_block_bytes(self) -> int:
-        # nominal: this runner recomputes instead of caching, but sizes the pool the same way
-        return KVArena.block_bytes_for(list(self.context.kv_cache.attention_specs))
+    def capabilities(self) -> RunnerCapabilities:
+        # it recomputes every sequence instead of caching: no KV in the pages to offload
+        return RunnerCapabilities(attention_kinds=frozenset(AttentionKind))
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
+    def kv_cache_layout(self) -> KVCacheLayout:
+        # nominal: the pages go unused, but the pool is sized the same way
+        return KVCacheLayout(self.context.kv_cache.attention_specs)
+
+    def bind_kv_cache(self, pages: KVCachePages) -> None:
+        self.num_blocks = pages.num_blocks
 
     @torch.inference_mode()
     def execute(self, step: StepDescription) -> StepResult:
@@ -123,7 +129,7 @@ class TransformersRunner(ModelRunnerBase):
 
 @hookimpl
 def tokenmill_api_version() -> str:
-    return "1.2"
+    return "1.6"
 
 
 @hookimpl
@@ -137,9 +143,9 @@ def tokenmill_platform() -> Platform:
 def tokenmill_model_runner(
     platform: Platform, context: ModelRunnerContext
 ) -> ModelRunnerBase | None:
-    # this runner keeps one block table per request for all layers: it cannot hold the
-    # recurrent state of linear-attention layers, so it declines those models (the core's
-    # runner serves them), as the hook's contract allows
+    # recomputing a hybrid's recurrent layers over every whole sequence each step is slow
+    # in transformers' torch paths: it declines those models (the core's runner serves
+    # them), as the hook's contract allows
     if any(s.kind == AttentionKind.LINEAR for s in context.kv_cache.attention_specs):
         return None
     return TransformersRunner(context, BUG)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from tokenmill_conformance.certificate import validate
 from tokenmill_conformance.tiers import parse_tiers
 
 HERE = Path(__file__).parent
+CERTIFICATES = HERE.parents[1] / "docs" / "certificates"
 
 
 def certify(tmp_path: Path, *args: str, env: dict | None = None) -> tuple[int, str, dict, str]:
@@ -26,7 +28,8 @@ def certify(tmp_path: Path, *args: str, env: dict | None = None) -> tuple[int, s
     command = [sys.executable, "-m", "tokenmill_conformance.cli", "--quick", "-q",
                "--report", str(report), "--markdown", str(markdown), *args]
     result = subprocess.run(
-        command, capture_output=True, text=True, timeout=900, cwd=tmp_path,
+        # the interpreter certifications took 718-829 s at a load of ~3 (2026-12-02)
+        command, capture_output=True, text=True, timeout=1800, cwd=tmp_path,
         env={**os.environ, **(env or {})},
     )
     output = result.stdout + result.stderr
@@ -40,10 +43,15 @@ def tiers(certificate: dict) -> dict[str, str]:
     return {t["tier"]: t["status"] for t in certificate["tiers"]}
 
 
-def test_cpu_plugin_gets_a_full_certificate(tmp_path):
+@pytest.mark.certify  # a whole certification in a subprocess: minutes
+def test_cpu_plugin_passes_a_full_quick_check(tmp_path):
+    """Every tier on the cpu plugin with quick budgets: passed, and labelled a quick check,
+    which never certifies (plugins/cpu/certify.sh writes the full certificate)."""
     code, output, cert, markdown = certify(tmp_path, "--platform", "cpu")
     assert code == 0, output[-4000:]
-    assert cert["certified"] and cert["complete"], cert["failures"]
+    assert cert["complete"] and not cert["failures"], cert["failures"]
+    assert not cert["certified"] and cert["kind"] == "quick_check"
+    assert cert["verdict"] == "PASSED (quick check, not a certificate)"
     assert tiers(cert) == {"T0": "passed", "T1": "passed", "T2": "passed", "T3": "passed",
                            "T4": "passed", "T5": "reported"}
     assert cert["plugin"]["name"] == "cpu" and cert["plugin"]["distribution"] == "tokenmill-cpu"
@@ -58,15 +66,35 @@ def test_cpu_plugin_gets_a_full_certificate(tmp_path):
         "t2/test_kv_movement.py::test_swap_out_and_in_round_trip[float32]",
         "t3/test_greedy.py::test_greedy_matches_reference[qwen3]",
         "t4/test_serving.py::test_anthropic_messages_streamed",
+        # production shapes: the corners of the sample, a decode past 8k, MLA at rank 512
+        "t1/test_attention_shapes.py::test_production_shapes[full-bfloat16-head256-gqa8-block128]",
+        "t1/test_attention_shapes.py::test_long_context[full-bfloat16-long_decode-head256-gqa8-block8]",
+        "t1/test_mla.py::test_mla_production_shapes[bfloat16]",
+        # FP8 KV caches, declared by the cpu plugin
+        "t1/test_kv_quant.py::test_quantized_kv_matches_the_reference[full-bfloat16-float8_e4m3fn]",
+        "t1/test_kv_quant.py::test_quantized_kv_matches_the_reference[mla-bfloat16-float8_e5m2]",
+        "t1/test_linear_attention.py::test_backends_match_the_reference[production-0-kda]",
     ):
         assert expected in ids, expected
     performance = cert["performance"]
     assert performance["matmul"]["float32"]["achieved_flops"] > 0
     assert performance["memory_bandwidth"]["fraction_of_declared"] > 0
-    assert "**CERTIFIED**" in markdown and "| T1 " in markdown
-    assert "tokenmill-conformance: 'cpu' CERTIFIED" in output
+    calibration = cert["calibration"]
+    assert {m["op"] for m in calibration["measured"]["measurements"]} == {
+        "gemm", "memory_copy", "attention_full"}
+    from tokenmill.planner.calibration import from_certificate  # what `plan --calibrate` reads
+
+    planned = from_certificate(cert)
+    assert planned.efficiency["gemm"].compute == calibration["efficiency"]["gemm"]["compute"]
+    assert "**PASSED (quick check, not a certificate)**" in markdown and "| T1 " in markdown
+    assert markdown.startswith("# tokenmill conformance quick check, not a certificate: cpu")
+    assert "tokenmill-conformance: 'cpu' PASSED (quick check, not a certificate)" in output
+    if os.environ.get("TOKENMILL_WRITE_CERTIFICATES") == "1":  # docs/certificates/cpu-quick.*
+        for suffix in ("json", "md"):
+            shutil.copy(tmp_path / f"cert.{suffix}", CERTIFICATES / f"cpu-quick.{suffix}")
 
 
+@pytest.mark.certify  # the suite in a subprocess: a minute or more
 def test_broken_plugin_is_refused_naming_the_tier_and_tests(tmp_path):
     plugin = HERE / "broken_plugin.py"
     code, output, cert, markdown = certify(
@@ -83,9 +111,11 @@ def test_broken_plugin_is_refused_naming_the_tier_and_tests(tmp_path):
     assert "t1/test_collectives.py::test_collective[world2-all_gather-float32]" not in failed
     assert "REFUSED: failing required tiers ['T1']" in output
     assert f"[T1] {partial_block}" in output and f"[T1] {dropped_rank}" in output
-    assert "**NOT CERTIFIED**" in markdown and partial_block in markdown
+    assert "**NOT CERTIFIED (quick check, not a certificate)**" in markdown
+    assert partial_block in markdown
 
 
+@pytest.mark.certify  # the suite in a subprocess: a minute or more
 def test_waivers_apply_outside_core_tiers_only(tmp_path):
     plugin = HERE / "waiving_plugin.py"
     code, output, cert, _ = certify(
@@ -111,6 +141,7 @@ def test_tier_selection_syntax():
         parse_tiers("T9")
 
 
+@pytest.mark.certify  # a whole certification in a subprocess: minutes
 def test_template_plugin_installs_and_certifies(tmp_path):
     root = write_plugin("myaccel", tmp_path)
     with pytest.raises(FileExistsError):
@@ -125,10 +156,11 @@ def test_template_plugin_installs_and_certifies(tmp_path):
     )
     pythonpath = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
     code, output, cert, _ = certify(
-        tmp_path, "--platform", "myaccel", env={"PYTHONPATH": pythonpath}
+        tmp_path, "--platform", "myaccel",
+        env={"PYTHONPATH": pythonpath, "TOKENMILL_MYACCEL_AVAILABLE": "1"}
     )
     assert code == 0, output[-4000:]
-    assert cert["certified"], cert["failures"]
+    assert cert["verdict"] == "PASSED (quick check, not a certificate)", cert["failures"]
     assert cert["plugin"]["distribution"] == "tokenmill-myaccel"
     assert all(status in ("passed", "reported") for status in tiers(cert).values())
 
@@ -144,6 +176,7 @@ def test_new_plugin_subcommand(tmp_path, capsys):
     assert "already exists" in capsys.readouterr().err
 
 
+@pytest.mark.certify  # a whole certification in a subprocess: minutes
 def test_plugin_model_runner_is_certified_by_t3(tmp_path):
     """runner_plugin.py's runner (HF transformers, recomputing each step) runs every T3
     comparison, and T3 checks that it did."""
@@ -157,6 +190,7 @@ def test_plugin_model_runner_is_certified_by_t3(tmp_path):
     assert outcomes["t3/test_runner_paths.py::test_own_model_runner_serves_the_models"] == "passed"
 
 
+@pytest.mark.certify  # a whole certification in a subprocess: minutes
 def test_wrong_plugin_model_runner_is_refused_by_t3(tmp_path):
     plugin = HERE / "broken_runner_plugin.py"
     code, output, cert, _ = certify(
@@ -169,6 +203,7 @@ def test_wrong_plugin_model_runner_is_refused_by_t3(tmp_path):
     assert "t3/test_runner_paths.py::test_own_model_runner_serves_the_models" in failed
 
 
+@pytest.mark.certify  # a whole certification in a subprocess: minutes
 def test_decode_graphs_are_certified_by_t3(tmp_path):
     """The CPU plugin plus honest replaying 'graphs' (tests/graph_plugin.py) passes T3,
     including the check that decode steps replayed captured graphs."""
@@ -179,3 +214,34 @@ def test_decode_graphs_are_certified_by_t3(tmp_path):
     assert code == 0, output[-4000:]
     outcomes = {t["id"]: t["outcome"] for t in cert["tests"]}
     assert outcomes["t3/test_runner_paths.py::test_decode_graphs_replay_and_match"] == "passed"
+
+
+@pytest.mark.certify  # the suite in a subprocess: a minute or more
+def test_suite_wheel_installs_and_runs(tmp_path):
+    """The install the vendor guide documents: a wheel of conformance_tests/ built with pip,
+    installed, its `tokenmill-conformance` script run (T0 on the cpu plugin)."""
+    suite = tmp_path / "conformance_tests"  # a copy: the build leaves build/ beside it
+    shutil.copytree(HERE.parents[1] / "conformance_tests", suite,
+                    ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                    "--no-build-isolation", "-w", str(tmp_path / "dist"), str(suite)],
+                   check=True, capture_output=True, timeout=300)
+    (wheel,) = (tmp_path / "dist").glob("tokenmill_conformance-*.whl")
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
+                    str(site), str(wheel)], check=True, capture_output=True, timeout=300)
+    report = tmp_path / "cert.json"
+    result = subprocess.run(
+        [sys.executable, str(site / "bin" / "tokenmill-conformance"), "--platform", "cpu",
+         "--tier", "T0", "-q", "--report", str(report)],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(site)},
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    certificate = json.loads(report.read_text())
+    validate(certificate)
+    assert certificate["tiers"][0]["status"] == "passed", certificate["failures"]
+    where = subprocess.run(
+        [sys.executable, "-c", "import tokenmill_conformance as t; print(t.__file__)"],
+        capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": str(site)})
+    assert where.stdout.startswith(str(site)), where.stdout  # the wheel ran, not the checkout

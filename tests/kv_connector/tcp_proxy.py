@@ -3,12 +3,21 @@ reset: a dropped link, as when a connection to a server is cut while the server 
 
 Its own process because a client library may hold the GIL while it waits on the network
 (Mooncake's store binding does): a proxy thread in the test's process would then never
-run. `python tcp_proxy.py TARGET_PORT` prints its port; SIGUSR1 aborts every connection
-open at that moment (RST both ways) and it forwards new ones as before.
+run. `python tcp_proxy.py TARGET_PORT` prints its port; SIGUSR1 drops every connection
+open at that moment (both sides see the link end, then a reset) and it forwards new ones
+as before.
+
+Each accepted connection is one thread that owns both of its sockets: it connects to the
+target (trying again for a while, so a client that connects while the target is still
+starting waits instead of being reset), forwards in both directions, and is the only one
+to close them. A reset only shuts the sockets down, which wakes that thread; closing a
+socket from another thread would leave its descriptor number free for the next accepted
+connection while the old thread still reads it, and steal that connection's bytes.
 """
 
 from __future__ import annotations
 
+import selectors
 import signal
 import socket
 import struct
@@ -17,6 +26,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+UPSTREAM_WAIT_S = 10.0  # how long a new connection waits for the target to accept
 
 
 class TCPProxy:
@@ -28,7 +39,7 @@ class TCPProxy:
         self.port = int(self.proc.stdout.readline())
 
     def reset(self) -> None:
-        """Abort the connections open now (returns once the proxy has done it)."""
+        """Drop the connections open now (returns once the proxy has done it)."""
         self.proc.send_signal(signal.SIGUSR1)
         if self.proc.stdout.readline().strip() != "reset":
             raise RuntimeError("the TCP proxy did not confirm the reset")
@@ -38,24 +49,76 @@ class TCPProxy:
         self.proc.wait(10)
 
 
-def _pump(src: socket.socket, dst: socket.socket) -> None:
-    try:
-        while data := src.recv(65536):
-            dst.sendall(data)
-    except OSError:
-        pass  # reset or closed: the other direction ends too
-    finally:
-        for s in (src, dst):
+class _Links:
+    """The open connections' sockets, so a reset can shut them down."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: set[socket.socket] = set()
+
+    def add(self, *socks: socket.socket) -> None:
+        with self._lock:
+            self._open.update(socks)
+
+    def discard(self, *socks: socket.socket) -> None:
+        with self._lock:
+            self._open.difference_update(socks)
+
+    def drop_all(self) -> None:
+        """Shut every open socket down (its owner thread wakes, closes it, and the peer
+        gets a reset: SO_LINGER 0)."""
+        with self._lock:
+            doomed, self._open = self._open, set()
+        for s in doomed:
             try:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 s.shutdown(socket.SHUT_RDWR)
             except OSError:
-                pass  # already gone
+                continue  # its owner already closed it
+
+
+def _connect_upstream(target_port: int) -> socket.socket | None:
+    deadline = time.monotonic() + UPSTREAM_WAIT_S
+    while True:
+        try:
+            return socket.create_connection(("127.0.0.1", target_port), timeout=UPSTREAM_WAIT_S)
+        except OSError as e:
+            if time.monotonic() > deadline:
+                print(f"tcp_proxy: 127.0.0.1:{target_port} refused for {UPSTREAM_WAIT_S} s: {e}",
+                      file=sys.stderr, flush=True)
+                return None
+            time.sleep(0.05)
+
+
+def _forward(client: socket.socket, target_port: int, links: _Links) -> None:
+    upstream = _connect_upstream(target_port)
+    if upstream is None:
+        client.close()
+        return
+    upstream.settimeout(None)
+    links.add(client, upstream)
+    peer = {client: upstream, upstream: client}
+    with selectors.DefaultSelector() as sel:
+        for s in peer:
+            sel.register(s, selectors.EVENT_READ)
+        try:
+            while True:
+                for key, _ in sel.select():
+                    data = key.fileobj.recv(65536)
+                    if not data:
+                        return  # one side ended (or a reset shut both down)
+                    peer[key.fileobj].sendall(data)
+        except OSError:
+            return  # a reset while sending: the link is gone
+        finally:
+            links.discard(client, upstream)
+            for s in peer:
+                s.close()
 
 
 def _serve(target_port: int) -> None:
     listener = socket.create_server(("127.0.0.1", 0))
-    lock = threading.Lock()
-    open_sockets: list[socket.socket] = []
+    links = _Links()
     resets: list[int] = []
 
     def on_reset(signum, frame) -> None:
@@ -66,15 +129,7 @@ def _serve(target_port: int) -> None:
     def accept() -> None:
         while True:
             client, _ = listener.accept()
-            try:
-                upstream = socket.create_connection(("127.0.0.1", target_port))
-            except OSError:
-                client.close()
-                continue
-            with lock:
-                open_sockets.extend((client, upstream))
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=_pump, args=(a, b), daemon=True).start()
+            threading.Thread(target=_forward, args=(client, target_port, links), daemon=True).start()
 
     threading.Thread(target=accept, daemon=True).start()
     print(listener.getsockname()[1], flush=True)
@@ -82,12 +137,7 @@ def _serve(target_port: int) -> None:
         time.sleep(0.01)
         if resets:
             resets.clear()
-            with lock:
-                doomed = open_sockets[:]
-                open_sockets.clear()
-            for s in doomed:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                s.close()
+            links.drop_all()
             print("reset", flush=True)
 
 

@@ -5,29 +5,38 @@ its load is in flight (its blocks stay allocated until the load reports)."""
 
 from __future__ import annotations
 
+import tempfile
 import threading
 
 import torch
 from test_kv_tiers import staging
 
+from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.scheduler import Scheduler, SchedulerConfig
 from tokenmill.kv.manager import KVCacheManager
+from tokenmill.kv_connector.disk import DiskTier
 from tokenmill.kv_connector.host import HostMemoryTier
-from tokenmill.kv_connector.objects import KVLayout
+from tokenmill.kv_connector.objects import KVLayout, ObjectCodec
 from tokenmill.kv_connector.scheduler_side import KVConnectorScheduler
 from tokenmill.kv_connector.stack import TierStack
 from tokenmill.kv_connector.worker import KVConnectorWorker
-from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.scheduler import Scheduler, SchedulerConfig
 
 BS, NUM_BLOCKS = 4, 16
 LAYOUT = KVLayout("m", "float32", BS, ((2, BS, 1, 2),) * 2, 4)
+CODEC = ObjectCodec(LAYOUT.payload_bytes)
+
+
+def host_and_disk() -> TierStack:
+    """A host tier over a disk tier: saves go to disk, evicted blocks move to the host."""
+    host = HostMemoryTier(staging(), 64 * LAYOUT.object_bytes, LAYOUT.object_bytes)
+    return TierStack([host, DiskTier(tempfile.mkdtemp(), 1 << 24)], CODEC)
 
 
 def setup():
     kv = KVCacheManager(NUM_BLOCKS, BS)
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=64), kv)
-    stack = TierStack([HostMemoryTier(staging(), 64 * LAYOUT.object_bytes, LAYOUT.object_bytes)])
+    stack = host_and_disk()
     scheduler.connector = KVConnectorScheduler(stack, LAYOUT.fingerprint(), BS)
     worker = KVConnectorWorker(stack, LAYOUT)
     caches = [torch.zeros(2, NUM_BLOCKS, BS, 1, 2) for _ in range(2)]
@@ -46,13 +55,13 @@ def run_step(scheduler, worker, caches, wait: bool = True):
     if plan.step is None or plan.step.kv_connector is None:
         return plan  # an empty step: not run
     meta = plan.step.kv_connector
-    worker.start_loads(meta.loads)
+    worker.begin_step(meta)
     for s in plan.scheduled:
         for i, tok in enumerate(s.token_ids):
             pos = s.start_position + i
             for c in caches:
                 c[:, s.block_ids[pos // BS], pos % BS] = float(tok)
-    worker.save(meta.saves)
+    worker.end_step(meta)
     scheduler.update_computed(plan)
     if wait:
         scheduler.update_from_connector(worker.drain())
@@ -66,12 +75,15 @@ def test_external_hit_loads_then_computes_only_the_rest():
     plan = run_step(scheduler, worker, caches)
     assert len(plan.step.kv_connector.saves) == 5
     scheduler.finish("a", RequestStatus.FINISHED_STOPPED)
-    scheduler.kv.pool.reset_prefix_cache()  # the device forgets it: only the tier has it
+    scheduler.kv.pool.reset_prefix_cache()  # the device forgets it: its blocks move to host
+    plan = run_step(scheduler, worker, caches)  # a step with nothing to compute carries them
+    assert len(plan.step.kv_connector.demotes) == 5 and len(worker.stack.host.keys()) == 5
     for c in caches:
         c.zero_()
     scheduler.add_request(request("b", prompt + [99, 98]))
     plan = run_step(scheduler, worker, caches)  # admission: a load, nothing computed
     assert plan.scheduled == [] and len(plan.step.kv_connector.loads[0].blocks) == 5
+    assert worker.stack.host.keys() == []  # moved back to the device
     assert scheduler.requests["b"].status is RequestStatus.RUNNING
     assert scheduler.requests["b"].num_computed_tokens == 20
     plan = run_step(scheduler, worker, caches)
@@ -107,7 +119,7 @@ def test_abort_while_loading_keeps_blocks_until_the_load_reports():
     scheduler.finish("b", RequestStatus.FINISHED_ABORTED)
     assert "b" in scheduler.parked and scheduler.has_unfinished_requests()
     assert NUM_BLOCKS - scheduler.kv.pool.num_free_blocks == held  # not reusable yet
-    worker.start_loads(plan.step.kv_connector.loads)
+    worker.begin_step(plan.step.kv_connector)
     scheduler.update_from_connector(worker.drain())
     assert not scheduler.parked and not scheduler.has_unfinished_requests()
     assert scheduler.kv.pool.num_free_blocks == NUM_BLOCKS
@@ -130,8 +142,8 @@ def test_abort_before_the_load_is_sent_frees_at_once():
     assert not scheduler.parked and scheduler.kv.pool.num_free_blocks == NUM_BLOCKS
 
 
-class SlowHostTier(HostMemoryTier):
-    """A host tier whose writes wait for `release`: the save thread of a busy machine."""
+class SlowDiskTier(DiskTier):
+    """A disk tier whose writes wait for `release`: the save thread of a busy machine."""
 
     def __init__(self, *args) -> None:
         super().__init__(*args)
@@ -148,8 +160,8 @@ def test_a_block_whose_save_is_in_flight_is_loaded_not_recomputed():
     the one thread), so it loads the whole prefix and computes only its new tokens."""
     kv = KVCacheManager(NUM_BLOCKS, BS)
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=64), kv)
-    tier = SlowHostTier(staging(), 64 * LAYOUT.object_bytes, LAYOUT.object_bytes)
-    stack = TierStack([tier])
+    tier = SlowDiskTier(tempfile.mkdtemp(), 1 << 24)
+    stack = TierStack([tier], CODEC)
     scheduler.connector = KVConnectorScheduler(stack, LAYOUT.fingerprint(), BS)
     worker = KVConnectorWorker(stack, LAYOUT)
     caches = [torch.zeros(2, NUM_BLOCKS, BS, 1, 2) for _ in range(2)]
@@ -167,7 +179,7 @@ def test_a_block_whose_save_is_in_flight_is_loaded_not_recomputed():
     plan = scheduler.schedule()
     (job,) = plan.step.kv_connector.loads
     assert len(job.blocks) == 5  # every block, though no tier holds one yet
-    worker.start_loads(plan.step.kv_connector.loads)
+    worker.begin_step(plan.step.kv_connector)
     tier.release.set()
     scheduler.update_computed(plan)
     scheduler.update_from_connector(worker.drain())
@@ -189,12 +201,12 @@ def test_a_load_that_does_not_fit_yet_waits_instead_of_recomputing():
     config = SchedulerConfig(max_num_batched_tokens=64, max_model_len=64,
                              long_prefill_token_threshold=BS)
     scheduler = Scheduler(config, kv)
-    stack = TierStack([HostMemoryTier(staging(), 64 * LAYOUT.object_bytes, LAYOUT.object_bytes)])
+    stack = host_and_disk()
     scheduler.connector = KVConnectorScheduler(stack, LAYOUT.fingerprint(), BS)
     worker = KVConnectorWorker(stack, LAYOUT)
     caches = [torch.zeros(2, NUM_BLOCKS, BS, 1, 2) for _ in range(2)]
     worker.register_kv_caches(caches)
-    prompt = list(range(10, 30))  # 5 blocks, saved to the host tier
+    prompt = list(range(10, 30))  # 5 blocks, saved to the disk tier
     scheduler.add_request(request("a", prompt))
     while scheduler.requests["a"].num_computed_tokens < len(prompt):
         run_step(scheduler, worker, caches)

@@ -197,15 +197,17 @@ def test_a_new_mp_engine_reuses_the_disk_and_survives_corruption(hybrid, tmp_pat
     third_llm.engine.shutdown()
 
 
-def test_sleep_with_a_held_checkpoint_resets_the_prefix_cache(hybrid):
-    """A finished request's rolling checkpoint is held until its save reports; sleeping
-    right after must still drop the prefix cache (the KV is discarded): the engine
-    carries and drains the held save first, and the next request loads from the tier."""
+def test_sleep_with_a_held_checkpoint_resets_the_prefix_cache(hybrid, tmp_path):
+    """A finished request's rolling checkpoint is held until its save (to disk) reports;
+    sleeping right after must still drop the prefix cache (the KV is discarded): the
+    engine carries and drains the held save first, then moves the device's cached
+    blocks into the host tier, and the next request loads from there."""
     arch, path, reference, pool = hybrid
     if arch != "qwen3_next":
         pytest.skip("one hybrid is enough here")
     llm = llm_for(path, num_kv_blocks=pool, max_model_len=MAX_LEN, platform="cpu",
-                  kv_offload_host_bytes="256KiB")
+                  kv_offload_host_bytes="256KiB", kv_offload_disk_path=str(tmp_path),
+                  kv_offload_disk_bytes="16MiB")
     prompt = {"prompt_token_ids": reference[0]["prompt"]}
     # the worker's save thread is busy for a while: the held save cannot report yet
     busy = threading.Event()
@@ -221,4 +223,27 @@ def test_sleep_with_a_held_checkpoint_resets_the_prefix_cache(hybrid):
     assert again.num_cached_tokens > 0  # from the host tier: the device's cache was reset
     llm.engine.drain_kv_offload()
     assert llm.engine.offload.snapshot()["host"].tokens_loaded == again.num_cached_tokens
+    llm.engine.shutdown()
+
+
+def test_hybrid_sessions_with_the_host_tier_alone(hybrid):
+    """No durable tier (exclusive placement: a block lives in the device pool or the
+    host). A hybrid's device hit ends at a recurrent checkpoint, so attention blocks the
+    device still caches may lie past it while the host holds the checkpoint and the
+    blocks after them: the lookup counts the device's copies (copied into the host
+    before the load reads them), and later turns compute only their new tokens (+ one
+    block) instead of their whole prompt."""
+    arch, path, reference, pool = hybrid
+    if arch == "deepseek_v3":
+        pytest.skip("no recurrent group: its device hit is never cut short by a checkpoint")
+    llm = llm_for(path, num_kv_blocks=pool, max_model_len=MAX_LEN, platform="cpu",
+                  kv_offload_host_bytes="256KiB")
+    records = replay(llm)
+    assert [r["output"] for r in records] == [r["output"] for r in reference]
+    for r in records[NUM_SESSIONS:]:
+        assert r["computed"] <= r["new"] + BS, r
+    llm.engine.drain_kv_offload()
+    stats = llm.engine.offload.snapshot()
+    assert stats["host"].tokens_loaded > 0 and stats["host"].tokens_recomputed == 0
+    assert llm.engine.kv.usage == 0.0
     llm.engine.shutdown()

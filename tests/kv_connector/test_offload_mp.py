@@ -51,7 +51,8 @@ def test_mp_offload_computes_what_uni_computes(tiny_dirs, tmp_path):
     assert [r["output"] for r in got] == [r["output"] for r in expected]
     assert [r["computed"] for r in got] == [r["computed"] for r in expected]
     assert sum(r["computed"] for r in got) < sum(len(r["prompt"]) for r in got) // 2
-    assert mp_stats["disk"].tokens_loaded > 0  # the run went through the disk tier
+    # the run went through the tiers (device and host hold it together: no disk loads)
+    assert mp_stats["host"].tokens_loaded > 0
     for tier in ("host", "disk"):
         for field in ("bytes_written", "tokens_loaded", "tokens_recomputed", "hits"):
             assert getattr(mp_stats[tier], field) == getattr(uni_stats[tier], field), (tier, field)

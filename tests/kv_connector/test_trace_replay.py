@@ -90,8 +90,9 @@ def test_claude_code_replay_with_a_quarter_size_pool(tiny_dirs, tmp_path):
     offload.worker_side.drain()
     stats = offload.stack.stats
     unique = len(working_set) * offload.layout.object_bytes
-    assert stats["host"].bytes_written == stats["disk"].bytes_written == unique
-    assert stats["disk"].tokens_loaded > 0  # the 256 KiB host tier does not hold it all
+    assert stats["disk"].bytes_written == unique  # write-through, each block once
+    assert stats["host"].bytes_written > 0  # what the device evicted moved there
+    assert stats["host"].tokens_loaded > 0
     assert stats["host"].tokens_recomputed == stats["disk"].tokens_recomputed == 0
     # the control: the same pool without tiers computes earlier turns again
     control = replay(LLM(path, dtype="float32", block_size=BS, num_kv_blocks=pool,

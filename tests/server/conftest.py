@@ -13,8 +13,8 @@ import httpx
 import pytest
 import uvicorn
 
-from tokenmill.async_engine import AsyncLLM
-from tokenmill.config import EngineArgs
+from tokenmill.engine.config import EngineArgs
+from tokenmill.frontend.async_engine import AsyncLLM
 from tokenmill.server.app import build_app
 from tokenmill.server.http_server import uvicorn_options
 
@@ -70,7 +70,8 @@ def tiny_model(tmp_path_factory):
 def tiny_server(tiny_model) -> Iterator[tuple[str, AsyncLLM]]:
     """(base URL, engine) of a server with no API key, shared by the whole session."""
     engine = tiny_engine(tiny_model)
-    with running_server(build_app(engine, [TINY_NAME])) as url:
+    # bursts of up to 200 sequences (the load tests) queue rather than get 429s
+    with running_server(build_app(engine, [TINY_NAME], max_waiting_requests=256)) as url:
         yield url, engine
 
 

@@ -9,7 +9,7 @@ import pytest
 from conftest import tiny_engine
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.async_engine import EngineDeadError
+from tokenmill.frontend.async_engine import EngineDeadError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 

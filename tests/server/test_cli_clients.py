@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import io
 import json
+import socket
 
 import openai
+import pytest
 from conftest import TINY_NAME
 
 from tokenmill.server.cli import main
@@ -51,3 +53,21 @@ def test_bench_serve(base_url, tmp_path, capfd):
     assert summary["requests"] == 3 and summary["failed"] == 0
     assert summary["output_tokens"] == 9 and summary["prompt_tokens"] > 0
     assert "ttft_p50_ms" in capfd.readouterr().out
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed again when the with ends: nothing listens there
+
+
+@pytest.mark.parametrize("command", [["chat", "-q", "Hi"], ["complete", "-q", "Hi"],
+                                     ["bench", "serve", "--num-prompts", "1"]])
+def test_no_server_is_one_line_saying_what_to_do(command, capfd):
+    url = f"http://127.0.0.1:{_closed_port()}"
+    flag = ["--base-url", url] if command[0] == "bench" else ["--url", f"{url}/v1"]
+    assert main([*command, *flag]) != 0
+    out, err = capfd.readouterr()
+    assert out == ""
+    assert len(err.strip().splitlines()) == 1, err
+    assert "no server answers at" in err and "tokenmill serve" in err

@@ -20,8 +20,9 @@ import pytest
 from conftest import TINY_NAME, free_port, running_server, scrape, wait_idle
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.async_engine import AsyncLLM, EngineDeadError
-from tokenmill.config import EngineArgs
+from tokenmill.engine.config import EngineArgs
+from tokenmill.frontend.async_engine import AsyncLLM, EngineDeadError
+from tokenmill.frontend.output_processor import check_prompt
 from tokenmill.server.app import build_app
 from tokenmill.structured import StructuredOutputError, StructuredOutputsParams
 
@@ -141,10 +142,16 @@ def test_structured_output_and_add_errors_are_400s(served):
 
 
 def test_engine_side_add_errors_come_back_per_request(served, monkeypatch):
-    """The engine core validates too; with the frontend's checks skipped, what it refuses
-    fails that request alone, as the same ValueError / StructuredOutputError."""
+    """Requests are validated once, at the front (`check_prompt` in AsyncLLM.generate); the
+    engine core only compiles a structured output's grammar for its own use. With the
+    frontend's compile skipped, a grammar the core cannot compile fails that request
+    alone, as the same StructuredOutputError, and the core never checks a prompt again."""
     _, engine = served
-    monkeypatch.setattr("tokenmill.async_engine.check_prompt", lambda *args: None)
+    checked = []
+    monkeypatch.setattr(
+        "tokenmill.frontend.async_engine.check_prompt",
+        lambda *args: checked.append(args[0]) or check_prompt(*args),
+    )
     monkeypatch.setattr(engine.structured, "compile", lambda params: None)
     ok = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
@@ -160,6 +167,7 @@ def test_engine_side_add_errors_come_back_per_request(served, monkeypatch):
 
     last = asyncio.run(asyncio.wait_for(main(), 60))
     assert last.finished and len(last.outputs[0].token_ids) == 20
+    assert len(checked) == 3, "each request is checked once, at the front"
 
 
 def test_killed_engine_process_fails_fast(tiny_model):
@@ -191,7 +199,9 @@ def test_killed_engine_process_fails_fast(tiny_model):
             assert time.monotonic() - t0 < 10  # failed, not hung
             assert lines[-1] == "data: [DONE]"
             error = json.loads(lines[-2].removeprefix("data: "))["error"]
-            assert error["code"] == 503 and "died" in error["message"]
+            # the cause ("died") is in the log with the request id, never in the answer
+            assert error["code"] == 503 and "engine is not running" in error["message"]
+            assert "died" not in error["message"] and "request id req_" in error["message"]
             assert after.status_code == 503 and after.json()["error"]["type"] == "server_error"
             assert c.get("/health").status_code == 503
             r = c.post("/v1/messages", json={"model": TINY_NAME, "max_tokens": 4,

@@ -16,11 +16,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_server_tools import CALL, WEATHER, ScriptedLLM
 
+from tokenmill.platforms.reasoning import ReasoningDelta
+from tokenmill.platforms.tool_parsing import ContentDelta, ToolCallDelta
 from tokenmill.server.app import build_app
 from tokenmill.server.output import OutputEvents, split_output
-from tokenmill.server.reasoning import ReasoningDelta, get_reasoning_parser, reasoning_parser_names
+from tokenmill.server.reasoning import get_reasoning_parser, installed_reasoning_parsers
 from tokenmill.server.serving import ToolConfig
-from tokenmill.server.tool_parsers import ContentDelta, ToolCallDelta
+from tokenmill.server.tool_parsers import get_tool_parser
 from tokenmill.server.tools import plan_tools
 
 # (parser, prompt end, output) -> (reasoning, content)
@@ -73,13 +75,13 @@ def test_stream_at_every_two_cuts_says_what_extract_says(name, prompt, text, exp
 
 
 def test_registry():
-    assert {"qwen3", "deepseek_r1"} <= set(reasoning_parser_names())
+    assert {"qwen3", "deepseek_r1"} <= set(installed_reasoning_parsers())
     with pytest.raises(ValueError, match="qwen3"):
         get_reasoning_parser("nope")
 
 
 HF_WEATHER = [WEATHER]
-AUTO = ToolConfig(True, "hermes")
+AUTO = ToolConfig(True, get_tool_parser("hermes"))
 
 
 @pytest.mark.parametrize("text,reasoning,content", [

@@ -18,14 +18,14 @@ import httpx
 import openai
 from conftest import TINY_NAME, running_server
 
-from tokenmill.async_engine import AsyncLLM
-from tokenmill.config import EngineArgs
+from tokenmill.engine.config import EngineArgs
+from tokenmill.frontend.async_engine import AsyncLLM
 from tokenmill.server.app import build_app
 
 ENGINE_KW = {"dtype": "float32", "block_size": 4, "max_num_seqs": 16, "num_kv_blocks": 512}
 # A replica asked to stop exits by itself, well before its front's grace (10 s) runs out
 # and it is SIGTERMed (exit code -15). It took 0.2-0.6 s with three busy loops beside
-# the test; before core/engine_core.py's `_exit` the interpreter's own teardown took
+# the test; before core/engine/engine_core.py's `_exit` the interpreter's own teardown took
 # 0.6-6.8 s there and over 10 s (SIGTERMed) in a loaded full suite.
 SURVIVOR_STOP_S = 5.0
 
@@ -106,7 +106,8 @@ def test_serve_dp2_affinity_and_replica_death(tiny_model):
             for lines in streams:
                 assert lines[-1] == "data: [DONE]"
                 error = json.loads(lines[-2].removeprefix("data: "))["error"]
-                assert error["code"] == 503 and "died" in error["message"], error
+                assert error["code"] == 503 and "engine is not running" in error["message"]
+                assert "died" not in error["message"], error  # the log has the cause
             assert engine.is_dead
             assert c.get("/health").status_code == 503
             late = c.post("/v1/completions", json={"model": TINY_NAME, "prompt": "hi",

@@ -103,8 +103,8 @@ def test_anthropic_errors_have_anthropic_shape(http):
         {"model": TINY_NAME, "messages": CHAT},  # no max_tokens
         {"model": TINY_NAME, "max_tokens": 4, "messages": []},
         {"model": TINY_NAME, "max_tokens": 4, "messages": CHAT, "temperature": 1.5},
-        {"model": TINY_NAME, "max_tokens": 4, "messages": [{"role": "system", "content": "x"}]},
-        {"model": TINY_NAME, "max_tokens": 100_000, "messages": CHAT},
+        {"model": TINY_NAME, "max_tokens": 4, "messages": [{"role": "tool", "content": "x"}]},
+        {"model": TINY_NAME, "max_tokens": 0, "messages": CHAT},
     ):
         assert_anthropic_error(http.post("/v1/messages", json=body), 400, "invalid_request_error")
     r = http.post("/v1/messages/count_tokens", content=b"{", headers={"content-type": "application/json"})
@@ -236,23 +236,15 @@ def test_engine_crash_fails_requests_and_health(tiny_model):
         plain, lines = asyncio.run(in_flight())
         assert time.monotonic() - t0 < 10  # failed, not hung
         assert plain.status_code == 503
-        assert "simulated device failure" in plain.json()["error"]["message"]
+        message = plain.json()["error"]["message"]
+        assert "simulated device failure" not in message  # internal text: the log only
+        assert f"request id {plain.headers['x-request-id']}" in message
         assert lines[-1] == "data: [DONE]"
         error = json.loads(lines[-2].removeprefix("data: "))["error"]
-        assert error["code"] == 503 and "simulated device failure" in error["message"]
+        assert error["code"] == 503 and "engine is not running" in error["message"]
+        assert "simulated device failure" not in error["message"]
         assert c.get("/health").status_code == 503
         assert c.post("/v1/completions", json=body, timeout=30).status_code == 503
         r = c.post("/v1/messages", timeout=30,
                    json={"model": TINY_NAME, "max_tokens": 4, "messages": CHAT})
         assert r.status_code == 503 and r.json()["error"]["type"] == "overloaded_error"
-
-
-@pytest.mark.parametrize(
-    ("template", "needle"),
-    [("{{ raise_exception('roles must alternate') }}", "roles must alternate"),
-     ("{% for m in %}", "chat template failed")],
-)
-def test_chat_template_failure_is_400(http, template, needle):
-    body = {"model": TINY_NAME, "messages": CHAT, "max_tokens": 2, "chat_template": template}
-    err = assert_openai_error(http.post("/v1/chat/completions", json=body), 400)
-    assert needle in err["message"]

@@ -12,8 +12,8 @@ import openai
 import pytest
 from conftest import TINY_NAME, running_server
 
-from tokenmill.async_engine import AsyncLLM
-from tokenmill.config import EngineArgs
+from tokenmill.engine.config import EngineArgs
+from tokenmill.frontend.async_engine import AsyncLLM
 from tokenmill.server.app import build_app
 
 MESSAGES = [{"role": "user", "content": "Paris is the capital of"}]

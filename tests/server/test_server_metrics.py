@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 
 import httpx
+import pytest
 from conftest import TINY_NAME, scrape, wait_idle
 
 
@@ -73,3 +74,43 @@ def test_prefix_cache_hits_match_cached_tokens(tiny_server):
     after = scrape(base_url)
     assert cached[0] == 0 and cached[1] > 0
     assert delta(before, after, "tokenmill:prefix_cache_hits_total") == sum(cached)
+
+
+def test_roofline_gauges_count_the_model_flops_against_the_platform_peak(tiny_server, tiny_model):
+    """The core reads the platform's hardware spec (tokenmill_hardware_spec) and shows each
+    step's model FLOP/s and bytes/s as fractions of its peaks. The FLOPs of a request are
+    the model's, counted here by hand from its config: 2 x every projection's weights per
+    token, 2 x the LM head per sampled row, 4 h d per attended (query, key) pair."""
+    from transformers import AutoConfig
+
+    from tokenmill.platforms.registry import load_platform
+
+    base_url, engine = tiny_server
+    wait_idle(engine)
+    before = scrape(base_url)
+    with httpx.Client(base_url=base_url, timeout=60) as c:
+        usage = c.post("/v1/completions", json={
+            "model": TINY_NAME, "prompt": f"{uuid.uuid4().hex} roofline", "max_tokens": 4,
+            "ignore_eos": True}).json()["usage"]
+    wait_idle(engine)
+    after = scrape(base_url)
+    hf = AutoConfig.from_pretrained(tiny_model)
+    h, heads, kv = hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads
+    d = h // heads
+    per_token = 2 * hf.num_hidden_layers * (
+        h * heads * d + 2 * h * kv * d + heads * d * h + 3 * h * hf.intermediate_size)
+    p, k = usage["prompt_tokens"], usage["completion_tokens"]
+    tokens = p + k - 1  # the last sampled token is never fed back
+    pairs = sum(range(1, tokens + 1))
+    expected = (tokens * per_token + k * 2 * h * hf.vocab_size
+                + hf.num_hidden_layers * 4 * heads * d * pairs)
+    counted = delta(before, after, "tokenmill:model_flops_total")
+    assert abs(counted / expected - 1) < 0.1, (counted, expected)
+    assert delta(before, after, "tokenmill:model_bytes_total") > 0
+    spec = load_platform("cpu").hardware_spec()
+    flops_per_s = after[("tokenmill:model_flops_per_second", ())]
+    utilization = after[("tokenmill:model_flops_utilization", ())]
+    peak = spec.peak_flops["float32"]  # the tiny server runs float32 (conftest)
+    assert flops_per_s > 0 and 0 < utilization <= 1
+    assert utilization == pytest.approx(flops_per_s / peak)
+    assert 0 < after[("tokenmill:memory_bandwidth_utilization", ())] <= 1

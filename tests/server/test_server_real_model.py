@@ -9,7 +9,7 @@ import pytest
 from conftest import running_server
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.async_engine import AsyncLLM
+from tokenmill.frontend.async_engine import AsyncLLM
 from tokenmill.server.app import build_app
 
 NAME = "smollm2"

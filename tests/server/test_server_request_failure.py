@@ -4,6 +4,7 @@ an error event mid-stream; the engine and the other requests go on."""
 from __future__ import annotations
 
 import json
+import logging
 
 import httpx
 import pytest
@@ -39,13 +40,19 @@ def chat(text: str, **kw) -> dict:
             "max_tokens": 8, **kw}
 
 
-def test_failed_request_is_a_500_and_others_go_on(failing_server):
+def test_failed_request_is_a_500_and_others_go_on(failing_server, caplog):
     url, engine = failing_server
+    caplog.set_level(logging.ERROR, logger="tokenmill.server")
     with httpx.Client(base_url=url, timeout=60) as client:
         r = client.post("/v1/chat/completions", json=chat(f"please {MARKER} now"))
         assert r.status_code == 500
         err = r.json()["error"]
-        assert "injected failure" in err["message"] and err["type"] == "server_error"
+        # the internal text stays in the log, with the id the client gets
+        rid = r.headers["x-request-id"]
+        assert "injected failure" not in err["message"] and err["type"] == "server_error"
+        assert f"request id {rid}" in err["message"]
+        assert any(rid in rec.getMessage() and "injected failure" in rec.getMessage()
+                   for rec in caplog.records)
         r = client.post("/v1/messages", json=chat(f"{MARKER}!"))
         assert r.status_code == 500
         assert r.json()["type"] == "error" and r.json()["error"]["type"] == "api_error"
@@ -62,7 +69,9 @@ def test_failed_request_ends_its_stream_with_an_error_event(failing_server):
             assert r.status_code == 200
             data = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
         assert data[-1] == "[DONE]"
-        assert "injected failure" in json.loads(data[-2])["error"]["message"]
+        message = json.loads(data[-2])["error"]["message"]
+        assert "injected failure" not in message
+        assert f"request id {r.headers['x-request-id']}" in message
         with client.stream("POST", "/v1/messages", json=chat(f"{MARKER}", stream=True)) as r:
             lines = list(r.iter_lines())
         events = [line[7:] for line in lines if line.startswith("event: ")]

@@ -12,8 +12,8 @@ import openai
 import pytest
 from conftest import running_server, tiny_engine
 
-from tokenmill.async_engine import AsyncLLM
-from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.frontend.async_engine import AsyncLLM
+from tokenmill.frontend.outputs import CompletionOutput, RequestOutput
 from tokenmill.server.app import build_app
 
 NAME = "scripted"
@@ -62,7 +62,8 @@ class ScriptedLLM(AsyncLLM):
 def scripted(tiny_model):
     real = tiny_engine(tiny_model)
     engine = ScriptedLLM(engine=real.engine)
-    app = build_app(engine, [NAME], enable_auto_tool_choice=True, tool_call_parser="hermes")
+    app = build_app(engine, [NAME], enable_auto_tool_choice=True, tool_call_parser="hermes",
+                    trust_request_chat_template=True)
     with running_server(app) as url:
         yield url, engine
 
@@ -70,7 +71,7 @@ def scripted(tiny_model):
 @pytest.fixture(scope="module")
 def no_auto(tiny_model):
     engine = tiny_engine(tiny_model)
-    with running_server(build_app(engine, [NAME])) as url:
+    with running_server(build_app(engine, [NAME], enable_auto_tool_choice=False)) as url:
         yield url
 
 
@@ -209,9 +210,9 @@ def test_openai_tool_errors(scripted, no_auto):
         assert r.status_code == 400, (extra, r.text)
         err = r.json()["error"]
         assert err["type"] == "invalid_request_error" and err["param"] == param, (extra, err)
-    # auto (the default with tools) needs the server flags, as in vLLM
+    # auto (the default with tools) is refused where the server turned it off
     client = openai.OpenAI(base_url=f"{no_auto}/v1", api_key="x", max_retries=0)
-    with pytest.raises(openai.BadRequestError, match="enable-auto-tool-choice"):
+    with pytest.raises(openai.BadRequestError, match="no-enable-auto-tool-choice"):
         client.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER])
 
 
@@ -289,7 +290,7 @@ def test_anthropic_tool_errors(scripted, no_auto):
         assert r.json()["type"] == "error"
         assert r.json()["error"]["type"] == "invalid_request_error"
     client = anthropic.Anthropic(base_url=no_auto, api_key="x", max_retries=0)
-    with pytest.raises(anthropic.BadRequestError, match="enable-auto-tool-choice"):
+    with pytest.raises(anthropic.BadRequestError, match="no-enable-auto-tool-choice"):
         client.messages.create(model=NAME, max_tokens=8, messages=ASK, tools=[ANTHROPIC_WEATHER])
 
 
@@ -299,7 +300,9 @@ def test_openai_named_call_streams_arguments_live(scripted, oa):
     named = {"type": "function", "function": {"name": "get_weather"}}
     r = oa.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER, CLOCK],
                                    tool_choice=named)
-    assert engine.params.structured_outputs.json == WEATHER["function"]["parameters"]
+    # the tool's parameters, closed (no keys but its own: forced JSON ends)
+    assert engine.params.structured_outputs.json == {**WEATHER["function"]["parameters"],
+                                                     "additionalProperties": False}
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and call.function.arguments == '{"city": "Paris"}'
     assert r.choices[0].message.content is None and r.choices[0].finish_reason == "tool_calls"
@@ -330,7 +333,10 @@ def test_openai_response_format(scripted, oa):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     oa.chat.completions.create(model=NAME, messages=ASK, response_format={
         "type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}})
-    assert engine.params.structured_outputs.json == schema
+    assert engine.params.structured_outputs.json == {**schema, "additionalProperties": False}
+    oa.chat.completions.create(model=NAME, messages=ASK, response_format={
+        "type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": False}})
+    assert engine.params.structured_outputs.json == schema  # not strict: as given
     # with auto tools, JSON output is not read as a tool call
     say(scripted, '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>')
     r = oa.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER],
@@ -343,7 +349,8 @@ def test_anthropic_forced_tool_and_any(scripted, an):
     with an.messages.stream(model=NAME, max_tokens=64, messages=ASK, tools=[ANTHROPIC_WEATHER],
                             tool_choice={"type": "tool", "name": "get_weather"}) as stream:
         final = stream.get_final_message()
-    assert engine.params.structured_outputs.json == ANTHROPIC_WEATHER["input_schema"]
+    assert engine.params.structured_outputs.json == {**ANTHROPIC_WEATHER["input_schema"],
+                                                     "additionalProperties": False}
     (use,) = final.content
     assert use.type == "tool_use" and use.input == {"city": "Paris"}
     assert final.stop_reason == "tool_use"

@@ -17,7 +17,7 @@ import pytest
 from conftest import running_server
 
 from tokenmill import LLM
-from tokenmill.async_engine import AsyncLLM
+from tokenmill.frontend.async_engine import AsyncLLM
 from tokenmill.server.app import build_app
 
 NAME = "smollm2"

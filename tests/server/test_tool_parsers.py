@@ -6,17 +6,12 @@ from __future__ import annotations
 
 import json
 
+import pluggy
 import pytest
 
-from tokenmill.server.tool_parsers import (
-    ContentDelta,
-    ToolCallDelta,
-    ToolCallStream,
-    ToolParser,
-    get_tool_parser,
-    register_tool_parser,
-    tool_parser_names,
-)
+from tokenmill.platforms.plugins import KINDS, TOOL_PARSER, PluginError, PluginManager
+from tokenmill.platforms.tool_parsing import ContentDelta, ToolCallDelta, ToolCallStream, ToolParser
+from tokenmill.server.tool_parsers import get_tool_parser, installed_tool_parsers
 
 # Outputs in the shapes Hermes-2-Pro / Qwen2.5 emit (one call, parallel calls, text first)
 HERMES_OK = {
@@ -115,6 +110,38 @@ LLAMA_MALFORMED = {
     "json_array": '[{"name": "a", "parameters": {}}]',
 }
 
+# The generic parser (`json`), for models with no known format: every layout a model
+# without tool training tends to write
+JSON_OK = {
+    "bare_object": ('{"name": "get_weather", "arguments": {"city": "Paris"}}',
+                    [("get_weather", {"city": "Paris"})], None),
+    "parameters_key_then_text": ('  {"name": "a", "parameters": {"x": 1}}\nDone.',
+                                 [("a", {"x": 1})], "Done."),
+    "input_key": ('{"name": "Bash", "input": {"command": "ls"}}', [("Bash", {"command": "ls"})],
+                  None),
+    "list_of_calls": ('[{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"y": 2}}]',
+                      [("a", {}), ("b", {"y": 2})], None),
+    "openai_shape": ('{"type": "function", "function": {"name": "f", "arguments": "{\\"q\\": 1}"}}',
+                     [("f", {"q": 1})], None),
+    "fenced_after_text": ('I will check.\n```json\n{"name": "get_weather", "arguments": '
+                          '{"city": "Oslo"}}\n```', [("get_weather", {"city": "Oslo"})],
+                          "I will check.\n"),
+    "hermes_blocks": ('<tool_call>{"name": "a", "arguments": {}}</tool_call>', [("a", {})], None),
+    "semicolons": ('{"name": "a", "arguments": {}}; {"name": "b", "arguments": {}}',
+                   [("a", {}), ("b", {})], None),
+}
+
+JSON_MALFORMED = {
+    "plain_text": "The weather in Paris is sunny.",
+    "empty": "",
+    "object_not_a_call": '{"city": "Paris", "temperature": 21}',
+    "broken": '{"name": "a", "arguments": {"x": }',
+    "list_with_a_non_call": '[{"name": "a", "arguments": {}}, 3]',
+    "fenced_code_not_a_call": "Here:\n```python\nprint({'name': 1})\n```\nBye.",
+    "fenced_json_not_a_call": 'Data:\n```json\n{"rows": [1, 2]}\n```',
+    "cut_in_fence": 'Sure\n```json\n{"name": "a", "argu',
+}
+
 
 def _check_calls(parser: ToolParser, text: str, expected, content) -> None:
     result = parser.extract_tool_calls(text)
@@ -137,10 +164,17 @@ def test_llama3_json_finds_calls(case):
     _check_calls(get_tool_parser("llama3_json")(), text, expected, content)
 
 
+@pytest.mark.parametrize("case", sorted(JSON_OK))
+def test_generic_json_finds_calls(case):
+    text, expected, content = JSON_OK[case]
+    _check_calls(get_tool_parser("json")(), text, expected, content)
+
+
 @pytest.mark.parametrize(
     "name,text",
     [("hermes", t) for t in [*HERMES_MALFORMED.values(), *SMOLLM2_RECORDED]]
-    + [("llama3_json", t) for t in [*LLAMA_MALFORMED.values(), *SMOLLM2_RECORDED]],
+    + [("llama3_json", t) for t in [*LLAMA_MALFORMED.values(), *SMOLLM2_RECORDED]]
+    + [("json", t) for t in [*JSON_MALFORMED.values(), *SMOLLM2_RECORDED]],
 )
 def test_malformed_output_is_all_content(name, text):
     result = get_tool_parser(name)().extract_tool_calls(text)
@@ -174,7 +208,8 @@ ALL_CASES = (
     [("hermes", t) for t, _, _ in HERMES_OK.values()] + [("hermes", t) for t in HERMES_MALFORMED.values()]
     + [("llama3_json", t) for t, _, _ in LLAMA_OK.values()]
     + [("llama3_json", t) for t in LLAMA_MALFORMED.values()]
-    + [(name, t) for name in ("hermes", "llama3_json") for t in SMOLLM2_RECORDED]
+    + [("json", t) for t, _, _ in JSON_OK.values()] + [("json", t) for t in JSON_MALFORMED.values()]
+    + [(name, t) for name in ("hermes", "llama3_json", "json") for t in SMOLLM2_RECORDED]
 )
 
 
@@ -201,11 +236,45 @@ def test_ids_take_the_api_prefix():
     assert result.tool_calls[0].id.startswith("toolu_")
 
 
-def test_registry():
-    assert {"hermes", "llama3_json"} <= set(tool_parser_names())
-    with pytest.raises(ValueError, match="hermes"):
+def test_parsers_are_plugins_found_by_the_manager():
+    assert {"hermes", "llama3_json", "qwen3_coder", "mistral"} <= set(installed_tool_parsers())
+    with pytest.raises(ValueError, match="unknown tool call parser 'nope'.*hermes"):
         get_tool_parser("nope")
-    with pytest.raises(ValueError, match="already registered"):
-        register_tool_parser("hermes")(type("Other", (ToolParser,), {}))
-    with pytest.raises(TypeError):
-        register_tool_parser("x")(dict)
+
+
+class _OtherPlugin:
+    """An outside tool parser plugin, registered in-process beside the installed ones."""
+
+    hookimpl = pluggy.HookimplMarker("tokenmill")
+
+    def __init__(self, parsers: dict) -> None:
+        self.parsers = parsers
+
+    @hookimpl
+    def tokenmill_api_version(self):
+        return "1.6"
+
+    @hookimpl
+    def tokenmill_tool_parsers(self):
+        return self.parsers
+
+
+def test_an_outside_parser_plugin_is_chosen_by_name_and_checked():
+    class Mine(ToolParser):
+        pass
+
+    plugins = PluginManager.discover(KINDS)
+    plugins.register(_OtherPlugin({"mine": Mine}), TOOL_PARSER, "mine")
+    assert get_tool_parser("mine", plugins) is Mine
+    assert get_tool_parser("hermes", plugins) is installed_tool_parsers()["hermes"]
+
+    clash = PluginManager.discover([TOOL_PARSER])
+    clash.register(_OtherPlugin({"hermes": Mine}), TOOL_PARSER, "other")
+    with pytest.raises(PluginError, match="tool_parser 'hermes' is provided by two plugins"):
+        installed_tool_parsers(clash)
+
+    bad = PluginManager()
+    bad.register(_OtherPlugin({"x": dict}), TOOL_PARSER, "bad")
+    with pytest.raises(PluginError, match="tool_parser plugin 'bad'.*'x' is <class 'dict'>, not a "
+                                          "ToolParser subclass"):
+        installed_tool_parsers(bad)

@@ -149,9 +149,9 @@ def test_server_says_which_parser_it_chose(tiny_model, caplog):
     caplog.set_level(logging.INFO, logger="tokenmill.server")
     app = build_app(tiny_engine(tiny_model, chat_template=QWEN3_CODER_TEMPLATE, num_kv_blocks=64),
                     [TINY_NAME], enable_auto_tool_choice=True)
-    assert app.state.server.tools.tool_call_parser == "qwen3_coder"
+    assert app.state.server.tools.tool_call_parser is get_tool_parser("qwen3_coder")
     assert "tool-call parser: chose qwen3_coder" in caplog.text
     app = build_app(tiny_engine(tiny_model, chat_template=HERMES_TEMPLATE + "<|python_tag|>",
                                 num_kv_blocks=64), [TINY_NAME], enable_auto_tool_choice=True)
-    assert app.state.server.tools.tool_call_parser == "hermes"
-    assert "using hermes, the default, since the chat template shows several" in caplog.text
+    assert app.state.server.tools.tool_call_parser is get_tool_parser("json")
+    assert "using json, the generic one, since the chat template shows several" in caplog.text

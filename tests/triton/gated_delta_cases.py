@@ -1,5 +1,5 @@
 """The Gated DeltaNet Triton kernels (tokenmill_triton.gated_delta) against the core's
-references (tokenmill.ops.gated_delta), one sequence at a time there, a ragged batch in one
+references (tokenmill.platforms.ops.gated_delta), one sequence at a time there, a ragged batch in one
 launch here. Run by test_triton_kernels.py in a fresh process (TRITON_INTERPRET=1 without
 a GPU); tiny shapes, with chunks of 16 so that sequences cross several chunk boundaries.
 """
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.ops.gated_delta import (
+from tokenmill.platforms.ops.gated_delta import (
     causal_conv1d,
     gated_delta_rule_chunked,
     gated_delta_rule_recurrent,

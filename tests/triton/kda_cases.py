@@ -1,5 +1,5 @@
 """The KDA Triton kernels (tokenmill_triton.kda) against the core's references
-(tokenmill.ops.kda), one sequence at a time there, a ragged batch in one launch here. Run
+(tokenmill.platforms.ops.kda), one sequence at a time there, a ragged batch in one launch here. Run
 by test_triton_kernels.py in a fresh process (TRITON_INTERPRET=1 without a GPU); tiny
 shapes, chunks of 16 so that sequences cross several chunk boundaries, and 8 key channels
 per pair tile so that the per-channel decays go through more than one tile.
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.ops.kda import kda_chunked, kda_recurrent
+from tokenmill.platforms.ops.kda import kda_chunked, kda_recurrent
 from tokenmill_triton import kda
 from tokenmill_triton.configs import KernelConfigs, LinearAttentionConfig, interpreter_mode
 

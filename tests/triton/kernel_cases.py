@@ -16,17 +16,22 @@ import triton
 import triton.language as tl
 from moe_reference import reference_moe, reference_routing
 
-from tokenmill.ops import reference
 from tokenmill.platforms.interfaces import AttentionKind, AttentionSpec
+from tokenmill.platforms.ops import reference
 from tokenmill_conformance.attention_harness import (
     check_step,
     make_step,
     mixed_batch,
 )
 from tokenmill_triton import elementwise, moe
-from tokenmill_triton.attention import TritonPagedAttention, paged_attention, write_kv
+from tokenmill_triton.attention import (
+    FP8_FORMATS,
+    TritonPagedAttention,
+    paged_attention,
+    write_kv,
+)
 from tokenmill_triton.configs import AttentionConfig, KernelConfigs, MoEConfig, interpreter_mode
-from tokenmill_triton.rounding import to_dtype
+from tokenmill_triton.rounding import fp8_bits, to_dtype
 
 DEVICE = "cpu" if interpreter_mode() else "cuda"
 # Small tiles, so that the tiny shapes still cross tile, page and segment boundaries.
@@ -338,3 +343,52 @@ def test_interpreter_bf16_dot_is_still_wrong():
     c = torch.empty(16, 16)
     _dot_kernel[(1,)](a, b, c, 16, 16, 32)
     assert (c - a.float() @ b.float()).abs().max() > 1.0
+
+
+@triton.jit
+def _fp8_kernel(x_ptr, out_ptr, N: tl.constexpr, MAX: tl.constexpr, MANT: tl.constexpr,
+                MIN_EXP: tl.constexpr, BIAS: tl.constexpr, ENCODE: tl.constexpr):
+    offs = tl.arange(0, N)
+    x = tl.minimum(tl.maximum(tl.load(x_ptr + offs), -MAX), MAX)
+    if ENCODE:
+        tl.store(out_ptr + offs, fp8_bits(x, MANT, MIN_EXP, BIAS))
+    else:
+        tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty))
+
+
+def _fp8_cases(dtype: torch.dtype) -> torch.Tensor:
+    """Every finite value of the format, every midpoint (ties) and its two neighbours,
+    values past the range, and normal noise at six scales; both signs."""
+    codes = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    finite = codes[codes.isfinite()].sort().values
+    mids = (finite[1:] + finite[:-1]) / 2
+    up, down = torch.tensor(float("inf")), torch.tensor(float("-inf"))
+    noise = torch.cat([torch.randn(512, generator=torch.Generator().manual_seed(0)) * s
+                       for s in (1e-5, 1e-3, 1e-1, 10.0, 1e3, 1e5)])
+    x = torch.cat((finite, mids, torch.nextafter(mids, up), torch.nextafter(mids, down),
+                   torch.tensor([1e6, -1e6]), noise))
+    n = triton.next_power_of_2(x.numel())
+    return torch.nn.functional.pad(x, (0, n - x.numel()))
+
+
+@pytest.mark.parametrize("dtype", list(FP8_FORMATS), ids=str)
+def test_in_kernel_fp8_encoding_matches_torch_bit_for_bit(dtype):
+    """The KV write's FP8 encoding (saturate, round to nearest even) is torch's cast."""
+    x = _fp8_cases(dtype).to(DEVICE)
+    out = torch.empty(x.numel(), dtype=torch.uint8, device=DEVICE)
+    limit = torch.finfo(dtype).max
+    _fp8_kernel[(1,)](x, out, x.numel(), limit, *FP8_FORMATS[dtype], ENCODE=True)
+    expected = x.cpu().clamp(-limit, limit).to(dtype).view(torch.uint8)
+    bad = out.cpu() != expected
+    assert not bad.any(), x.cpu()[bad][:8]
+
+
+@pytest.mark.skipif(not interpreter_mode(), reason="only the interpreter has the quirk")
+def test_interpreter_fp8_cast_still_rounds_wrong():
+    """Why tokenmill_triton.rounding.fp8_bits exists: when this fails, Triton's interpreter
+    casts float32 -> fp8 as torch does and the KV write can cast again."""
+    x = _fp8_cases(torch.float8_e4m3fn)
+    out = torch.empty(x.numel(), dtype=torch.float8_e4m3fn)
+    _fp8_kernel[(1,)](x, out, x.numel(), 448.0, 3, -6, 7, ENCODE=False)
+    expected = x.clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert not torch.equal(out.view(torch.uint8), expected.view(torch.uint8))

@@ -17,21 +17,26 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.kv.arena import KVArena
-from tokenmill.kv.state import read_states
 from tokenmill.model.layers import resolve_backends
-from tokenmill.ops.linear_attention import (
+from tokenmill.platforms.interfaces import (
+    AttentionKind,
+    AttentionSpec,
+    RecurrentStateMetadata,
+    recurrent_metadata,
+)
+from tokenmill.platforms.kit.kv_state import read_states
+from tokenmill.platforms.ops.linear_attention import (
     GatedDeltaInputs,
     KDAInputs,
     ReferenceLinearAttentionBackend,
     gated_delta_state_spec,
     kda_state_spec,
 )
-from tokenmill.ops.mamba2 import Mamba2Dims, Mamba2Inputs, Mamba2Weights, mamba2_state_spec
-from tokenmill.platforms.interfaces import (
-    AttentionKind,
-    AttentionSpec,
-    RecurrentStateMetadata,
-    recurrent_metadata,
+from tokenmill.platforms.ops.mamba2 import (
+    Mamba2Dims,
+    Mamba2Inputs,
+    Mamba2Weights,
+    mamba2_state_spec,
 )
 from tokenmill.platforms.registry import load_platform
 from tokenmill_triton.configs import KernelConfigs, LinearAttentionConfig, interpreter_mode

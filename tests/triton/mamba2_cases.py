@@ -1,5 +1,5 @@
 """The Mamba2 Triton kernels (tokenmill_triton.mamba2) against the core's references
-(tokenmill.ops.mamba2: `discretize_dt`, `mamba2_chunked`, `mamba2_state_update`), one
+(tokenmill.platforms.ops.mamba2: `discretize_dt`, `mamba2_chunked`, `mamba2_state_update`), one
 sequence at a time there, a ragged batch in one launch here. Run by test_triton_kernels.py
 in a fresh process (TRITON_INTERPRET=1 without a GPU); tiny shapes (a head dim of 8,
 padded to the 16-row tl.dot minimum), chunks of 16 so that sequences cross several chunk
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill.ops.mamba2 import discretize_dt, mamba2_chunked, mamba2_state_update
+from tokenmill.platforms.ops.mamba2 import discretize_dt, mamba2_chunked, mamba2_state_update
 from tokenmill_triton import mamba2
 from tokenmill_triton.configs import KernelConfigs, LinearAttentionConfig, interpreter_mode
 

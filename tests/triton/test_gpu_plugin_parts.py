@@ -13,12 +13,11 @@ import pytest
 import torch
 
 from tokenmill.platforms.interfaces import AllocatorPurpose, OutOfMemoryError
-
-nvidia_probe = pytest.importorskip("tokenmill_nvidia.probe")
-rocm_probe = pytest.importorskip("tokenmill_rocm.probe")
-from tokenmill_nvidia import hardware as nvidia_hardware  # noqa: E402
-from tokenmill_rocm import hardware as rocm_hardware  # noqa: E402
-from tokenmill_triton.memory import DeviceAllocator  # noqa: E402
+from tokenmill_nvidia import hardware as nvidia_hardware
+from tokenmill_nvidia import probe as nvidia_probe
+from tokenmill_rocm import hardware as rocm_hardware
+from tokenmill_rocm import probe as rocm_probe
+from tokenmill_triton.memory import DeviceAllocator
 
 GIB = 1 << 30
 
@@ -172,9 +171,10 @@ def test_device_allocator_limits_and_double_free():
 
 
 def test_cuda_graph_buckets_and_the_interpreter_runs_eagerly(monkeypatch):
-    from tokenmill_nvidia import plugin
-    from tokenmill_rocm import plugin as rocm_plugin
+    from tokenmill_nvidia.plugin import plugin
+    from tokenmill_rocm.plugin import plugin as rocm_plugin
     from tokenmill_triton.graphs import CudaGraphCapture
+    from tokenmill_triton.platform_kit import GPU_CAPABILITIES
 
     graphs = CudaGraphCapture()
     assert graphs.batch_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 48, 64]
@@ -184,8 +184,8 @@ def test_cuda_graph_buckets_and_the_interpreter_runs_eagerly(monkeypatch):
         graphs.replay(8)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     platform = plugin.tokenmill_platform()
-    assert not platform.capabilities.graphs and plugin.GPU_CAPABILITIES.graphs
+    assert not platform.capabilities.graphs and GPU_CAPABILITIES.graphs
     assert plugin.tokenmill_graph_capture(platform) is None
     rocm = rocm_plugin.tokenmill_platform()
-    assert not rocm.capabilities.graphs and rocm_plugin.GPU_CAPABILITIES.graphs
+    assert not rocm.capabilities.graphs and GPU_CAPABILITIES.graphs
     assert rocm_plugin.tokenmill_graph_capture(rocm) is None

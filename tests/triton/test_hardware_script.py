@@ -14,8 +14,6 @@ import pytest
 
 pytestmark = pytest.mark.certify  # minutes: .ci/run runs these with -m certify
 
-pytest.importorskip("tokenmill_nvidia")
-
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "plugins" / "nvidia" / "hardware" / "run.sh"
 

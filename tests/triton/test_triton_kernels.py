@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("triton")
-pytest.importorskip("tokenmill_triton")
+pytestmark = pytest.mark.long  # every Triton kernel in the interpreter, a subprocess per file: minutes
 
 HERE = Path(__file__).parent
 

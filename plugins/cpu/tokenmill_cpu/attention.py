@@ -18,6 +18,13 @@ Per layer (`forward`) the backend first writes the step's keys/values into the c
   - prefill / chunk rows one SDPA call per sequence with a bottom-right causal mask
     (query i of a chunk sits at position seq_len - query_len + i); a fresh prompt
     attends to the step's own keys without a gather.
+
+An FP8 cache (`spec.cache_dtype`, `kv_cache_dtypes`) is written quantized by the
+reference's `write_kv` and read through the gather path, which dequantizes the blocks
+into the compute dtype (stored * scale, per KV head); the C++ kernels read bf16 / fp32
+caches in place and are not used for it. A fresh prompt's own keys go through the same
+rounding, so every row sees the keys exactly as the cache holds them (the reference's
+rule).
 """
 
 from __future__ import annotations
@@ -27,13 +34,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from tokenmill.ops.reference import write_kv
 from tokenmill.platforms.interfaces import (
     AttentionBackend,
     AttentionKind,
     AttentionMetadata,
     AttentionSpec,
 )
+from tokenmill.platforms.ops.kv_quant import QUANTIZED_KV_DTYPES, dequantize_kv, quantize_kv
+from tokenmill.platforms.ops.reference import check_kv_scales, write_kv
 from tokenmill_cpu import kernels
 
 SUPPORTED_DTYPES = frozenset({torch.float32, torch.bfloat16})
@@ -80,7 +88,10 @@ class _StepPlan:
 
 
 class CpuPagedAttention(AttentionBackend):
-    """FULL or SLIDING_WINDOW paged attention for fp32/bf16, any block and head size."""
+    """FULL or SLIDING_WINDOW paged attention for fp32/bf16, any block and head size; the
+    cache in the compute dtype or FP8 (e4m3, e5m2) with per-head scales."""
+
+    kv_cache_dtypes = QUANTIZED_KV_DTYPES
 
     def __init__(self, kind: AttentionKind = AttentionKind.FULL, use_kernels: bool = True) -> None:
         if kind not in (AttentionKind.FULL, AttentionKind.SLIDING_WINDOW):
@@ -102,6 +113,7 @@ class CpuPagedAttention(AttentionBackend):
             and windowed == (self.kind == AttentionKind.SLIDING_WINDOW)
             and (not windowed or spec.sliding_window > 0)
             and spec.dtype in SUPPORTED_DTYPES
+            and (spec.cache_dtype is None or spec.cache_dtype in self.kv_cache_dtypes)
             and spec.num_heads % spec.num_kv_heads == 0
         )
 
@@ -117,8 +129,14 @@ class CpuPagedAttention(AttentionBackend):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Writes key/value into `kv_cache`, then attends; does not modify the inputs."""
+        check_kv_scales(spec, k_scale, v_scale)
+        if spec.cache_dtype is not None:
+            return self._forward_quantized(spec, query, key, value, kv_cache, metadata,
+                                           (k_scale, v_scale))
         if self._kernels is not None and key.dtype == kv_cache.dtype:
             self._kernels.write_kv(key, value, kv_cache, metadata.slot_mapping)
         else:
@@ -133,7 +151,7 @@ class CpuPagedAttention(AttentionBackend):
                 metadata.query_start_loc, spec.sliding_window or 0, scale, out,
             )
             return out.to(query.dtype)
-        plan = self._plan(metadata, spec.sliding_window)
+        plan = self._plan(metadata, spec.sliding_window, self._kernels is not None)
         gathered = _gather(plan, kv_cache)
         if plan.kernel_decode is not None:
             rows, tables, seq_lens = plan.kernel_decode
@@ -146,25 +164,59 @@ class CpuPagedAttention(AttentionBackend):
             _prefill(seq, q, own_keys, gathered, scale, out)
         return out.to(query.dtype)
 
-    def _plan(self, metadata: AttentionMetadata, window: int | None) -> _StepPlan:
+    def _forward_quantized(self, spec, query, key, value, kv_cache, metadata, scales):
+        """An FP8 cache: written quantized, every row read through the dequantizing gather
+        (SDPA in the compute dtype; the C++ kernels take no FP8 cache)."""
+        k_scale, v_scale = scales
+        write_kv(key, value, kv_cache, metadata.slot_mapping, k_scale, v_scale)
+        scale = spec.scale if spec.scale is not None else spec.head_size**-0.5
+        q = query.to(spec.dtype)
+        out = torch.empty_like(q)
+        plan = self._plan(metadata, spec.sliding_window, False)
+        gathered = _gather(plan, kv_cache, scales, spec.dtype)
+        for bucket in plan.decode:
+            _decode(bucket, q, gathered, scale, out)
+        own_keys = None
+        if plan.prefill:  # the step's own keys as the cache holds them
+            own_keys = tuple(
+                dequantize_kv(quantize_kv(x, s, kv_cache.dtype), s).to(spec.dtype)
+                for x, s in ((key, k_scale), (value, v_scale))
+            )
+        for seq in plan.prefill:
+            _prefill(seq, q, own_keys, gathered, scale, out)
+        return out.to(query.dtype)
+
+    def _plan(self, metadata: AttentionMetadata, window: int | None, kernel: bool) -> _StepPlan:
         plans = metadata.backend_state.setdefault(self.name, {})
         assert isinstance(plans, dict)
-        if window not in plans:
-            plans[window] = _build_plan(metadata, window, self._kernels is not None)
-        return plans[window]
+        if (window, kernel) not in plans:
+            plans[window, kernel] = _build_plan(metadata, window, kernel)
+        return plans[window, kernel]
 
 
-def _gather(plan: _StepPlan, kv_cache: torch.Tensor) -> torch.Tensor | None:
-    """[2, total_blocks, block_size, kv heads, head size]: every block the step reads."""
+def _gather(
+    plan: _StepPlan,
+    kv_cache: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor | None:
+    """[2, total_blocks, block_size, kv heads, head size]: every block the step reads; an
+    FP8 cache's blocks dequantized (`scales`: k_scale, v_scale) into `dtype`."""
     if plan.gather_block_ids.numel() == 0:
         return None
-    key = (kv_cache.dtype, kv_cache.shape[3], kv_cache.shape[4])
+    dtype = dtype or kv_cache.dtype
+    key = (dtype, kv_cache.shape[3], kv_cache.shape[4])
     buffer = plan.buffers.get(key)
     if buffer is None:
         shape = (2, plan.gather_block_ids.numel(), *kv_cache.shape[2:])
-        buffer = plan.buffers[key] = kv_cache.new_empty(shape)
-    torch.index_select(kv_cache[0], 0, plan.gather_block_ids, out=buffer[0])
-    torch.index_select(kv_cache[1], 0, plan.gather_block_ids, out=buffer[1])
+        buffer = plan.buffers[key] = kv_cache.new_empty(shape, dtype=dtype)
+    if scales is None:
+        torch.index_select(kv_cache[0], 0, plan.gather_block_ids, out=buffer[0])
+        torch.index_select(kv_cache[1], 0, plan.gather_block_ids, out=buffer[1])
+    else:
+        for half, scale in enumerate(scales):
+            stored = kv_cache[half].index_select(0, plan.gather_block_ids)
+            buffer[half].copy_(dequantize_kv(stored, scale))
     if plan.stale_slots.numel():
         buffer.flatten(1, 2)[:, plan.stale_slots] = 0
     return buffer

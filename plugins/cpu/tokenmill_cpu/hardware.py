@@ -1,11 +1,16 @@
-"""What this CPU can do at best: an estimate from core count and vector ISA, no benchmark.
+"""What this CPU can do at best: an upper bound from core count and vector ISA, no benchmark.
 
-peak FLOP/s = usable cores x clock x FLOP per cycle per core, with conservative FLOP per
-cycle (one FMA unit): AVX-512 32 fp32, AVX2 16, otherwise 8; bf16 doubles fp32 with
-AVX512-BF16 and is 16x fp32 with AMX; without either it equals fp32 (converted in
-software). The clock is psutil's maximum frequency, else 2 GHz. Memory bandwidth is
-6 GB/s per usable core, at most 80 GB/s. Override any estimate with
-`$TOKENMILL_CPU_PEAK_GFLOPS_FP32`, `$TOKENMILL_CPU_PEAK_GFLOPS_BF16` and
+The figures are ceilings, not typical speeds: tier T5 of the conformance suite fails a
+measurement above them (a spec that understates the device hides a timing bug), and the
+planner's calibration scales them by measured efficiencies. peak FLOP/s = usable cores x
+clock x FLOP per cycle per core, with two FMA pipes of the widest vector the ISA has
+(AVX-512 64 fp32 FLOP per cycle, AVX2 32, otherwise 32: Arm cores run four 128-bit pipes);
+bf16 is 2x fp32 with AVX512-BF16, 4x with Arm's BF16 matrix instructions, 32x with AMX,
+and equals fp32 otherwise (converted in software). The clock is the highest the OS reports
+and at least 5 GHz: VMs and containers often report none, or a base clock below the boost
+clock. Memory bandwidth is 50 GB/s per usable core (more than one core's outstanding
+misses sustain), at most 1.2 TB/s (two sockets of 12 DDR5-6400 channels). Override any
+estimate with `$TOKENMILL_CPU_PEAK_GFLOPS_FP32`, `$TOKENMILL_CPU_PEAK_GFLOPS_BF16` and
 `$TOKENMILL_CPU_MEMORY_BANDWIDTH_GBS`.
 """
 
@@ -24,9 +29,9 @@ PEAK_FP32_ENV = "TOKENMILL_CPU_PEAK_GFLOPS_FP32"
 PEAK_BF16_ENV = "TOKENMILL_CPU_PEAK_GFLOPS_BF16"
 BANDWIDTH_ENV = "TOKENMILL_CPU_MEMORY_BANDWIDTH_GBS"
 _CPUINFO = Path("/proc/cpuinfo")
-_DEFAULT_CLOCK_HZ = 2.0e9
-_BANDWIDTH_PER_CORE = 6e9
-_MAX_BANDWIDTH = 80e9
+_MIN_CLOCK_HZ = 5.0e9
+_BANDWIDTH_PER_CORE = 50e9
+_MAX_BANDWIDTH = 1.2e12
 
 
 def cpu_flags() -> frozenset[str]:
@@ -60,17 +65,16 @@ def cpu_name() -> str:
 
 
 def estimate_hardware_spec() -> HardwareSpec:
-    """This machine's `HardwareSpec` from the estimates above and the env overrides."""
+    """This machine's `HardwareSpec` from the ceilings above and the env overrides."""
     flags = cpu_flags()
     cores = usable_cores()
     freq = psutil.cpu_freq()
-    clock = freq.max * 1e6 if freq is not None and freq.max > 0 else _DEFAULT_CLOCK_HZ
+    reported = max(freq.max, freq.current) * 1e6 if freq is not None else 0.0
+    clock = max(reported, _MIN_CLOCK_HZ)
     capability = torch.backends.cpu.get_cpu_capability()
-    per_cycle = (
-        32 if "avx512f" in flags or capability == "AVX512" else 16 if capability == "AVX2" else 8
-    )
+    per_cycle = 64 if "avx512f" in flags or capability == "AVX512" else 32
     fp32 = cores * clock * per_cycle
-    bf16 = fp32 * (16 if "amx_bf16" in flags else 2 if "avx512_bf16" in flags else 1)
+    bf16 = fp32 * bf16_speedup(flags)
     bandwidth = min(cores * _BANDWIDTH_PER_CORE, _MAX_BANDWIDTH)
     return HardwareSpec(
         name=f"{cpu_name()} ({cores} cores)",
@@ -81,6 +85,16 @@ def estimate_hardware_spec() -> HardwareSpec:
         memory_bandwidth=_override(BANDWIDTH_ENV, 1e9) or bandwidth,
         memory_bytes=psutil.virtual_memory().total,
     )
+
+
+def bf16_speedup(flags: frozenset[str]) -> int:
+    """bf16 FLOP per cycle over fp32's at best: AMX tiles, AVX512-BF16 pair dot products,
+    Arm's BFMMLA (flag `bf16`); 1 without native bf16."""
+    if "amx_bf16" in flags:
+        return 32
+    if "bf16" in flags:
+        return 4
+    return 2 if "avx512_bf16" in flags else 1
 
 
 def _override(name: str, unit: float) -> float | None:

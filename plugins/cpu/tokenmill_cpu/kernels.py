@@ -13,16 +13,21 @@ compare against, or to rule them out); `TOKENMILL_CPU_KERNEL_CACHE` moves the bu
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import hashlib
 import importlib.util
 import logging
 import os
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import torch
+from tqdm.auto import tqdm
 
 logger = logging.getLogger(__name__)
 
@@ -73,15 +78,40 @@ def load() -> ModuleType | None:
 def _build(name: str, build_dir: Path) -> None:
     from torch.utils import cpp_extension
 
-    logger.info("tokenmill-cpu: building the fused CPU kernels (once; about a minute)")
-    cpp_extension.load(
-        name=name,
-        sources=[str(_SOURCE)],
-        extra_cflags=["-O3", "-march=native", "-fopenmp"],
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(build_dir),
-        verbose=False,
-    )
+    logger.info("tokenmill-cpu: building the fused CPU kernels with g++ into %s (once per "
+                "torch version; about a minute)", build_dir)
+    start = time.monotonic()
+    with _elapsed_line("tokenmill-cpu: building the fused CPU kernels"):
+        cpp_extension.load(
+            name=name,
+            sources=[str(_SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
+    logger.info("tokenmill-cpu: the fused CPU kernels built in %.0f s", time.monotonic() - start)
+
+
+@contextlib.contextmanager
+def _elapsed_line(what: str) -> Iterator[None]:
+    """A progress line on a terminal (`what: 0:42`), refreshed each second while the body
+    runs; nothing where stderr is not a terminal (the log lines say it there)."""
+    bar = tqdm(desc=what, bar_format="{desc}: {elapsed}", disable=None, leave=False)
+    done = threading.Event()
+
+    def tick() -> None:
+        while not done.wait(1.0):
+            bar.refresh()
+
+    ticker = threading.Thread(target=tick, name="tokenmill-cpu-build-progress", daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        ticker.join()
+        bar.close()
 
 
 def _import(name: str, library: Path) -> ModuleType:

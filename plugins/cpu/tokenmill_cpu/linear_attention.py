@@ -1,6 +1,6 @@
 """The CPU plugin's recurrent (LINEAR) backend: Gated DeltaNet with decode batched.
 
-The core's reference (`tokenmill.ops.linear_attention.ReferenceLinearAttentionBackend`)
+The core's reference (`tokenmill.platforms.ops.linear_attention.ReferenceLinearAttentionBackend`)
 runs every sequence alone: a state gather, the conv, the delta rule and a state scatter
 per sequence and layer. Decode rows (one token each) are most of a serving step, so this
 backend takes all of them at once: one gather of their states, the conv and one step of
@@ -17,13 +17,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tokenmill.kv.state import read_states, write_states
-from tokenmill.ops.linear_attention import (
+from tokenmill.platforms.interfaces import AttentionMetadata, AttentionSpec
+from tokenmill.platforms.kit.kv_state import read_states, write_states
+from tokenmill.platforms.ops.linear_attention import (
     GatedDeltaInputs,
     ReferenceLinearAttentionBackend,
     split_qkv,
 )
-from tokenmill.platforms.interfaces import AttentionMetadata, AttentionSpec
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The CPU plugin's Mamba2 (linear-attention variant "mamba2") fast path.
 
-The core's reference (`tokenmill.ops.mamba2.mamba2_mixer`) runs the convolution and the
+The core's reference (`tokenmill.platforms.ops.mamba2.mamba2_mixer`) runs the convolution and the
 scan sequence by sequence, a dozen small ATen calls each; in a decode step of S
 sequences that is S times the per-op overhead for a few kilobytes of math. Here every
 sequence decoding one token goes through one batched convolution update and one batched
@@ -16,9 +16,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenmill.kv.state import read_states, write_states, zero_states
-from tokenmill.ops.linear_attention import ReferenceLinearAttentionBackend
-from tokenmill.ops.mamba2 import Mamba2, Mamba2Dims, Mamba2Inputs, Mamba2Weights
 from tokenmill.platforms.interfaces import (
     AttentionMetadata,
     AttentionSpec,
@@ -26,6 +23,9 @@ from tokenmill.platforms.interfaces import (
     RecurrentStateMetadata,
     recurrent_metadata,
 )
+from tokenmill.platforms.kit.kv_state import read_states, write_states, zero_states
+from tokenmill.platforms.ops.linear_attention import ReferenceLinearAttentionBackend
+from tokenmill.platforms.ops.mamba2 import Mamba2, Mamba2Dims, Mamba2Inputs, Mamba2Weights
 from tokenmill_cpu import kernels
 
 

@@ -28,13 +28,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tokenmill.ops.mla import write_latent
 from tokenmill.platforms.interfaces import (
     AttentionBackend,
     AttentionKind,
     AttentionMetadata,
     AttentionSpec,
 )
+from tokenmill.platforms.ops.kv_quant import QUANTIZED_KV_DTYPES, dequantize_kv
+from tokenmill.platforms.ops.mla import write_latent
 
 SUPPORTED_DTYPES = frozenset({torch.float32, torch.bfloat16})
 _BUCKET_FILL = 0.75
@@ -95,9 +96,13 @@ class CpuMLAAttention(AttentionBackend):
 
     name = "cpu_mla"
     kind = AttentionKind.MLA
+    kv_cache_dtypes = QUANTIZED_KV_DTYPES  # an FP8 latent cache, one scale per layer
 
     def supports(self, spec: AttentionSpec) -> bool:
-        return spec.kind == AttentionKind.MLA and spec.dtype in SUPPORTED_DTYPES
+        return (
+            spec.kind == AttentionKind.MLA and spec.dtype in SUPPORTED_DTYPES
+            and (spec.cache_dtype is None or spec.cache_dtype in self.kv_cache_dtypes)
+        )
 
     def prepare(self, metadata: AttentionMetadata) -> None:
         """Drops the previous step's plan; the first layer of the step builds the new one."""
@@ -109,31 +114,37 @@ class CpuMLAAttention(AttentionBackend):
             plan = metadata.backend_state[self.name] = _build_plan(metadata)
         return plan
 
-    def forward(self, spec, query, key, value, kv_cache, metadata, *, w_uk, w_uv):
-        """See `AttentionBackend.forward` (MLA) and `tokenmill.ops.mla.mla_attention`."""
+    def forward(self, spec, query, key, value, kv_cache, metadata, *, w_uk, w_uv,
+                k_scale=None, v_scale=None):
+        """See `AttentionBackend.forward` (MLA) and `tokenmill.platforms.ops.mla.mla_attention`
+        (an FP8 latent cache: rows dequantized by `k_scale` as they are read)."""
         if value is not None:
             raise ValueError("MLA has no separate value: pass value=None")
-        write_latent(key, kv_cache, metadata.slot_mapping)
+        if (k_scale is not None) != (spec.cache_dtype is not None):
+            raise ValueError(f"spec.cache_dtype={spec.cache_dtype} but k_scale={k_scale}: a "
+                             "quantized latent cache takes k_scale, any other none")
+        write_latent(key, kv_cache, metadata.slot_mapping, k_scale)
         dims = spec.mla
         scale = spec.scale if spec.scale is not None else dims.qk_head_dim**-0.5
         plan = self._plan(metadata)
         flat = kv_cache.view(-1, kv_cache.shape[-1])
         out = torch.empty(query.shape[0], spec.num_heads, dims.v_head_dim, dtype=query.dtype)
         for bucket in plan.decode:
-            o = self._decode(query[bucket.rows], flat, bucket, dims, scale, w_uk, w_uv)
+            latent = _rows(flat, bucket.slots, k_scale)
+            o = self._decode(query[bucket.rows], latent, bucket, dims, scale, w_uk, w_uv)
             out[bucket.rows] = o.to(out.dtype)
         for first, q_len, slots in plan.prefill:
             q = query[first : first + q_len]
-            o = self._prefill(q, flat[slots], dims, scale, w_uk, w_uv)
+            o = self._prefill(q, _rows(flat, slots, k_scale), dims, scale, w_uk, w_uv)
             out[first : first + q_len] = o.to(out.dtype)
         return out
 
     @staticmethod
-    def _decode(q, flat, bucket: _Bucket, dims, scale, w_uk, w_uv) -> torch.Tensor:
-        """Absorbed form for b decode rows: q [b, H, nope + rope] -> [b, H, v], in float32
+    def _decode(q, latent, bucket: _Bucket, dims, scale, w_uk, w_uv) -> torch.Tensor:
+        """Absorbed form for b decode rows: q [b, H, nope + rope] over their latent rows
+        (float32 [b, n, rank + rope]; padding masked below) -> [b, H, v], in float32
         (CPU float32 GEMMs with strided operands are faster than bf16 ones here)."""
         rank, nope = dims.kv_lora_rank, dims.qk_nope_head_dim
-        latent = flat[bucket.slots].float()  # [b, n, rank + rope]; padding masked below
         q = q.float()
         q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w_uk.float())  # [H, b, rank]
         q_full = torch.cat((q_lat.transpose(0, 1), q[..., nope:]), dim=-1)  # [b, H, rank+rope]
@@ -164,3 +175,9 @@ class CpuMLAAttention(AttentionBackend):
             q.transpose(0, 1), k, v, attn_mask=mask, is_causal=mask is None, scale=scale
         )
         return o.transpose(0, 1)
+
+
+def _rows(flat: torch.Tensor, slots: torch.Tensor, k_scale: torch.Tensor | None) -> torch.Tensor:
+    """The latent rows at `slots` as float32; an FP8 cache's dequantized (stored * k_scale)."""
+    rows = flat[slots]
+    return rows.float() if k_scale is None else dequantize_kv(rows, k_scale)

@@ -39,6 +39,8 @@ CAPABILITIES = Capabilities(
     head_sizes=frozenset({32, 64, 80, 96, 128, 256}),
     collectives=True,
     sleep_mode=True,  # host memory: allocator.py
+    # FP8 KV caches (attention.py, mla.py: written quantized, read dequantized)
+    kv_cache_dtypes=frozenset({torch.float8_e4m3fn, torch.float8_e5m2}),
 )
 
 
@@ -51,8 +53,9 @@ def memory_info() -> MemoryInfo:
 def tokenmill_api_version() -> str:
     # the plugin API this plugin was written against (1.1: apply_token_bitmask; 1.3: a
     # LINEAR backend over recurrent state:
-    # gated_delta and kda, and mamba2 on its own backend)
-    return "1.3"
+    # gated_delta and kda, and mamba2 on its own backend; 1.4: its hardware table; 1.7:
+    # FP8 KV caches, Capabilities.kv_cache_dtypes; 1.8: prepack_quantized_linear)
+    return "1.8"
 
 
 @hookimpl
@@ -128,13 +131,19 @@ def tokenmill_ops(platform: Platform) -> dict[str, Callable]:
     }
     if ops.onednn_linear_available():
         overrides["prepack_linear"] = ops.prepack_linear
+    if ops.int4_kernel_available():
+        overrides["prepack_quantized_linear"] = ops.prepack_quantized_linear
     return overrides
 
 
 @hookimpl
-def tokenmill_hardware_spec(platform: Platform) -> HardwareSpec:
+def tokenmill_hardware_spec(platform: Platform | None, device: str | None) -> HardwareSpec | None:
+    """This machine's CPU (estimated from its cores and ISA; `tokenmill plan --calibrate`
+    measures it). Asked by name, the table holds one device: "cpu", this host."""
     from tokenmill_cpu.hardware import estimate_hardware_spec
 
+    if device is not None and device.strip().lower() != "cpu":
+        return None
     return estimate_hardware_spec()
 
 

@@ -34,10 +34,18 @@ from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from tokenmill.kv_connector.objects import ObjectKey
-from tokenmill.kv_connector.registry import TierContext, parse_size
-from tokenmill.kv_connector.tier import KVTier, TierUnavailableError
+import pluggy
 
+from tokenmill.platforms.kv_tier import (
+    KVTier,
+    ObjectKey,
+    TierContext,
+    TierFactory,
+    TierUnavailableError,
+    parse_size,
+)
+
+hookimpl = pluggy.HookimplMarker("tokenmill")
 logger = logging.getLogger(__name__)
 
 _PREFIX = "tokenmill:kv:"
@@ -180,8 +188,18 @@ class MooncakeTier(KVTier):
             self._store = None
 
 
+@hookimpl
+def tokenmill_api_version() -> str:
+    return "1.6"  # the kv_tier plugin kind
+
+
+@hookimpl
+def tokenmill_kv_tiers() -> dict[str, TierFactory]:
+    return {"mooncake": make_mooncake_tier}
+
+
 def make_mooncake_tier(options: Mapping[str, Any], context: TierContext) -> KVTier:
-    """The `mooncake` entry point: options {"url": "mooncake://HOST:PORT?..."}."""
+    """The `mooncake` tier: options {"url": "mooncake://HOST:PORT?..."}."""
     if "url" not in options:
         raise ValueError("the mooncake tier needs a URL: kv_offload_remote='mooncake://HOST:PORT'")
     url = str(options["url"])
@@ -190,7 +208,7 @@ def make_mooncake_tier(options: Mapping[str, Any], context: TierContext) -> KVTi
     unknown = set(query) - {"metadata", "segment", "buffer", "protocol", "local"}
     if unknown:
         raise ValueError(f"kv_offload_remote={url!r}: unknown options {sorted(unknown)}")
-    object_bytes = context.layout.object_bytes
+    object_bytes = context.object_bytes
     segment = parse_size(query.get("segment", "256MiB"), "mooncake segment")
     buffer = parse_size(query.get("buffer", str(max(16 << 20, 4 * object_bytes))), "mooncake buffer")
     return MooncakeTier(

@@ -1,7 +1,7 @@
 """The nvidia platform plugin: tokenmill on NVIDIA GPUs with the shared Triton kernels.
 
 Announced through the entry point group `tokenmill.platforms` (../pyproject.toml). The
-kernels and the hook bodies live in `tokenmill_triton` (shared with the rocm plugin; see
+kernels and the hooks live in `tokenmill_triton` (shared with the rocm plugin; see
 `tokenmill_triton.platform_kit`); this plugin keeps its launch settings (configs.py),
 collectives backend (communicator.py), KV-arena variable (allocator.py), hardware table
 (hardware.py) and probe (probe.py). Importing it imports neither triton nor initialises
@@ -20,21 +20,9 @@ Two modes, decided by the probe:
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-import pluggy
 import torch
 
-from tokenmill.platforms.interfaces import (
-    Allocator,
-    AllocatorPurpose,
-    AttentionBackend,
-    Communicator,
-    DetectionResult,
-    GraphCapture,
-    HardwareSpec,
-    Platform,
-)
+from tokenmill.platforms.interfaces import HardwareSpec
 from tokenmill_nvidia.allocator import KVCACHE_ENV
 from tokenmill_nvidia.communicator import GPU_BACKENDS
 from tokenmill_triton.configs import KernelConfigs
@@ -45,8 +33,8 @@ from tokenmill_triton.platform_kit import (  # noqa: F401 - part of this plugin'
     Probe,
 )
 
-hookimpl = pluggy.HookimplMarker("tokenmill")
 NAME = "nvidia"
+API_VERSION = "1.7"  # 1.7: FP8 KV caches (Capabilities.kv_cache_dtypes)
 
 
 def _interpreter_configs() -> KernelConfigs:
@@ -79,55 +67,18 @@ def _device_spec() -> HardwareSpec:
     return device_spec(torch.cuda.current_device())
 
 
-KIT = GpuPlugin(NAME, _interpreter_configs, _gpu_configs, GPU_BACKENDS, KVCACHE_ENV, _probe,
-                _gpu_platform, _device_spec)
+def _named_spec(device: str) -> HardwareSpec | None:
+    from tokenmill_nvidia.hardware import named_spec
+
+    return named_spec(device)
 
 
-@hookimpl
-def tokenmill_api_version() -> str:
-    return "1.2"  # 1.2: tokenmill_graph_capture returns a GraphCapture
-
-
-@hookimpl
-def tokenmill_detect() -> DetectionResult:
-    return KIT.detect()
-
-
-@hookimpl
-def tokenmill_platform() -> Platform:
-    return KIT.platform()
-
-
-@hookimpl
-def tokenmill_attention_backends(platform: Platform) -> list[AttentionBackend]:
-    return KIT.attention_backends(platform)
-
-
-@hookimpl
-def tokenmill_communicator(platform: Platform, group: object | None) -> Communicator:
-    return KIT.communicator(platform, group)
-
-
-@hookimpl
-def tokenmill_allocator(platform: Platform, purpose: AllocatorPurpose) -> Allocator:
-    return KIT.allocator(platform, purpose)
-
-
-@hookimpl
-def tokenmill_ops(platform: Platform) -> dict[str, Callable]:
-    return KIT.ops(platform)
-
-
-@hookimpl
-def tokenmill_hardware_spec(platform: Platform) -> HardwareSpec:
-    return KIT.hardware_spec(platform)
-
-
-@hookimpl
-def tokenmill_graph_capture(platform: Platform) -> GraphCapture | None:
-    return KIT.graph_capture(platform)
-
-
-@hookimpl
-def tokenmill_waivers(platform: Platform) -> list[tuple[str, str]]:
-    return []
+# the launch settings compiled ahead of time for the conformance suite, by target
+BUILD_TARGETS = (("sm_90", "tokenmill_nvidia.configs:HOPPER"),
+                 ("sm_100", "tokenmill_nvidia.configs:BLACKWELL"))
+# the plugin: GpuPlugin's methods are its hooks; the version is the oldest that has what
+# they use (1.3: LINEAR and MLA backends, Allocator.sleep/wake; 1.4: tokenmill_hardware_spec
+# answers a device named from its table; tokenmill_kernel_builds, 1.5, is held back until
+# the compile records are clean: plugins/triton/compile_records.py calls kernel_builds())
+plugin = GpuPlugin(NAME, API_VERSION, _interpreter_configs, _gpu_configs, GPU_BACKENDS,
+                   KVCACHE_ENV, _probe, _gpu_platform, _device_spec, _named_spec, BUILD_TARGETS)

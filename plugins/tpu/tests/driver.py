@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 
-from tokenmill.step import CachedRequest, NewRequest, SamplingSpec, StepDescription
+from tokenmill.platforms.step import CachedRequest, NewRequest, SamplingSpec, StepDescription
 
 
 def generate(

@@ -12,7 +12,7 @@ import pytest
 import torch
 from driver import generate
 
-from tokenmill.step import SamplingSpec
+from tokenmill.platforms.step import SamplingSpec
 from tokenmill_tpu.compiles import CompileCounter
 from tokenmill_tpu.runner import TpuModelRunner
 
@@ -50,11 +50,11 @@ def test_tensor_parallel_4_gives_the_tokens_of_1(tiny):
 def test_no_recompilation_once_warm(tiny):
     runner = make_runner(tiny, "llama", num_blocks=48)  # a KV shape no other test compiled
     with CompileCounter() as cold:
-        generate(runner, PROMPTS, 3, chunk=16)  # warms the prefill and decode buckets
+        generate(runner, PROMPTS, 3, chunk=16, num_blocks=48)  # warms the step's buckets
     assert cold.count > 0, "the compile counter saw nothing: it counts the wrong event"
     shapes = set(runner.stats.shapes)
     with CompileCounter() as warm:
-        generate(runner, [p[::-1] for p in PROMPTS], 12, chunk=16, first_id=100)
+        generate(runner, [p[::-1] for p in PROMPTS], 12, chunk=16, first_id=100, num_blocks=48)
     assert runner.stats.shapes == shapes
     assert warm.count == 0, f"{warm.count} compilations in a warm run"
 
@@ -84,7 +84,7 @@ def test_penalties_fall_back_to_the_core_sampler(tiny, caplog):
 def test_prompt_logprobs_match_transformers(tiny):
     from transformers import AutoModelForCausalLM
 
-    from tokenmill.step import NewRequest, StepDescription
+    from tokenmill.platforms.step import NewRequest, StepDescription
 
     prompt = PROMPTS[2]
     runner = make_runner(tiny, "qwen3")

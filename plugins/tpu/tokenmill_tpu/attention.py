@@ -1,13 +1,12 @@
 """The attention backend the core sees: torch tensors in, the Pallas kernel inside.
 
 The core's model runner (and conformance tier T1) call `forward` with torch tensors and a
-torch KV cache in the contract's layout `[2, num_blocks, block_size, kv_heads, head]`.
-This backend converts them to the plugin's own layout (`tokenmill_tpu.kernels`: keys and
-values interleaved per KV head), runs the KV write and the ragged paged attention kernel
-in one jitted call, and writes the cache back. The conversions are a host round trip per
-layer: this backend exists so the kernel is certified against the core's reference and
-so the core's torch graph can run on this platform; the plugin's own runner
-(`tokenmill_tpu.runner`) keeps its KV in JAX and never converts.
+torch KV cache in the contract's layout `[2, num_blocks, block_size, kv_heads, head]`,
+which the kernel reads as it is (`tokenmill_tpu.kernels`). This backend runs the KV
+write and the ragged paged attention kernel in one jitted call and writes the cache back:
+a host round trip per layer. It exists so the kernel is certified against the core's
+reference and so the core's torch graph can run on this platform; the plugin's own
+runner (`tokenmill_tpu.runner`) runs a whole step in one call.
 
 Shapes are padded to buckets (`tokenmill_tpu.buckets`) and the sliding window is a
 runtime value, so the kernel compiles once per bucket, not once per step or window.
@@ -97,10 +96,8 @@ class PallasPagedAttention(AttentionBackend):
         _, num_blocks, block_size, kv_heads, head = kv_cache.shape
         cache_dtype = numpy_dtype(kv_cache.dtype)
         blocks = bucket(num_blocks, 16)
-        kv = np.zeros((1, blocks, block_size, 2 * kv_heads, head), cache_dtype)
-        host = to_numpy(kv_cache)  # [2, blocks, block_size, kv_heads, head]
-        kv[0, :num_blocks, :, 0::2] = host[0]
-        kv[0, :num_blocks, :, 1::2] = host[1]
+        kv = np.zeros((1, 2, blocks, block_size, kv_heads, head), cache_dtype)
+        kv[0, :, :num_blocks] = to_numpy(kv_cache)  # [2, blocks, block_size, kv_heads, head]
         slots = np.full(tokens, blocks * block_size, np.int32)  # padding: dropped
         slots[:num_tokens] = to_numpy(metadata.slot_mapping).astype(np.int32)
 
@@ -116,9 +113,7 @@ class PallasPagedAttention(AttentionBackend):
             plan.token_tile, plan.token_row, padded["seq_lens"], padded["tables"],
             scale=float(scale), interpret=self.interpret,
         )
-        new = np.asarray(kv)[0, :num_blocks]
-        kv_cache[0].copy_(to_torch(new[:, :, 0::2]))
-        kv_cache[1].copy_(to_torch(new[:, :, 1::2]))
+        kv_cache.copy_(to_torch(np.asarray(kv)[0, :, :num_blocks]))
         return to_torch(np.asarray(out)[:num_tokens]).to(query.dtype).to(query.device)
 
 

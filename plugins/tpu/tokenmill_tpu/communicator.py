@@ -53,9 +53,11 @@ def join_jax_distributed(backend: str) -> None:
     if backend == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     host = os.environ.get(COORDINATOR_HOST_ENV, "127.0.0.1")
+    address = f"{host}:{int(port.item())}"
+    # the coordinator (on rank 0) listens on that host only, not JAX's default 0.0.0.0
     jax.distributed.initialize(
-        f"{host}:{int(port.item())}", num_processes=dist.get_world_size(),
-        process_id=dist.get_rank(),
+        address, num_processes=dist.get_world_size(), process_id=dist.get_rank(),
+        coordinator_bind_address=address,
     )
 
 

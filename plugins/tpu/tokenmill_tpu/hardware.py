@@ -67,6 +67,19 @@ def tpu_spec(device_kind: str) -> HardwareSpec:
     )
 
 
+def named_spec(device: str) -> HardwareSpec | None:
+    """The published spec of the TPU generation named `device` ("TPU v5e", "v5e",
+    "tpu-v5e", or one of jax's device kinds), for the planner; None when unknown."""
+    def key(text: str) -> str:
+        return text.lower().replace(" ", "").replace("-", "").replace("_", "").removeprefix("tpu")
+
+    wanted = key(device)
+    for generation in TPU_GENERATIONS:
+        if wanted in {key(generation.name), *(key(k) for k in generation.device_kinds)}:
+            return tpu_spec(generation.device_kinds[0])
+    return None
+
+
 def _cpu_flags() -> frozenset[str]:
     if not _CPUINFO.exists():
         return frozenset()

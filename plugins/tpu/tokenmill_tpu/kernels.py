@@ -1,9 +1,12 @@
 """Ragged paged attention in Pallas, and the KV layout it reads.
 
-KV layout (the plugin's own; the core only hands out block ids): every layer's pages live
-in one array `kv [num_layers, num_blocks, block_size, 2 * num_kv_heads, head_size]`, keys
-and values of a KV head interleaved on the third axis (2h = key, 2h + 1 = value). One page
-read brings a block's keys and values together, the layout JAX's own TPU kernel uses.
+KV layout: the contract's (tokenmill.platforms.interfaces.kv_cache_shape), so the kernel
+reads the worker's KV arena as it is: `kv [num_slots, 2, num_blocks, block_size,
+num_kv_heads, head_size]`, arena slot s's keys at [s, 0] and values at [s, 1] (a layer
+reads the slot the core's KV-group plan gives it, with its group's block table). Each
+program copies one page's keys and values of its KV head from HBM to VMEM in one strided
+DMA (`kv[slot, :, block, :, head]`). (JAX's own TPU kernel interleaves keys and values
+per head so that the copy is contiguous; reading the arena in place is worth the stride.)
 
 The kernel takes a whole engine step, prefill chunks and decodes alike, as *query tiles*:
 a tile is up to `tile_size` consecutive query tokens of one sequence (a decode is a tile
@@ -27,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 _MASKED = -1e30  # finite: a fully masked page must not turn the running max into NaN
 
@@ -82,37 +86,53 @@ def plan_tiles(
 
 
 def write_kv(
-    kv: jax.Array, layer: jax.Array, key: jax.Array, value: jax.Array, slots: jax.Array
+    kv: jax.Array, slot: jax.Array, key: jax.Array, value: jax.Array, slots: jax.Array
 ) -> jax.Array:
-    """`kv` with layer `layer`'s slots set to the step's keys and values.
+    """`kv` with arena slot `slot`'s token slots set to the step's keys and values.
 
     key/value [T, kv_heads, head_size]; slots int32 [T] (block * block_size + offset);
     a slot out of range (>= num_blocks * block_size, used for padding tokens) is dropped.
     """
-    num_layers, num_blocks, block_size, heads2, head_size = kv.shape
-    rows = jnp.stack([key, value], axis=2).reshape(key.shape[0], heads2, head_size)
-    flat = kv.reshape(num_layers, num_blocks * block_size, heads2, head_size)
-    flat = flat.at[layer, slots].set(rows.astype(kv.dtype), mode="drop")
+    num_slots, _, num_blocks, block_size, heads, head_size = kv.shape
+    flat = kv.reshape(num_slots, 2, num_blocks * block_size, heads, head_size)
+    flat = flat.at[slot, 0, slots].set(key.astype(kv.dtype), mode="drop")
+    flat = flat.at[slot, 1, slots].set(value.astype(kv.dtype), mode="drop")
     return flat.reshape(kv.shape)
+
+
+def _head_rows(page_ref, kv: int, row, span: int) -> jax.Array:
+    """[block_size, head_size]: keys (kv 0) or values (kv 1) of head `row` (traced, below
+    `span`) of the copied page, read with static indices only (Mosaic indexes the
+    second-minor axis statically)."""
+    out = page_ref[kv, :, 0, :]
+    for j in range(1, span):
+        out = jnp.where(row == j, page_ref[kv, :, j, :], out)
+    return out
 
 
 def _kernel(
     # scalar inputs
     layer_ref, window_ref, tile_seq_ref, tile_pos_ref, tile_len_ref, seq_lens_ref, tables_ref,
     # blocks
-    q_ref,  # [1, tile, group, head_size]
-    kv_ref,  # the whole cache [layers, blocks, block_size, 2 * kv_heads, head_size]
-    o_ref,  # [1, tile, group, head_size]
+    q_ref,  # [1, 1, tile * group, head_size]: the tile's rows of one KV head's group
+    kv_ref,  # the whole arena [slots, 2, blocks, block_size, kv_heads, head_size], in HBM
+    o_ref,  # [1, 1, tile * group, head_size]
+    page_ref,  # VMEM [2, block_size, span, head_size]: a page's keys and values of `span`
+    # KV heads, this program's among them
+    sem,  # the DMA semaphore of the page copy
     *,
     scale: float,
     block_size: int,
+    tile: int,
+    span: int,
 ):
     t, h = pl.program_id(0), pl.program_id(1)
-    _, tile, group, head_size = q_ref.shape
+    _, _, tile_rows, head_size = q_ref.shape
+    group = tile_rows // tile
     layer, window = layer_ref[0], window_ref[0]
     seq, first, rows = tile_seq_ref[t], tile_pos_ref[t], tile_len_ref[t]
     seq_len = seq_lens_ref[seq]
-    q = q_ref[0].astype(jnp.float32).reshape(tile * group, head_size)
+    q = q_ref[0, 0].astype(jnp.float32)
     row = jax.lax.broadcasted_iota(jnp.int32, (tile * group, 1), 0) // group
     q_pos = first + row  # [tile * group, 1]
     last = first + rows - 1
@@ -122,11 +142,17 @@ def _kernel(
     def page_step(i, carry):
         m, denom, acc = carry
         p = lo // block_size + i
-        page = kv_ref[layer, tables_ref[seq, p]]  # [block_size, 2 * kv_heads, head_size]
+        block = tables_ref[seq, p]
+        heads = pl.ds(pl.multiple_of((h // span) * span, span), span)
+        copy = pltpu.make_async_copy(kv_ref.at[layer, :, block, :, heads], page_ref, sem)
+        copy.start()
+        copy.wait()
         k_pos = p * block_size + jax.lax.broadcasted_iota(jnp.int32, (1, block_size), 1)
-        written = (k_pos < seq_len).reshape(block_size, 1)
-        k = jnp.where(written, jax.lax.dynamic_index_in_dim(page, 2 * h, 1, False), 0)
-        v = jnp.where(written, jax.lax.dynamic_index_in_dim(page, 2 * h + 1, 1, False), 0)
+        # [block_size, 1] from its own iota: Mosaic cannot reshape a vector of booleans
+        k_col = p * block_size + jax.lax.broadcasted_iota(jnp.int32, (block_size, 1), 0)
+        written = k_col < seq_len
+        k = jnp.where(written, _head_rows(page_ref, 0, h % span, span), 0)
+        v = jnp.where(written, _head_rows(page_ref, 1, h % span, span), 0)
         s = jax.lax.dot_general(
             q, k.astype(jnp.float32), (((1,), (1,)), ((), ())),
             precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32,
@@ -151,14 +177,14 @@ def _kernel(
     )
     _, denom, acc = jax.lax.fori_loop(0, num_pages, page_step, init)
     out = acc / jnp.where(denom > 0, denom, 1.0)
-    o_ref[0] = out.reshape(tile, group, head_size).astype(o_ref.dtype)
+    o_ref[0, 0] = out.astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret"))
 def ragged_paged_attention(
     q_tiles: jax.Array,  # [num_tiles, tile, num_heads, head_size]
-    kv: jax.Array,  # [layers, blocks, block_size, 2 * kv_heads, head_size]
-    layer: jax.Array,  # int32 [1]
+    kv: jax.Array,  # [slots, 2, blocks, block_size, kv_heads, head_size]
+    layer: jax.Array,  # int32 [1]: the arena slot the layer reads
     window: jax.Array,  # int32 [1]: sliding window, 0 for full attention
     tile_seq: jax.Array,  # int32 [num_tiles]
     tile_pos: jax.Array,  # int32 [num_tiles]
@@ -174,20 +200,36 @@ def ragged_paged_attention(
     The step's keys and values must already be in `kv` (`write_kv`). Does not modify `kv`.
     """
     num_tiles, tile, num_heads, head_size = q_tiles.shape
-    _, _, block_size, heads2, _ = kv.shape
-    num_kv_heads = heads2 // 2
+    _, _, _, block_size, num_kv_heads, _ = kv.shape
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     group = num_heads // num_kv_heads
-    whole = [pl.BlockSpec(memory_space=pl.ANY)]
     scalars = [layer, window, tile_seq, tile_pos, tile_len, seq_lens, block_tables]
-    q_spec = pl.BlockSpec((1, tile, group, head_size), lambda t, h: (t, 0, h, 0))
-    return pl.pallas_call(
-        functools.partial(_kernel, scale=scale, block_size=block_size),
+    # [tiles, kv_heads, tile * group, D]: a program's block spans the last two dims whole,
+    # as Mosaic wants (a [tile, group] block of [tile, heads] is not (8, 128)-aligned)
+    rows = tile * group
+    q_groups = q_tiles.reshape(num_tiles, tile, num_kv_heads, group, head_size)
+    q_groups = q_groups.transpose(0, 2, 1, 3, 4).reshape(num_tiles, num_kv_heads, rows, head_size)
+    q_spec = pl.BlockSpec((1, 1, rows, head_size), lambda t, h, *_: (t, h, 0, 0))
+    # the step's scalars go to SMEM ahead of the grid; pages are copied HBM -> VMEM, `span`
+    # KV heads at a time: a copy's head offset must be a multiple of the dtype's packing
+    # (2 for 16-bit, 4 for 8-bit), or the page's whole head axis where that does not divide
+    pack = max(1, 4 // jnp.dtype(kv.dtype).itemsize)
+    span = pack if num_kv_heads % pack == 0 else num_kv_heads
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=len(scalars),
         grid=(num_tiles, num_kv_heads),
-        in_specs=whole * len(scalars) + [q_spec] + whole,
+        in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=q_spec,
-        out_shape=jax.ShapeDtypeStruct(q_tiles.shape, q_tiles.dtype),
+        scratch_shapes=[pltpu.VMEM((2, block_size, span, head_size), kv.dtype),
+                        pltpu.SemaphoreType.DMA(())],
+    )
+    out = pl.pallas_call(
+        functools.partial(_kernel, scale=scale, block_size=block_size, tile=tile, span=span),
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct(q_groups.shape, q_tiles.dtype),
         interpret=interpret,
         name="tokenmill_ragged_paged_attention",
-    )(*scalars, q_tiles, kv)
+    )(*scalars, q_groups, kv)
+    out = out.reshape(num_tiles, num_kv_heads, tile, group, head_size).transpose(0, 2, 1, 3, 4)
+    return out.reshape(q_tiles.shape)

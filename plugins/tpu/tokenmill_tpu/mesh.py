@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -71,11 +70,8 @@ def shard_params(mesh: Mesh, cfg: ModelConfig, params: dict[str, Any]) -> dict[s
     return {**top, "layers": layers}
 
 
-def zeros_kv(mesh: Mesh, cfg: ModelConfig, shape: tuple[int, ...], dtype) -> jax.Array:
-    """A zeroed KV array [layers, blocks, block_size, 2 * kv_heads, head] split by KV heads
-    (whole key/value pairs per device) where they divide, else replicated. Made by a
-    jitted call, as every later KV array is (by the step): an array placed by
-    `device_put` instead is a different jit cache key, one more compilation."""
-    axis = 3 if kv_heads_split(mesh, cfg) else None
-    sharding = NamedSharding(mesh, _spec(len(shape), axis))
-    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+def kv_sharding(mesh: Mesh, cfg: ModelConfig, ndim: int, head_axis: int) -> NamedSharding:
+    """How a KV array of `ndim` axes with KV heads on `head_axis` lies on `mesh`: split by
+    KV heads (whole key/value pairs per device) where they divide, else replicated."""
+    axis = head_axis if kv_heads_split(mesh, cfg) else None
+    return NamedSharding(mesh, _spec(ndim, axis))

@@ -3,9 +3,11 @@
 One jitted function runs a whole engine step (`forward`): embed, the decoder layers as a
 `lax.scan` over weights stacked by layer (one compiled layer body however deep the
 model), the final norm on the rows that sample, the logits. Each layer writes its keys and
-values into the plugin's KV array and attends through the Pallas kernel
-(`tokenmill_tpu.kernels`); the layer's sliding window and rotary table are scanned values,
-so Gemma 3's interleaved sliding and global layers share the one body.
+values into the KV arena's pages (a JAX array over the worker's arena, in the contract's
+layout) and attends through the Pallas kernel (`tokenmill_tpu.kernels`); the layer's arena
+slot, KV group (its block table), sliding window and rotary table are scanned values, so
+Gemma 3's interleaved sliding and global layers share the one body. The step returns the
+keys and values it wrote, which the runner copies into the arena itself.
 
 | model_type  | q/k/v bias     | q/k norm      | norms         | MLP act  | embed scale | attention scale          |
 |-------------|----------------|---------------|---------------|----------|-------------|--------------------------|
@@ -136,14 +138,11 @@ class StepShape:
 
     tile_size: int
     interpret: bool
-    # the KV array's sharding, kept on the output: an output laid out differently from the
-    # input would make the next step's call a new compilation
-    kv_sharding: jax.sharding.Sharding | None = None
 
 
 def _layer(cfg: ModelConfig, shape: StepShape, batch: dict, carry, layer):
     hidden, kv = carry
-    w, index, window, table = layer
+    w, slot, group, window, table = layer
     T = hidden.shape[0]
     h = rms_norm(hidden, w["input_norm"], cfg.rms_norm_eps, cfg.gemma)
     q = _linear(h, w["q"], w.get("q_bias")).reshape(T, cfg.num_heads, cfg.head_size)
@@ -154,11 +153,11 @@ def _layer(cfg: ModelConfig, shape: StepShape, batch: dict, carry, layer):
         k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps, cfg.gemma)
     cos_sin = batch["rope"][table][batch["positions"]]
     q, k = rotary(q, cos_sin), rotary(k, cos_sin)
-    kv = write_kv(kv, index, k, v, batch["slots"])
+    kv = write_kv(kv, slot, k, v, batch["slots"][group])
     out = ragged_paged_attention(
-        gather_tiles(q, batch["tile_token"], shape.tile_size), kv, index[None], window[None],
+        gather_tiles(q, batch["tile_token"], shape.tile_size), kv, slot[None], window[None],
         batch["tile_seq"], batch["tile_pos"], batch["tile_len"], batch["seq_lens"],
-        batch["block_tables"], scale=cfg.attention_scale, interpret=shape.interpret,
+        batch["block_tables"][group], scale=cfg.attention_scale, interpret=shape.interpret,
     )
     attn = out[batch["token_tile"], batch["token_row"]].reshape(T, cfg.q_size)
     attn = _linear(attn, w["o"], w.get("o_bias"))
@@ -174,17 +173,21 @@ def _layer(cfg: ModelConfig, shape: StepShape, batch: dict, carry, layer):
     mlp = _linear(act * up, w["down"], w.get("down_bias"))
     if cfg.gemma:
         mlp = rms_norm(mlp, w["post_ff_norm"], cfg.rms_norm_eps, True)
-    return (hidden + mlp, kv), None
+    return (hidden + mlp, kv), (k.astype(kv.dtype), v.astype(kv.dtype))
 
 
-@partial(jax.jit, static_argnames=("cfg", "shape"), donate_argnames=("kv",))
+@partial(jax.jit, static_argnames=("cfg", "shape"))
 def forward(params: dict, kv: jax.Array, batch: dict, *, cfg: ModelConfig, shape: StepShape):
-    """One engine step: (float32 logits [num_sample_rows, vocab], the updated kv).
+    """One engine step: (float32 logits [num_sample_rows, vocab], the keys and values it
+    wrote [num_layers, T, kv_heads, head_size] each).
 
-    `batch` holds the step's padded int32 arrays: input_ids, positions, slots (padding
-    tokens point past the cache and write nothing), the query-tile plan, seq_lens,
-    block_tables, sample_rows (the token index of each row that samples) and the rotary
-    tables `rope` [2, max_position, rotary_dim]. `kv` is donated: updated in place.
+    `kv` is the arena [num_slots, 2, num_blocks, block_size, kv_heads, head_size] (read,
+    never modified: the caller writes the returned keys and values into its pages).
+    `batch` holds the step's padded int32 arrays: input_ids, positions, slots [groups, T]
+    (per KV group; padding tokens point past the cache and write nothing), the query-tile
+    plan, seq_lens, block_tables [groups, num_seqs, pages], sample_rows (the token index
+    of each row that samples), the per-layer arena slot `layer_slots` and KV group
+    `layer_groups`, and the rotary tables `rope` [2, max_position, rotary_dim].
     """
     embed = params["embed"]
     hidden = embed[batch["input_ids"]]
@@ -192,16 +195,17 @@ def forward(params: dict, kv: jax.Array, batch: dict, *, cfg: ModelConfig, shape
         hidden = hidden * jnp.asarray(cfg.hidden_size**0.5, hidden.dtype)
     layers = (
         params["layers"],
-        jnp.arange(cfg.num_layers, dtype=jnp.int32),
+        batch["layer_slots"],
+        batch["layer_groups"],
         jnp.asarray(cfg.windows, jnp.int32),
         jnp.asarray(cfg.rope_tables, jnp.int32),
     )
-    (hidden, kv), _ = jax.lax.scan(partial(_layer, cfg, shape, batch), (hidden, kv), layers)
+    (hidden, _), (keys, values) = jax.lax.scan(
+        partial(_layer, cfg, shape, batch), (hidden, kv), layers
+    )
     rows = rms_norm(hidden[batch["sample_rows"]], params["final_norm"], cfg.rms_norm_eps, cfg.gemma)
     head = embed.T if cfg.tie_word_embeddings else params["lm_head"]
     logits = jnp.dot(rows, head, precision=jax.lax.Precision.HIGHEST).astype(jnp.float32)
     if cfg.final_logit_softcap:
         logits = jnp.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
-    if shape.kv_sharding is not None:
-        kv = jax.lax.with_sharding_constraint(kv, shape.kv_sharding)
-    return logits, kv
+    return logits, keys, values

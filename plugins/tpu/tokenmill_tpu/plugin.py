@@ -29,6 +29,7 @@ from tokenmill.platforms.interfaces import (
     Communicator,
     DetectionResult,
     HardwareSpec,
+    KernelBuild,
     MemoryInfo,
     ModelRunnerBase,
     ModelRunnerContext,
@@ -78,7 +79,9 @@ def _memory_info() -> MemoryInfo:
 
 @hookimpl
 def tokenmill_api_version() -> str:
-    return "1.2"  # 1.2: tokenmill_model_runner takes a ModelRunnerContext
+    # 1.4: a device named from the hardware table; 1.5: tokenmill_kernel_builds; 1.6: the
+    # runner seam (RunnerCapabilities, the worker's KV pages)
+    return "1.6"
 
 
 @hookimpl
@@ -131,9 +134,11 @@ def tokenmill_allocator(platform: Platform, purpose: AllocatorPurpose) -> Alloca
 
 
 @hookimpl
-def tokenmill_hardware_spec(platform: Platform) -> HardwareSpec:
+def tokenmill_hardware_spec(platform: Platform | None, device: str | None) -> HardwareSpec | None:
     from tokenmill_tpu import hardware
 
+    if device is not None:
+        return hardware.named_spec(device)
     if _backend() == "cpu":
         return hardware.jax_cpu_spec(forced_cpu_device_count())
     import jax
@@ -143,12 +148,15 @@ def tokenmill_hardware_spec(platform: Platform) -> HardwareSpec:
 
 @hookimpl
 def tokenmill_model_runner(platform: Platform, context: ModelRunnerContext) -> ModelRunnerBase | None:
-    """The JAX runner for every model type it knows (the core's runner for the others),
-    tensor parallel over `$TOKENMILL_TPU_TENSOR_PARALLEL` JAX devices of this process."""
+    """The JAX runner for every model type it knows (llama, qwen2, qwen3, gemma3_text, and
+    the hybrid bamba; the core's runner for the others), tensor parallel over
+    `$TOKENMILL_TPU_TENSOR_PARALLEL` JAX devices of this process (one for bamba)."""
+    from tokenmill_tpu.hybrid import TpuBambaRunner
     from tokenmill_tpu.model import SUPPORTED_MODEL_TYPES
     from tokenmill_tpu.runner import TpuModelRunner
 
-    if context.hf_config.model_type not in SUPPORTED_MODEL_TYPES:
+    model_type = context.hf_config.model_type
+    if model_type not in (*SUPPORTED_MODEL_TYPES, "bamba"):
         return None
     if context.parallel.world_size != 1:
         raise ValueError(
@@ -156,9 +164,24 @@ def tokenmill_model_runner(platform: Platform, context: ModelRunnerContext) -> M
             f"sharding); got an engine of {context.parallel.world_size} worker processes. "
             f"Use one worker and set ${TENSOR_PARALLEL_ENV}=N"
         )
-    return TpuModelRunner.from_context(
+    quantization = getattr(context, "quantization", "none")  # 1.8
+    if quantization != "none":
+        raise ValueError(
+            f"the tpu runner takes dense weights only; quantization {quantization!r} "
+            f"({context.model_path}) is not supported on it: pass --quantization none "
+            "(LLM(quantization='none')) to run the checkpoint dequantized to --dtype"
+        )
+    runner = TpuBambaRunner if model_type == "bamba" else TpuModelRunner
+    return runner.from_context(
         context, interpret=_backend() == "cpu", tensor_parallel_size=tensor_parallel_size(),
     )
+
+
+@hookimpl
+def tokenmill_kernel_builds(platform: Platform) -> list[KernelBuild]:
+    from tokenmill_tpu.aot import builds_in_subprocess
+
+    return builds_in_subprocess()
 
 
 @hookimpl

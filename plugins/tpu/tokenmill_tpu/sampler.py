@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tokenmill.runner_state import RequestState
-from tokenmill.step import SamplingSpec
+from tokenmill.platforms.kit.runner_state import RequestState
+from tokenmill.platforms.step import SamplingSpec
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class JaxSampler:
         return np.asarray(ids)[: len(states)].tolist()
 
     def _key(self, state: RequestState | None, step_id: int, row: int) -> np.ndarray:
-        # a seeded request's generator carries its seed (tokenmill.runner_state)
+        # a seeded request's generator carries its seed (tokenmill.platforms.kit.runner_state)
         seed = None if state is None or state.generator is None else state.generator.initial_seed()
         if seed is not None:
             # PRNGKey takes 32 bits without x64; a seed's low 32 bits name its stream

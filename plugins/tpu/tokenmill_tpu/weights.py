@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tokenmill.model.layers import build_cos_sin_cache, rope_parameters
+from tokenmill.platforms.ops.rotary import build_cos_sin_cache, rope_parameters
 from tokenmill_tpu.convert import numpy_dtype, to_numpy
 from tokenmill_tpu.model import ModelConfig
 

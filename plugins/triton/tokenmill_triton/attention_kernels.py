@@ -20,10 +20,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tokenmill_triton.rounding import fp8_bits, to_dtype
+
 
 @triton.jit
 def write_kv_kernel(
-    key_ptr, value_ptr, cache_ptr, slot_ptr,
+    key_ptr, value_ptr, cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cache_kv, stride_cache_block, stride_cache_slot, stride_cache_head,
     num_tokens, num_kv_heads, block_size,
@@ -31,6 +33,11 @@ def write_kv_kernel(
     HEAD_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr,  # tokens per program
     BLOCK_C: tl.constexpr,  # (head, dim) columns per program: a multiple of HEAD_PAD
+    QUANTIZED: tl.constexpr,  # an FP8 cache (viewed as uint8): x / scale[head], saturated
+    FP8_MAX: tl.constexpr,  # the format's largest finite value, and its layout (fp8_bits)
+    FP8_MANT: tl.constexpr,
+    FP8_MIN_EXP: tl.constexpr,
+    FP8_BIAS: tl.constexpr,
 ):
     """Program (t, c): tokens [t * BLOCK_T, ...) x columns [c * BLOCK_C, ...) of their key and
     value rows into their slots (slot < 0: padding, skipped)."""
@@ -45,10 +52,19 @@ def write_kv_kernel(
     t64 = tokens.to(tl.int64)[:, None]
     k = tl.load(key_ptr + t64 * stride_kt + (head * stride_kh + dim)[None, :], mask=mask)
     v = tl.load(value_ptr + t64 * stride_vt + (head * stride_vh + dim)[None, :], mask=mask)
+    if QUANTIZED:  # tokenmill.platforms.ops.kv_quant.quantize_kv, per KV head
+        k_s = tl.load(k_scale_ptr + head, mask=col_ok, other=1.0)
+        v_s = tl.load(v_scale_ptr + head, mask=col_ok, other=1.0)
+        k = tl.minimum(tl.maximum(k.to(tl.float32) / k_s[None, :], -FP8_MAX), FP8_MAX)
+        v = tl.minimum(tl.maximum(v.to(tl.float32) / v_s[None, :], -FP8_MAX), FP8_MAX)
     row = (slot // block_size) * stride_cache_block + (slot % block_size) * stride_cache_slot
     dest = cache_ptr + row[:, None] + (head * stride_cache_head + dim)[None, :]
-    tl.store(dest, k.to(cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(dest + stride_cache_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
+    if QUANTIZED:
+        tl.store(dest, fp8_bits(k, FP8_MANT, FP8_MIN_EXP, FP8_BIAS), mask=mask)
+        tl.store(dest + stride_cache_kv, fp8_bits(v, FP8_MANT, FP8_MIN_EXP, FP8_BIAS), mask=mask)
+    else:
+        tl.store(dest, k.to(cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(dest + stride_cache_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -69,7 +85,7 @@ def _find_sequence(query_start_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
 @triton.jit
 def paged_attention_kernel(
     q_ptr, out_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, query_start_ptr, sinks_ptr,
-    partial_out_ptr, partial_max_ptr, partial_sum_ptr,
+    partial_out_ptr, partial_max_ptr, partial_sum_ptr, k_scale_ptr, v_scale_ptr,
     scale, num_seqs, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cache_kv, stride_cache_block, stride_cache_slot, stride_cache_head,
@@ -86,6 +102,8 @@ def paged_attention_kernel(
     NUM_SEGMENTS: tl.constexpr,  # 1: write `out`; > 1: write this segment's partials
     UPCAST: tl.constexpr,  # float32 tiles into tl.dot (bf16 in the interpreter)
     DOT_PRECISION: tl.constexpr,
+    RTNE_BF16: tl.constexpr,  # round the bf16 output to nearest even (the interpreter truncates)
+    QUANTIZED: tl.constexpr,  # an FP8 cache: keys and values read as stored * scale[kv_head]
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     q_block = tl.program_id(0)
@@ -114,6 +132,9 @@ def paged_attention_kernel(
     q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
+    if QUANTIZED:
+        k_scale = tl.load(k_scale_ptr + kv_head)
+        v_scale = tl.load(v_scale_ptr + kv_head)
 
     # Keys visible to any row of this block: [kv_begin, kv_end).
     last_token = tl.minimum(q_len, (local_block + 1) * BLOCK_Q) - 1
@@ -142,7 +163,10 @@ def paged_attention_kernel(
         kv_mask = k_valid[:, None] & dim_valid[None, :]
         k = tl.load(k_base + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
+        if QUANTIZED:  # dequantized into the query's dtype for the dots
+            k = (k.to(tl.float32) * k_scale).to(q.dtype)
+            v = (v.to(tl.float32) * v_scale).to(q.dtype)
+        elif UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
@@ -170,8 +194,8 @@ def paged_attention_kernel(
             acc = acc * rescale[:, None]
         result = acc / tl.where(running_sum == 0.0, 1.0, running_sum)[:, None]
         o_offsets = (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh
-        tl.store(out_ptr + o_offsets + dims[None, :], result.to(out_ptr.dtype.element_ty),
-                 mask=q_mask)
+        tl.store(out_ptr + o_offsets + dims[None, :],
+                 to_dtype(result, out_ptr.dtype.element_ty, RTNE_BF16), mask=q_mask)
     else:
         # partials: [num_tokens, num_heads, NUM_SEGMENTS] (+ HEAD_PAD for the output)
         num_heads = tl.num_programs(1) * group
@@ -190,6 +214,7 @@ def combine_segments_kernel(
     HEAD_PAD: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    RTNE_BF16: tl.constexpr,
 ):
     """One program per (token, head): merge the split-K partials (log-sum-exp rescaling)."""
     token = tl.program_id(0)
@@ -211,4 +236,4 @@ def combine_segments_kernel(
     parts = tl.load(partial_out_ptr + (base + segments)[:, None] * HEAD_PAD + dims[None, :])
     merged = tl.sum(parts * weights[:, None], axis=0) / total
     tl.store(out_ptr + token * stride_ot + head * stride_oh + dims,
-             merged.to(out_ptr.dtype.element_ty), mask=dims < HEAD)
+             to_dtype(merged, out_ptr.dtype.element_ty, RTNE_BF16), mask=dims < HEAD)

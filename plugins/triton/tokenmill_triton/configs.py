@@ -86,11 +86,14 @@ class LinearAttentionConfig:
 @dataclass(frozen=True, slots=True)
 class MLAConfig:
     """Latent attention (tokenmill_triton.mla): heads of one token per program (they share
-    every latent tile), keys per inner-loop tile."""
+    every latent tile), keys per inner-loop tile, latent output columns per program
+    (block_r) and latent columns per step of the score (block_k)."""
 
     block_h: int = 16
     tile_n: int = 32
     num_warps: int = 4
+    block_r: int = 128
+    block_k: int = 64
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
 """Row-wise Triton kernels: RMSNorm, fused add + RMSNorm, rotary, SiLU-and-mul, the token
 bitmask. Each wrapper has the signature and the rounding of its reference in
-`tokenmill.ops.reference` (math in float32, rounded where the reference rounds), and
+`tokenmill.platforms.ops.reference` (math in float32, rounded where the reference rounds), and
 takes the plugin's `ElementwiseConfig`.
 """
 
@@ -21,6 +21,7 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     ROWS: tl.constexpr,  # rows per program: several when rows are short
     BLOCK: tl.constexpr,
+    RTNE: tl.constexpr,  # bf16 casts rounded to nearest even (the interpreter truncates)
 ):
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
     cols = tl.arange(0, BLOCK)[None, :]
@@ -28,14 +29,15 @@ def _rms_norm_kernel(
     x = tl.load(x_ptr + rows * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + rows * stride_r + cols, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(summed_ptr.dtype.element_ty)
+        x = to_dtype(x.to(tl.float32) + r.to(tl.float32), summed_ptr.dtype.element_ty, RTNE)
         tl.store(summed_ptr + rows * stride_s + cols, x, mask=mask)
     x32 = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=1) / n_cols + eps)
     # the reference rounds the normalised row to the input dtype, then multiplies by weight
-    normed = (x32 * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
+    normed = to_dtype(x32 * rstd[:, None], x_ptr.dtype.element_ty, RTNE).to(tl.float32)
     w = tl.load(weight_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rows * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + rows * stride_o + cols, to_dtype(normed * w, out_ptr.dtype.element_ty, RTNE),
+             mask=mask)
 
 
 def rms_norm(
@@ -81,6 +83,7 @@ def _rms_norm(x, residual, weight, eps, config):
             HAS_RESIDUAL=residual is not None,
             ROWS=per_program,
             BLOCK=block,
+            RTNE=exact_bf16_casts(),
             num_warps=config.num_warps,
         )
     out = out.view(x.shape)
@@ -97,6 +100,7 @@ def _rotary_kernel(
     HEAD_PAD: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     TOKENS: tl.constexpr,  # tokens per program
+    RTNE: tl.constexpr,  # bf16 casts rounded to nearest even (the interpreter truncates)
 ):
     """Rotate-half on the first 2 * HALF dims of every head of TOKENS tokens; copy the rest.
     Tiles are [TOKENS, HEADS_PAD, HALF_PAD]."""
@@ -117,8 +121,8 @@ def _rotary_kernel(
     x1 = tl.load(x_row + half, mask=rot_mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_row + HALF + half, mask=rot_mask, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
-    tl.store(o_row + half, (x1 * cos - x2 * sin).to(dtype), mask=rot_mask)
-    tl.store(o_row + HALF + half, (x2 * cos + x1 * sin).to(dtype), mask=rot_mask)
+    tl.store(o_row + half, to_dtype(x1 * cos - x2 * sin, dtype, RTNE), mask=rot_mask)
+    tl.store(o_row + HALF + half, to_dtype(x2 * cos + x1 * sin, dtype, RTNE), mask=rot_mask)
     if 2 * HALF < HEAD:  # the dims past rotary_dim are copied unchanged
         rest = tl.arange(0, HEAD_PAD)[None, None, :]
         rest_mask = head_ok & (rest >= 2 * HALF) & (rest < HEAD)
@@ -154,7 +158,8 @@ def _rotate(positions, x, cache, half, config):
             x.stride(0), x.stride(1), out.stride(0), out.stride(1), cache.stride(0),
             num_tokens, num_heads,
             HALF=half, HALF_PAD=triton.next_power_of_2(half), HEAD=head, HEAD_PAD=head_pad,
-            HEADS_PAD=heads_pad, TOKENS=per_program, num_warps=config.num_warps,
+            HEADS_PAD=heads_pad, TOKENS=per_program, RTNE=exact_bf16_casts(),
+            num_warps=config.num_warps,
         )
     return out
 

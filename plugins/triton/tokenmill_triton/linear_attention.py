@@ -3,7 +3,7 @@
 Kimi Delta Attention, "mamba2": the SSD of Bamba and the other Mamba2 hybrids) over states
 in the KV arena, on the kernels of tokenmill_triton.gated_delta, .kda and .mamba2.
 
-One step, all sequences at once (the reference, `tokenmill.ops.linear_attention`, goes
+One step, all sequences at once (the reference, `tokenmill.platforms.ops.linear_attention`, goes
 sequence by sequence and piece by piece): read every sequence's state (zeros at token 0,
 a checkpoint's pages after a prefix hit, else its slot), run the conv kernel (each
 variant has a causal conv in front of its recurrence: the same kernel), then the
@@ -21,14 +21,14 @@ from typing import Any
 
 import torch
 
-from tokenmill.kv.state import read_states, write_states, zero_states
-from tokenmill.ops.linear_attention import GatedDeltaInputs, KDAInputs, split_qkv
-from tokenmill.ops.mamba2 import Mamba2Inputs
 from tokenmill.platforms.interfaces import (
     AttentionMetadata,
     AttentionSpec,
     LinearAttentionBackend,
 )
+from tokenmill.platforms.kit.kv_state import read_states, write_states, zero_states
+from tokenmill.platforms.ops.linear_attention import GatedDeltaInputs, KDAInputs, split_qkv
+from tokenmill.platforms.ops.mamba2 import Mamba2Inputs
 from tokenmill_triton import gated_delta, kda, mamba2
 from tokenmill_triton.configs import KernelConfigs
 

@@ -3,7 +3,7 @@
 size discretized in-kernel. The causal conv in front is
 `tokenmill_triton.gated_delta.causal_conv1d` (the same op, with Mamba2's bias).
 
-The references are `tokenmill.ops.mamba2` (`mamba2_chunked`, `mamba2_state_update`, and
+The references are `tokenmill.platforms.ops.mamba2` (`mamba2_chunked`, `mamba2_state_update`, and
 `discretize_dt`: dt = clamp(softplus(dt_raw + dt_bias), dt_limit)). Here every kernel
 takes the step's tokens flattened:
 
@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from tokenmill_triton.configs import KernelConfigs
-from tokenmill_triton.gated_delta import chunk_table, query_starts
+from tokenmill_triton.delta_rule import chunk_table, query_starts
 from tokenmill_triton.rounding import exact_bf16_casts, to_dtype
 
 

@@ -10,7 +10,7 @@ from tokenmill_triton.configs import KernelConfigs
 
 
 def make_ops(configs: KernelConfigs) -> dict[str, Callable]:
-    """Op name -> kernel wrapper with the reference's signature (tokenmill.ops.reference).
+    """Op name -> kernel wrapper with the reference's signature (tokenmill.platforms.ops.reference).
 
     prepack_linear, copy_blocks and swap_blocks stay the core's references: they are one
     vendor GEMM or one indexed copy each already. moe_experts is the grouped-GEMM kernel

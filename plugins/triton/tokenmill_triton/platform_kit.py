@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 
+import pluggy
 import torch
 
 from tokenmill.platforms.interfaces import (
@@ -27,13 +28,17 @@ from tokenmill.platforms.interfaces import (
     DetectionResult,
     GraphCapture,
     HardwareSpec,
+    KernelBuild,
     MemoryInfo,
     Platform,
 )
 from tokenmill_triton.configs import KernelConfigs, interpreter_mode
 
+hookimpl = pluggy.HookimplMarker("tokenmill")
+
 KINDS = frozenset({AttentionKind.FULL, AttentionKind.SLIDING_WINDOW, AttentionKind.LINEAR,
                    AttentionKind.MLA})
+FP8_KV = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
 GPU_CAPABILITIES = Capabilities(
     attention_kinds=KINDS,
     dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
@@ -42,6 +47,7 @@ GPU_CAPABILITIES = Capabilities(
     collectives=True,
     graphs=True,  # CUDA/HIP graphs of the decode step (tokenmill_triton.graphs); never interpreted
     sleep_mode=True,
+    kv_cache_dtypes=FP8_KV,  # attention.py, mla.py: written quantized, read dequantized
 )
 # The interpreter runs every program in Python (~1 ms per tensor op), so the certified set
 # is smaller there: float32 (exact) and bfloat16 (the GPU default, through float32-upcast
@@ -55,6 +61,7 @@ INTERPRETER_CAPABILITIES = Capabilities(
     collectives=True,
     graphs=False,
     sleep_mode=True,
+    kv_cache_dtypes=FP8_KV,
 )
 INTERPRETER_BACKENDS = frozenset({"gloo"})
 # Allocator limits as fractions of free (KV arena) or total (weights) memory on a GPU, and of
@@ -110,16 +117,22 @@ def host_memory_info() -> MemoryInfo:
 
 @dataclass(frozen=True, slots=True)
 class GpuPlugin:
-    """One GPU plugin's own parts; the methods are its hooks' bodies.
+    """One GPU platform plugin: its own parts, and the hooks over them.
 
-    `interpreter_configs` and `gpu_configs()` are its launch settings; `gpu_backends` the
-    torch.distributed backends its collectives accept on a GPU; `kvcache_env` the variable
-    that fixes its KV arena in GiB; `probe()` its device probe; `gpu_platform()` its GPU's
-    (default dtype, version text); `device_spec()` its hardware table's entry for the
-    current device. The callables run only inside hooks, so they may touch the device.
+    `api_version` is the plugin API version the plugin declares (the oldest that has what
+    these hooks use: tokenmill.platforms.versions); `interpreter_configs` and
+    `gpu_configs()` are its launch settings; `gpu_backends` the torch.distributed backends
+    its collectives accept on a GPU; `kvcache_env` the variable that fixes its KV arena in
+    GiB; `probe()` its device probe; `gpu_platform()` its GPU's (default dtype, version
+    text); `device_spec()` its hardware table's entry for the current device;
+    `named_spec(name)` the table's entry for a device asked for by name (the planner; no
+    device touched). The callables run only inside hooks, so they may touch the device.
+    `kernel_builds()` is not a hook yet: it becomes `tokenmill_kernel_builds` (API 1.5)
+    once the plugins' compile records are clean.
     """
 
     name: str
+    api_version: str
     interpreter_configs: Callable[[], KernelConfigs]
     gpu_configs: Callable[[], KernelConfigs]
     gpu_backends: frozenset[str]
@@ -127,15 +140,25 @@ class GpuPlugin:
     probe: Callable[[], Probe]
     gpu_platform: Callable[[], tuple[torch.dtype, str]]
     device_spec: Callable[[], HardwareSpec]
+    named_spec: Callable[[str], HardwareSpec | None]
+    # real target -> its launch settings as 'module:ATTRIBUTE', compiled ahead of time for
+    # the conformance suite (tokenmill_kernel_builds)
+    build_targets: tuple[tuple[str, str], ...] = ()
+
+    @hookimpl
+    def tokenmill_api_version(self) -> str:
+        return self.api_version
 
     def configs(self, platform: Platform) -> KernelConfigs:
         return self.interpreter_configs() if is_interpreter(platform) else self.gpu_configs()
 
-    def detect(self) -> DetectionResult:
+    @hookimpl
+    def tokenmill_detect(self) -> DetectionResult:
         found = self.probe()
         return DetectionResult(found.available, found.reason)
 
-    def platform(self) -> Platform:
+    @hookimpl
+    def tokenmill_platform(self) -> Platform:
         triton_version = metadata.version("triton")
         if self.probe().interpreter:
             return Platform(
@@ -160,7 +183,8 @@ class GpuPlugin:
             version=f"triton {triton_version}, {details}",
         )
 
-    def attention_backends(self, platform: Platform) -> list[AttentionBackend]:
+    @hookimpl
+    def tokenmill_attention_backends(self, platform: Platform) -> list[AttentionBackend]:
         from tokenmill_triton.attention import TritonPagedAttention
         from tokenmill_triton.linear_attention import TritonLinearAttention
         from tokenmill_triton.mla import TritonMLAAttention
@@ -170,24 +194,33 @@ class GpuPlugin:
         return [TritonPagedAttention(kind, configs, self.name) for kind in paged] + [
             TritonLinearAttention(configs, self.name), TritonMLAAttention(configs, self.name)]
 
-    def communicator(self, platform: Platform, group: object | None) -> Communicator:
+    @hookimpl
+    def tokenmill_communicator(self, platform: Platform, group: object | None) -> Communicator:
         from tokenmill_triton.distributed import make_communicator
 
         backends = INTERPRETER_BACKENDS if is_interpreter(platform) else self.gpu_backends
         return make_communicator(group, backends, self.name)
 
-    def allocator(self, platform: Platform, purpose: AllocatorPurpose) -> Allocator:
+    @hookimpl
+    def tokenmill_allocator(self, platform: Platform, purpose: AllocatorPurpose) -> Allocator:
         from tokenmill_triton.memory import make_device_allocator
 
         return make_device_allocator(purpose, is_interpreter(platform), self.name,
                                      self.kvcache_env, GPU_FRACTIONS, HOST_FRACTIONS)
 
-    def ops(self, platform: Platform) -> dict[str, Callable]:
+    @hookimpl
+    def tokenmill_ops(self, platform: Platform) -> dict[str, Callable]:
         from tokenmill_triton.ops import make_ops
 
         return make_ops(self.configs(platform))
 
-    def hardware_spec(self, platform: Platform) -> HardwareSpec:
+    @hookimpl
+    def tokenmill_hardware_spec(
+        self, platform: Platform | None, device: str | None
+    ) -> HardwareSpec | None:
+        if device is not None:
+            return self.named_spec(device)
+        assert platform is not None, "the active device's spec needs the active platform"
         if not is_interpreter(platform):
             return self.device_spec()
         # nominal: the interpreter's speed says nothing about a GPU (T5 is not its job)
@@ -198,9 +231,22 @@ class GpuPlugin:
             memory_bytes=host_memory_info().total_bytes,
         )
 
-    def graph_capture(self, platform: Platform) -> GraphCapture | None:
+    def kernel_builds(self) -> list[KernelBuild]:
+        """Every kernel and launch configuration compiled for each of `build_targets`
+        (tokenmill_triton.aot: no GPU needed, whatever mode the platform runs in)."""
+        from tokenmill_triton.aot import compile_plugin
+
+        records = compile_plugin(dict(self.build_targets))
+        return [KernelBuild(**record) for record in records]
+
+    @hookimpl
+    def tokenmill_graph_capture(self, platform: Platform) -> GraphCapture | None:
         if is_interpreter(platform):  # graphs need a GPU stream; the interpreter has none
             return None
         from tokenmill_triton.graphs import CudaGraphCapture
 
         return CudaGraphCapture()  # torch.cuda.CUDAGraph records a HIP graph on ROCm
+
+    @hookimpl
+    def tokenmill_waivers(self, platform: Platform) -> list[tuple[str, str]]:
+        return []

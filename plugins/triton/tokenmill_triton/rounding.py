@@ -46,3 +46,29 @@ def to_dtype(x, dtype: tl.constexpr, RTNE_BF16: tl.constexpr):
     if RTNE_BF16 and dtype == tl.bfloat16:
         return round_to_bf16(x.to(tl.float32))
     return x.to(dtype)
+
+
+@triton.jit
+def fp8_bits(x, MANT: tl.constexpr, MIN_EXP: tl.constexpr, BIAS: tl.constexpr):
+    """The FP8 code (uint8) of float32 `x`, already saturated to the format's finite range,
+    rounded to nearest even as torch's cast rounds: `MANT` mantissa bits, `MIN_EXP` the
+    smallest normal exponent, `BIAS` the exponent bias (e4m3fn: 3, -6, 7; e5m2: 2, -14,
+    15). Built from the bits, so no cast touches the value: the 3.9 interpreter's float32
+    -> fp8 cast rounds ties away and drops the carry of a mantissa that rounds up (1.97 ->
+    1.0). Normal values keep the top MANT bits of the float32 mantissa, rounded in integer
+    arithmetic (a carry into the exponent is the right rounding up); below 2^MIN_EXP the
+    value counts units of 2^(MIN_EXP - MANT), rounded by the float32 adder (ties to even)
+    against 1.5 * 2^23 (a count of 2^MANT is the smallest normal's code, as it should be)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    sign = ((bits >> 31) << 7).to(tl.uint32)
+    a_bits = bits & 0x7FFFFFFF
+    shift: tl.constexpr = 23 - MANT
+    lsb = (a_bits >> shift) & 1
+    rounded = a_bits + ((1 << (shift - 1)) - 1) + lsb
+    exponent = (rounded >> 23).to(tl.int32) - 127 + BIAS
+    normal = (exponent.to(tl.uint32) << MANT) | ((rounded >> shift) & ((1 << MANT) - 1))
+    units = tl.abs(x) * (2.0 ** (MANT - MIN_EXP))
+    magic = 12582912.0  # 1.5 * 2^23: adding it rounds a float32 below 2^22 to an integer
+    subnormal = ((units + magic) - magic).to(tl.uint32)
+    code = tl.where(tl.abs(x) < 2.0**MIN_EXP, subnormal, normal)
+    return (code | sign).to(tl.uint8)

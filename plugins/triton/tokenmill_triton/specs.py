@@ -12,6 +12,7 @@ from tokenmill.platforms.interfaces import HardwareSpec
 
 logger = logging.getLogger(__name__)
 T = 1e12
+GIB = 1 << 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,10 +23,29 @@ class Part:
     fp32: float
     bandwidth: float  # memory bytes/s
     link: float  # device-to-device bytes/s per direction; 0 when unknown
+    memory_bytes: int = 0  # the datasheet's capacity (its "GB" are GiB); 0 when unknown
 
 
 def known_part(parts: Sequence[Part], name: str) -> Part | None:
     return next((p for p in parts if p.match.lower() in name.lower()), None)
+
+
+def table_spec(parts: Sequence[Part], device: str, vendor: str) -> HardwareSpec | None:
+    """The datasheet spec of the part named `device` (case-insensitive: an exact match of
+    a row first, else the first row whose name `device` contains), for a planner asking
+    about hardware that is not here; None when the table has no such part."""
+    wanted = device.strip().lower()
+    part = next((p for p in parts if p.match.lower() == wanted), None) or known_part(parts, wanted)
+    if part is None:
+        return None
+    return HardwareSpec(
+        name=f"{vendor} {part.match} (datasheet)",
+        peak_flops={"bfloat16": part.bf16, "float16": part.bf16, "tf32": part.tf32,
+                    "float32": part.fp32},
+        memory_bandwidth=part.bandwidth,
+        memory_bytes=part.memory_bytes,
+        link_bandwidth=part.link,
+    )
 
 
 def spec_from_table(

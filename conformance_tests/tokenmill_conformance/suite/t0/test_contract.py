@@ -145,9 +145,13 @@ def test_allocator_for_each_purpose(active, purpose):
 def test_hardware_spec(active):
     spec = active.hardware_spec()
     assert isinstance(spec, HardwareSpec) and spec.name
-    for dtype in active.platform.capabilities.dtypes:
+    for dtype in sorted(active.platform.capabilities.dtypes, key=str):
         name = str(dtype).removeprefix("torch.")
-        assert spec.peak_flops.get(name, 1.0) > 0
+        peak = spec.peak_flops.get(name)
+        assert peak is not None, (
+            f"HardwareSpec.peak_flops has no peak for the declared dtype {name!r} (it has "
+            f"{sorted(spec.peak_flops)}): the planner and T5 need one for every dtype")
+        assert peak > 0, f"HardwareSpec.peak_flops[{name!r}] = {peak!r} must be positive"
     assert spec.memory_bandwidth > 0 and spec.memory_bytes > 0 and spec.link_bandwidth >= 0
 
 

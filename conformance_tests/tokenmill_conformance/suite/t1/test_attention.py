@@ -15,18 +15,20 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from tokenmill.ops.reference import paged_attention
 from tokenmill.platforms.interfaces import AttentionKind, AttentionSpec
+from tokenmill.platforms.ops.reference import paged_attention
 from tokenmill.platforms.registry import PlatformError
 from tokenmill_conformance.attention_harness import (
-    TOLERANCE,
+    attention_op,
     check_step,
+    describe_step,
     make_metadata,
     make_step,
     mixed_batch,
     shuffled_tables,
     to_device,
 )
+from tokenmill_conformance.errors import assert_matches
 from tokenmill_conformance.suite.conftest import capabilities_of
 
 REFERENCE_KINDS = (AttentionKind.FULL, AttentionKind.SLIDING_WINDOW)
@@ -129,7 +131,7 @@ def _run(active, spec: AttentionSpec, seqs, seed: int = 0, poison: bool = False,
 
 def test_every_declared_kind_has_a_reference(active):
     declared = active.platform.capabilities.attention_kinds
-    # LINEAR's reference and checks are in test_linear_attention.py, MLA's (tokenmill.ops.mla)
+    # LINEAR's reference and checks are in test_linear_attention.py, MLA's (tokenmill.platforms.ops.mla)
     # in test_mla.py
     with_reference = (*REFERENCE_KINDS, AttentionKind.LINEAR, AttentionKind.MLA)
     missing = sorted(k.value for k in declared if k not in with_reference)
@@ -259,10 +261,8 @@ def test_chunked_prefill_then_decode(active, case):
             setattr(device_meta, name, getattr(device_meta, name).to(device))
         backend.prepare(device_meta)
         out = backend.forward(spec, q.to(device), k.to(device), v.to(device), cache, device_meta)
-        step = f"step with (cached, new) = {seqs}"
-        torch.testing.assert_close(
-            out.cpu(), expected, **TOLERANCE[dtype], msg=lambda m, step=step: f"{step}: {m}"
-        )
+        assert_matches(out, expected, op=attention_op(spec), shape=describe_step(spec, meta),
+                       dtype=dtype)
         for i, (_, new) in zip(rows, seqs):
             done[i] += new
 

@@ -1,5 +1,5 @@
 """T1 linear attention: every LINEAR backend a plugin declares, per variant it runs,
-against the core's reference (`tokenmill.ops.linear_attention`), states in arena pages.
+against the core's reference (`tokenmill.platforms.ops.linear_attention`), states in arena pages.
 
 Ragged steps mix fresh prefills (their slot pages hold NaN: a fresh state is zeros, never
 read), prefill chunks and decodes that continue from their slot, a first step after a
@@ -17,8 +17,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.kv.state import read_states, write_states
-from tokenmill.ops.linear_attention import (
+from tokenmill.platforms.interfaces import (
+    AttentionKind,
+    AttentionSpec,
+    RecurrentStateMetadata,
+    recurrent_metadata,
+)
+from tokenmill.platforms.kit.kv_state import read_states, write_states
+from tokenmill.platforms.ops.linear_attention import (
     REFERENCE_VARIANTS,
     GatedDeltaInputs,
     KDAInputs,
@@ -26,21 +32,26 @@ from tokenmill.ops.linear_attention import (
     gated_delta_state_spec,
     kda_state_spec,
 )
-from tokenmill.ops.mamba2 import Mamba2Dims, Mamba2Inputs, Mamba2Weights, mamba2_state_spec
-from tokenmill.platforms.interfaces import (
-    AttentionKind,
-    AttentionSpec,
-    RecurrentStateMetadata,
-    recurrent_metadata,
+from tokenmill.platforms.ops.mamba2 import (
+    Mamba2Dims,
+    Mamba2Inputs,
+    Mamba2Weights,
+    mamba2_state_spec,
 )
-from tokenmill_conformance.attention_harness import TOLERANCE
+from tokenmill_conformance.errors import ATTENTION_BOUNDS, assert_matches
 
-PAGE_HALF = 1024  # bytes per page half: states span several pages
-NUM_PAGES = 160
+# Two shapes per variant: "small" (odd, narrow heads, pages smaller than a state) and
+# "production" (head dims of Qwen3-Next, Kimi Linear and Bamba, grouped value heads).
+DIMS = {
+    "small": dict(gated_delta=(2, 4, 32, 16), kda=(2, 16), mamba2=(4, 8, 2, 16, 8)),
+    "production": dict(gated_delta=(1, 2, 128, 128), kda=(2, 128), mamba2=(4, 64, 2, 128, 256)),
+}
 
 
-def _gated_delta_case(dtype: torch.dtype, num_tokens: int, gen: torch.Generator, device):
-    hk, hv, dk, dv, k = 2, 4, 32, 16, 4
+def _gated_delta_case(dtype: torch.dtype, num_tokens: int, gen: torch.Generator, device,
+                      dims=DIMS["small"]["gated_delta"]):
+    hk, hv, dk, dv = dims
+    k = 4
     conv = 2 * hk * dk + hv * dv
     spec = AttentionSpec(AttentionKind.LINEAR, hv, hk, dk, dtype, 16,
                          state=gated_delta_state_spec(conv, k, hv, dk, dv, dtype))
@@ -55,8 +66,10 @@ def _gated_delta_case(dtype: torch.dtype, num_tokens: int, gen: torch.Generator,
     return spec, inputs
 
 
-def _kda_case(dtype: torch.dtype, num_tokens: int, gen: torch.Generator, device):
-    h, d, k = 2, 16, 4
+def _kda_case(dtype: torch.dtype, num_tokens: int, gen: torch.Generator, device,
+              dims=DIMS["small"]["kda"]):
+    h, d = dims
+    k = 4
     spec = AttentionSpec(AttentionKind.LINEAR, h, h, d, dtype, 16,
                          state=kda_state_spec(h, d, k, dtype))
     inputs = KDAInputs(
@@ -69,9 +82,11 @@ def _kda_case(dtype: torch.dtype, num_tokens: int, gen: torch.Generator, device)
     return spec, inputs
 
 
-def _mamba2_case(dtype: torch.dtype, num_tokens: int, gen: torch.Generator, device):
-    dims = Mamba2Dims(num_heads=4, head_dim=8, num_groups=2, state_size=16, conv_kernel=4,
-                      chunk_size=8)
+def _mamba2_case(dtype: torch.dtype, num_tokens: int, gen: torch.Generator, device,
+                 dims=DIMS["small"]["mamba2"]):
+    heads, head_dim, groups, state, chunk = dims
+    dims = Mamba2Dims(num_heads=heads, head_dim=head_dim, num_groups=groups, state_size=state,
+                      conv_kernel=4, chunk_size=chunk)
     spec = AttentionSpec(AttentionKind.LINEAR, dims.num_heads, dims.num_groups,
                          dims.state_size, dtype, 16, state=mamba2_state_spec(dims, dtype))
     weights = Mamba2Weights(
@@ -94,8 +109,20 @@ def _mamba2_case(dtype: torch.dtype, num_tokens: int, gen: torch.Generator, devi
 CASES = {"gated_delta": _gated_delta_case, "kda": _kda_case, "mamba2": _mamba2_case}
 
 # (tokens already computed, query length, restore from a checkpoint, checkpoints at n)
-STEP = [(0, 37, False, [16, 32]), (20, 1, False, []), (48, 1, False, [1]), (0, 1, False, []),
-        (16, 21, True, [5, 21]), (64, 9, False, []), (32, 1, True, [])]
+STEPS = {
+    # ragged: fresh prefills, decodes, a hit on a checkpoint, checkpoints inside a chunk
+    "small": [(0, 37, False, [16, 32]), (20, 1, False, []), (48, 1, False, [1]),
+              (0, 1, False, []), (16, 21, True, [5, 21]), (64, 9, False, []),
+              (32, 1, True, [])],
+    # several chunks of the production chunk length (64) per sequence in one step, the
+    # state carried across them, with checkpoints on, between and off chunk boundaries;
+    # a restore from a checkpoint and a continuation from the slot, both past 64 tokens
+    "production": [(0, 150, False, [64, 100, 128]), (130, 80, True, [22, 80]),
+                   (64, 70, False, [70]), (300, 1, False, [])],
+}
+# (bytes per page half, pages): states span several pages either way
+PAGES = {"small": (1024, 160), "production": (64 << 10, 48)}
+SEEDS = {"small": (0, 1), "production": (0,)}
 
 
 def _backends(active):
@@ -114,15 +141,16 @@ def test_declared_variants_have_a_reference_and_a_case(active):
         assert variant in CASES, f"no conformance case for variant {variant!r} yet"
 
 
-def _step(spec, rng: random.Random, device, poison_value: float):
-    pages = list(range(NUM_PAGES))
+def _step(spec, steps, pages_shape, rng: random.Random, device, poison_value: float):
+    page_half, num_pages = pages_shape
+    pages = list(range(num_pages))
     rng.shuffle(pages)
-    n = -(-spec.state.num_bytes // (2 * PAGE_HALF))
+    n = -(-spec.state.num_bytes // (2 * page_half))
     take = lambda: [pages.pop() for _ in range(n)]  # noqa: E731
-    cache = torch.empty(2, NUM_PAGES, PAGE_HALF, dtype=torch.uint8, device=device)
-    cache.view(torch.float32 if PAGE_HALF % 4 == 0 else torch.uint8).fill_(poison_value)
+    cache = torch.empty(2, num_pages, page_half, dtype=torch.uint8, device=device)
+    cache.view(torch.float32 if page_half % 4 == 0 else torch.uint8).fill_(poison_value)
     slots, sources, checkpoints, restored = [], [], [], []
-    for computed, _, restore, marks in STEP:
+    for computed, _, restore, marks in steps:
         slot = take()
         slots.append(slot)
         if computed == 0:
@@ -141,39 +169,56 @@ def _step(spec, rng: random.Random, device, poison_value: float):
               for t in spec.state.tensors]
     write_states(cache, spec.state, readable, [s.to(device) for s in states])
     rec = RecurrentStateMetadata(slots, sources, checkpoints)
-    query_lens = [q for _, q, _, _ in STEP]
-    seq_lens = [c + q for c, q, _, _ in STEP]
+    query_lens = [q for _, q, _, _ in steps]
+    seq_lens = [c + q for c, q, _, _ in steps]
     return cache, recurrent_metadata(query_lens, seq_lens, rec, spec.block_size, device), restored
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_backends_match_the_reference(active, seed):
-    if not _backends(active):
-        pytest.skip("the platform declares no LINEAR backend")
+@pytest.mark.parametrize("variant", sorted(CASES))
+@pytest.mark.parametrize("shape,seed", [(s, n) for s in STEPS for n in SEEDS[s]],
+                         ids=[f"{s}-{n}" for s in STEPS for n in SEEDS[s]])
+def test_backends_match_the_reference(active, shape, seed, variant):
+    runs = [b for b, v in _variants(active) if v == variant]
+    if not runs:
+        pytest.skip(f"no LINEAR backend of the platform runs {variant!r}")
     device = active.platform.device
-    for backend, variant in _variants(active):
+    steps = STEPS[shape]
+    dims = DIMS[shape][variant]
+    for backend in runs:
         for dtype in sorted(active.platform.capabilities.dtypes, key=str):
-            if dtype not in TOLERANCE:
+            if dtype not in ATTENTION_BOUNDS:
                 continue
             gen = torch.Generator().manual_seed(seed)
-            spec, inputs = CASES[variant](dtype, sum(q for _, q, _, _ in STEP), gen, device)
+            spec, inputs = CASES[variant](dtype, sum(q for _, q, _, _ in steps), gen, device,
+                                          dims)
             if not backend.supports(spec):
                 continue
-            cache, meta, restored = _step(spec, random.Random(seed), device, float("nan"))
+            cache, meta, restored = _step(spec, steps, PAGES[shape], random.Random(seed),
+                                          device, float("nan"))
             ref_cache = cache.clone()
             before = cache.clone()
             backend.prepare(meta)
             out = backend.forward(spec, inputs, cache, meta)
             want = ReferenceLinearAttentionBackend().forward(spec, inputs, ref_cache, meta)
-            tol = TOLERANCE[dtype]
-            torch.testing.assert_close(out.cpu().float(), want.cpu().float(), **tol)
+            where = (f"dims {dims}, (computed, new, restored, checkpoints) per sequence "
+                     f"{steps}")
+            op = f"linear attention ({variant}) on {backend.name}"
+            assert_matches(out.float(), want.cpu().float(), op=f"{op}: output", shape=where,
+                           dtype=dtype, bounds=ATTENTION_BOUNDS[dtype])
             rec = meta.recurrent
             written = rec.state_block_ids + [p for c in rec.checkpoints for _, p in c]
-            for got, ref in zip(read_states(cache, spec.state, written),
-                                read_states(ref_cache, spec.state, written), strict=True):
-                torch.testing.assert_close(got.cpu().float(), ref.cpu().float(), **tol)
+            names = [f"the state of sequence {i}" for i in range(len(steps))] + [
+                f"the checkpoint after {n} tokens of sequence {i}"
+                for i, marks in enumerate(rec.checkpoints) for n, _ in marks]
+            for name, pages in zip(names, written, strict=True):
+                got_states = read_states(cache, spec.state, [pages])
+                ref_states = read_states(ref_cache, spec.state, [pages])
+                for part, got, ref in zip(("conv", "recurrent"), got_states, ref_states,
+                                          strict=True):
+                    assert_matches(got.float(), ref.cpu().float(), op=f"{op}: {part} {name}",
+                                   shape=where, dtype=dtype, bounds=ATTENTION_BOUNDS[dtype])
             touched = {i for ids in written for i in ids}
-            for page in range(NUM_PAGES):
+            for page in range(PAGES[shape][1]):
                 if page not in touched:
                     assert torch.equal(cache[:, page].cpu(), before[:, page].cpu()), (
                         f"{backend.name}: page {page} changed, which the step does not write"

@@ -1,5 +1,5 @@
 """T1 MLA: a declared multi-head latent attention backend against the core's reference
-(`tokenmill.ops.mla.mla_attention`).
+(`tokenmill.platforms.ops.mla.mla_attention`).
 
 Only for platforms that declare `AttentionKind.MLA`. Paged, ragged batches mixing decodes,
 prefill chunks after cached context and fresh prompts; every declared dtype and a spread of
@@ -15,14 +15,16 @@ import random
 import pytest
 import torch
 
-from tokenmill.ops.mla import mla_attention
 from tokenmill.platforms.interfaces import AttentionKind, MLADims, kv_cache_shape
+from tokenmill.platforms.ops.mla import mla_attention
 from tokenmill_conformance.attention_harness import (
-    TOLERANCE,
+    attention_op,
+    describe_step,
     make_metadata,
     mixed_batch,
     shuffled_tables,
 )
+from tokenmill_conformance.errors import assert_matches
 from tokenmill_conformance.mla_harness import check_mla_step, make_mla_step, mla_spec, mla_to_device
 from tokenmill_conformance.suite.conftest import capabilities_of
 
@@ -55,6 +57,23 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 def _backend(active, spec):
     return active.attention_backend(spec)
+
+
+# DeepSeek-V3 / Kimi K2: rank 512, rope 64, 16 heads (128 over eight tensor-parallel ranks)
+PRODUCTION_DIMS = MLADims(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                          v_head_dim=128)
+# a decode past 8k tokens of context, a prefill chunk after cached context, a fresh prompt
+PRODUCTION_BATCH = [(8192 + 3, 1), (300, 40), (0, 17), (5, 1)]
+
+
+def test_mla_production_shapes(active, case):
+    """Rank 512 / rope 64 with 16 heads, every declared dtype, the largest declared block."""
+    (dtype,) = case
+    block = max(active.platform.capabilities.block_sizes)
+    spec = mla_spec(dtype, block, num_heads=16, dims=PRODUCTION_DIMS,
+                    scale=PRODUCTION_DIMS.qk_head_dim ** -0.5)
+    step = make_mla_step(PRODUCTION_BATCH, spec, 11, poison=True)
+    check_mla_step(_backend(active, spec), spec, mla_to_device(step, active.platform.device))
 
 
 def test_mla_mixed_batches(active, quick, case):
@@ -130,9 +149,7 @@ def test_mla_chunked_prefill_then_decode(active, case):
         backend.prepare(device_meta)
         out = backend.forward(spec, q.to(device), latent.to(device), None, cache, device_meta,
                               w_uk=w_uk.to(device), w_uv=w_uv.to(device))
-        step = f"step with (cached, new) = {seqs}"
-        torch.testing.assert_close(
-            out.cpu(), expected, **TOLERANCE[dtype], msg=lambda m, step=step: f"{step}: {m}"
-        )
+        assert_matches(out, expected, op=attention_op(spec), dtype=dtype,
+                       shape=f"rank {dims.kv_lora_rank}, " + describe_step(spec, meta))
         for i, (_, new) in zip(rows, seqs):
             done[i] += new

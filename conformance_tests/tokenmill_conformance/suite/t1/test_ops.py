@@ -2,25 +2,31 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.ops import reference
 from tokenmill.platforms.interfaces import OP_NAMES
+from tokenmill.platforms.ops import quant, reference
+from tokenmill_conformance.errors import Bounds, assert_matches
 from tokenmill_conformance.suite.conftest import capabilities_of
 
-# Per-dtype tolerances of elementwise ops and linear layers against the references.
-TOLERANCE = {
-    torch.float32: dict(atol=1e-5, rtol=1e-5),
-    torch.float16: dict(atol=2e-3, rtol=2e-3),
-    torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
+# Per-dtype bounds of elementwise ops and linear layers against the references: the
+# elementwise tolerances, then the error statistics (tokenmill_conformance.errors).
+BOUNDS = {
+    torch.float32: Bounds(atol=1e-5, rtol=1e-5, rel_rms=2e-6, mean=5e-7, scale=5e-7),
+    torch.float16: Bounds(atol=2e-3, rtol=2e-3, rel_rms=1e-3, mean=3e-4, scale=3e-4),
+    torch.bfloat16: Bounds(atol=1.6e-2, rtol=1.6e-2, rel_rms=6e-3, mean=2e-3, scale=2e-3),
 }
-LINEAR_TOLERANCE = {
-    torch.float32: dict(atol=1e-4, rtol=1e-4),
-    torch.float16: dict(atol=1e-2, rtol=1e-2),
-    torch.bfloat16: dict(atol=5e-2, rtol=3e-2),
+LINEAR_BOUNDS = {
+    torch.float32: Bounds(atol=1e-4, rtol=1e-4, rel_rms=1e-5, mean=3e-6, scale=3e-6),
+    torch.float16: Bounds(atol=1e-2, rtol=1e-2, rel_rms=3e-3, mean=6e-4, scale=6e-4),
+    torch.bfloat16: Bounds(atol=5e-2, rtol=3e-2, rel_rms=1e-2, mean=2.5e-3, scale=2.5e-3),
 }
+TOLERANCE = {d: dict(atol=b.atol, rtol=b.rtol) for d, b in BOUNDS.items()}
+LINEAR_TOLERANCE = {d: dict(atol=b.atol, rtol=b.rtol) for d, b in LINEAR_BOUNDS.items()}
 # copy_blocks / swap_blocks are KV movement: tier T2. apply_token_bitmask works in place and
 # has its own test below.
 T1_OPS = sorted(OP_NAMES - {"copy_blocks", "swap_blocks", "apply_token_bitmask"})
@@ -78,11 +84,38 @@ def _inputs(op: str, dtype: torch.dtype, device: torch.device, seed: int):
     if op == "prepack_linear":
         bias = randn(48) if seed % 2 else None
         return randn(48, hidden, scale=0.2), bias, randn(tokens, hidden)
+    if op == "prepack_quantized_linear":
+        return _quantized_inputs(seed, tokens, hidden, randn, g, device)
     raise AssertionError(op)
 
 
+# (format, bits, group, zero points) per seed: GGUF Q4_1-like int4 with offsets, int8
+# with offsets, symmetric int4 in groups of 64 (GPTQ's sym=True)
+QUANT_CASES = (("int4_g32", 4, 32, True), ("int8_g32", 8, 32, True), ("int4_g64", 4, 64, False))
+
+
+def _quantized_inputs(seed, tokens, hidden, randn, g, device):
+    name, bits, group, zero_points = QUANT_CASES[seed % 3]
+    out = 48
+    scheme = quant.QuantScheme("gguf", name, bits=bits, group_size=group, zero_points=zero_points)
+    codes = torch.randint(0, 1 << bits, (out, hidden), generator=g, dtype=torch.uint8)
+    packed = quant.pack_int4(codes) if bits == 4 else codes
+    scales = torch.rand(out, hidden // group, generator=g) * (0.4 / (1 << bits)) + 1e-3
+    offsets = -scales * (1 << (bits - 1)) * (1 + 0.2 * torch.rand(out, hidden // group, generator=g))
+    weight = quant.QuantizedWeight(scheme, packed.to(device), scales.to(device),
+                                   offsets.to(device) if zero_points else None, hidden, out)
+    bias = randn(out) if seed % 2 else None
+    return weight, bias, randn(tokens, hidden)
+
+
+def _on_cpu(weight: quant.QuantizedWeight) -> quant.QuantizedWeight:
+    offsets = None if weight.offsets is None else weight.offsets.cpu()
+    return dataclasses.replace(weight, codes=weight.codes.cpu(), scales=weight.scales.cpu(),
+                               offsets=offsets)
+
+
 def _call(fn, op: str, args):
-    if op == "prepack_linear":
+    if op in ("prepack_linear", "prepack_quantized_linear"):
         weight, bias, x = args
         return fn(weight, bias)(x)
     return fn(*args)
@@ -126,12 +159,13 @@ def test_op_matches_reference(active, op_case):
     if override is getattr(reference, op):
         pytest.skip(f"{op} is not overridden: the core's reference is used")
     device = active.platform.device
-    linear = op in ("prepack_linear", "moe_experts")
-    tolerance = LINEAR_TOLERANCE[dtype] if linear else TOLERANCE[dtype]
+    linear = op in ("prepack_linear", "moe_experts", "prepack_quantized_linear")
+    bounds = (LINEAR_BOUNDS if linear else BOUNDS)[dtype]
     for seed in range(3):
         args = _inputs(op, dtype, device, seed)
         before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
         ref_args = [a.cpu() if isinstance(a, torch.Tensor) else a for a in before]
+        ref_args = [_on_cpu(a) if isinstance(a, quant.QuantizedWeight) else a for a in ref_args]
         expected = _call(getattr(reference, op), op, ref_args)
         got = _call(override, op, args)
         expected = expected if isinstance(expected, tuple) else (expected,)
@@ -139,10 +173,11 @@ def test_op_matches_reference(active, op_case):
         assert len(got) == len(expected), f"{op} returned {len(got)} values"
         for g, e in zip(got, expected):
             assert g.dtype == e.dtype and g.shape == e.shape, (g.dtype, g.shape, e.dtype, e.shape)
+            shape = " x ".join(str(tuple(a.shape)) for a in args if isinstance(a, torch.Tensor))
             if op == "moe_experts":
                 _assert_moe_close(g.cpu(), e, ref_args, dtype)
-            else:
-                torch.testing.assert_close(g.cpu(), e, **tolerance)
+                bounds = dataclasses.replace(bounds, atol=float("inf"))  # the bound above
+            assert_matches(g, e, op=op, shape=f"inputs {shape}", dtype=dtype, bounds=bounds)
         for a, b in zip(args, before):
             if isinstance(a, torch.Tensor):
                 assert torch.equal(a, b), f"{op} modified one of its inputs"

@@ -1,6 +1,6 @@
 """T2 KV movement: block copy, swap out to host and back in, round trips, and attention
 over moved blocks. The plugin's `copy_blocks` / `swap_blocks` (or the core's references,
-when it does not override them) against the references in `tokenmill.ops.reference`."""
+when it does not override them) against the references in `tokenmill.platforms.ops.reference`."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import random
 import pytest
 import torch
 
-from tokenmill.ops import reference
-from tokenmill.ops.reference import paged_attention
 from tokenmill.platforms.interfaces import AllocatorPurpose, AttentionKind, AttentionSpec
+from tokenmill.platforms.ops import reference
+from tokenmill.platforms.ops.reference import paged_attention
 from tokenmill_conformance.attention_harness import TOLERANCE, check_step, make_step, to_device
 from tokenmill_conformance.suite.conftest import capabilities_of
 

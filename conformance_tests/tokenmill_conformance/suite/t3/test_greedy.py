@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from tokenmill.sampling_params import SamplingParams
+from tokenmill import SamplingParams
 from tokenmill_conformance.session import REFERENCE_NAME
 from tokenmill_conformance.suite.t3.common import (
     ARCHS,
     PROMPTS,
     UNCOVERED,
+    assert_plugin_backends,
     compare,
     engine_settings,
     greedy_tokens,
@@ -26,8 +27,10 @@ def test_every_supported_architecture_has_a_tiny_model():
 def test_greedy_matches_reference(conformance, active, tiny_dirs, reference_tokens, arch):
     settings = engine_settings(active)
     expected = reference_tokens(arch)
-    got = greedy_tokens(conformance, tiny_dirs[arch], active.name, **settings)
+    got, llm = greedy_tokens(conformance, tiny_dirs[arch], active.name, keep=True, **settings)
     compare(got, expected)
+    if llm.engine.executor.worker.runner_provider != active.name:  # the core's runner
+        assert_plugin_backends(llm, active)  # the plugin's own runner: test_runner_paths.py
 
 
 @pytest.mark.parametrize("arch", ["qwen3"])

@@ -1,13 +1,12 @@
 """T4 serving smoke: the real tokenmill server on the plugin, through both HTTP APIs.
 
-Starts `tokenmill.server.app.build_app` under uvicorn on a loopback port with a tiny
+Starts `tokenmill.server.build_app` under uvicorn on a loopback port with a tiny
 model, and checks that OpenAI chat completions and Anthropic messages (plain and
 streamed) answer with the same greedy text the reference platform produces offline.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import socket
 import threading
@@ -19,24 +18,13 @@ import httpx
 import pytest
 import torch
 
-from tokenmill.sampling_params import SamplingParams
+from tokenmill import SamplingParams
 from tokenmill_conformance.session import REFERENCE_NAME
 from tokenmill_conformance.tiny_models import make_tiny_model
 
 MODEL_NAME = "tiny-llama"
 MESSAGES = [{"role": "user", "content": "Paris is the capital of"}]
 MAX_TOKENS = 8
-
-
-def _server_modules():
-    try:
-        app = importlib.import_module("tokenmill.server.app")
-        async_engine = importlib.import_module("tokenmill.async_engine")
-    except ImportError as exc:
-        pytest.fail(f"the core has no HTTP server to test (tokenmill.server.app): {exc}")
-    if not hasattr(app, "build_app"):
-        pytest.fail("tokenmill.server.app has no build_app(engine, served_model_names) factory")
-    return app, async_engine
 
 
 def _free_port() -> int:
@@ -79,19 +67,16 @@ def _engine_args(active, path) -> dict:
 @pytest.fixture(scope="module")
 def served(conformance, active, tmp_path_factory):
     """(base URL, the reference platform's greedy reply text)."""
-    app_module, async_engine = _server_modules()
-    from tokenmill import LLM
-    from tokenmill.config import EngineArgs
+    from tokenmill import LLM, AsyncLLM, EngineArgs
+    from tokenmill.server import build_app
 
     path = make_tiny_model(tmp_path_factory.mktemp("serving") / "llama", "llama")
     args = _engine_args(active, path)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     reference = LLM(platform=REFERENCE_NAME, registry=conformance.registry, **args)
     expected = reference.chat(MESSAGES, params, use_tqdm=False)[0].outputs[0].text
-    engine = async_engine.AsyncLLM(
-        EngineArgs(platform=active.name, **args), registry=conformance.registry
-    )
-    with _serve(app_module.build_app(engine, [MODEL_NAME])) as url:
+    engine = AsyncLLM(EngineArgs(platform=active.name, **args), registry=conformance.registry)
+    with _serve(build_app(engine, [MODEL_NAME])) as url:
         yield url, expected
 
 

@@ -1,0 +1,192 @@
+"""Quantized weights (docs/quantization.md): accuracy and speed of the shipped Q4_1 GGUF
+run as Q4_1 (`quantization="gguf"`) against the same file dequantized
+(`quantization="none"`), and against llama.cpp on the same file and threads.
+
+    python benchmarks/bench_quantization.py ppl [--tokens 50000] [--dtype bfloat16]
+    python benchmarks/bench_quantization.py ops
+    python benchmarks/bench_quantization.py decode [--llama-python /work/peers/llama-venv/bin/python]
+
+`ppl`: perplexity over a fixed sample of text that ships with Python (the stdlib's own
+sources, `*.py` of the stdlib folder in sorted order, concatenated until `--tokens`
+tokens), in windows of `--window` tokens scored with prompt logprobs, and the greedy
+agreement (the share of positions whose argmax token is the same in both runs).
+`ops`: one matmul of each of SmolLM2's shapes at batch 1 and 64, bf16 dense (the cpu
+plugin's prepack_linear) against the int4 kernel. `decode`: output tokens/s at batch 1
+(tokenmill gguf, tokenmill bf16, llama.cpp) and at batch 64 (tokenmill gguf, bf16).
+Everything of one mode runs in one process, one after another: compare the ratios, and
+note the machine's load (`uptime`), which the script prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+
+def _uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+def stdlib_sample(tokenizer, num_tokens: int) -> list[int]:
+    """The first `num_tokens` tokens of the stdlib's `*.py` files, sorted by name."""
+    ids: list[int] = []
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        ids.extend(tokenizer.encode(path.read_text(errors="replace"), add_special_tokens=False))
+        if len(ids) >= num_tokens:
+            break
+    return ids[:num_tokens]
+
+
+def score(llm, windows: list[list[int]]) -> tuple[float, list[int]]:
+    """(sum of -logprob over every predicted position, the argmax token at each one)."""
+    from tokenmill import SamplingParams
+
+    params = SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0)
+    prompts = [{"prompt_token_ids": w} for w in windows]
+    nll, argmax = 0.0, []
+    for window, out in zip(windows, llm.generate(prompts, params, use_tqdm=False)):
+        for pos, entry in enumerate(out.prompt_logprobs[1:], start=1):
+            nll -= entry[window[pos]].logprob
+            argmax.append(next(t for t, lp in entry.items() if lp.rank == 1))
+    return nll, argmax
+
+
+def run_ppl(args) -> dict:
+    from tokenmill import LLM
+
+    results, argmaxes = {}, {}
+    for method in ("gguf", "none"):
+        llm = LLM(quantization=method, dtype=args.dtype, max_num_batched_tokens=args.window,
+                  enable_prefix_caching=False)
+        ids = stdlib_sample(llm.get_tokenizer(), args.tokens)
+        windows = [ids[i:i + args.window] for i in range(0, len(ids), args.window)]
+        start = time.perf_counter()
+        nll, argmaxes[method] = score(llm, windows)
+        n = len(argmaxes[method])
+        results[method] = {"ppl": math.exp(nll / n), "positions": n,
+                           "seconds": time.perf_counter() - start}
+        llm.engine.shutdown()
+        del llm
+    same = sum(a == b for a, b in zip(argmaxes["gguf"], argmaxes["none"]))
+    results["ppl_ratio"] = results["gguf"]["ppl"] / results["none"]["ppl"]
+    results["argmax_agreement"] = same / len(argmaxes["none"])
+    return results
+
+
+def _bench(fn, x, reps: int) -> float:
+    for _ in range(3):
+        fn(x)
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn(x)
+    return (time.perf_counter() - start) / reps
+
+
+def run_ops(args) -> dict:
+    import torch
+
+    from tokenmill.platforms.ops import quant
+    from tokenmill_cpu import ops
+
+    shapes = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+    g = torch.Generator().manual_seed(0)
+    rows = {}
+    for name, (n, k) in shapes.items():
+        codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+        scales = torch.rand(n, k // 32, generator=g) * 0.01
+        weight = quant.QuantizedWeight(quant.QuantScheme("gguf", "Q4_1", 4, 32),
+                                       quant.pack_int4(codes), scales, -8 * scales, k, n)
+        dense = ops.prepack_linear(quant.dequantize(weight, torch.bfloat16), None)
+        int4 = ops.prepack_quantized_linear(weight, None)
+        for m in (1, 64):
+            x = torch.randn(m, k, generator=g).bfloat16()
+            reps = 200 if m == 1 else 20
+            t_dense, t_int4 = _bench(dense, x, reps), _bench(int4, x, reps)
+            rows[f"{name} {n}x{k} batch {m}"] = {
+                "bf16_us": t_dense * 1e6, "int4_us": t_int4 * 1e6, "speedup": t_dense / t_int4}
+    return rows
+
+
+def _tokenmill_decode(method: str, batch: int, new_tokens: int) -> float:
+    """Output tokens/s of decode: (time for new_tokens) - (time for 1), batch prompts."""
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(quantization=method, enable_prefix_caching=False)
+    prompts = [f"Write a short story about robot number {i}." for i in range(batch)]
+
+    def timed(n: int) -> float:
+        params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    timed(2)  # warm-up
+    rate = batch * (new_tokens - 1) / (timed(new_tokens) - timed(1))
+    llm.engine.shutdown()
+    return rate
+
+
+LLAMA_CODE = """
+import sys, time
+from llama_cpp import Llama
+llm = Llama(model_path=sys.argv[1], n_ctx=512, n_threads=int(sys.argv[2]), verbose=False)
+prompt = "Write a short story about robot number 0."
+def timed(n):
+    start = time.perf_counter()
+    out = llm.create_completion(prompt, max_tokens=n, temperature=0, seed=0,
+                                logit_bias={llm.token_eos(): -1e9})  # no early stop
+    assert out["usage"]["completion_tokens"] == n, out["usage"]
+    return time.perf_counter() - start
+timed(2)
+n = int(sys.argv[3])
+print((n - 1) / (timed(n) - timed(1)))
+"""
+
+
+def run_decode(args) -> dict:
+    import torch
+
+    from tokenmill.model.loader import default_model_path
+
+    threads = torch.get_num_threads()
+    rates = {}
+    for method in ("gguf", "none"):
+        rates[f"tokenmill {method} batch 1"] = _tokenmill_decode(method, 1, args.new_tokens)
+    if Path(args.llama_python).exists():
+        out = subprocess.run([args.llama_python, "-c", LLAMA_CODE, default_model_path(),
+                              str(threads), str(args.new_tokens)], capture_output=True, text=True)
+        if out.returncode == 0:
+            rates["llama.cpp batch 1"] = float(out.stdout.strip().splitlines()[-1])
+        else:
+            print(f"llama.cpp failed: {out.stderr[-2000:]}", file=sys.stderr)
+    for method in ("gguf", "none"):
+        rates[f"tokenmill {method} batch 64"] = _tokenmill_decode(method, 64, args.new_tokens)
+    rates["threads"] = threads
+    return rates
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", choices=["ppl", "ops", "decode"])
+    parser.add_argument("--tokens", type=int, default=50_000)
+    parser.add_argument("--window", type=int, default=1024)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--new-tokens", type=int, default=33)
+    parser.add_argument("--llama-python", default="/work/peers/llama-venv/bin/python")
+    args = parser.parse_args()
+    os.environ.setdefault("TOKENMILL_LOG_LEVEL", "WARNING")
+    before = _uptime()
+    result = {"ppl": run_ppl, "ops": run_ops, "decode": run_decode}[args.mode](args)
+    print(json.dumps({"mode": args.mode, "uptime_before": before, "uptime_after": _uptime(),
+                      "result": result}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

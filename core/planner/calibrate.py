@@ -1,0 +1,196 @@
+"""`tokenmill plan --calibrate`: measure the kernels the performance model predicts on this
+machine, through the active plugin, and store the efficiency factors.
+
+1. Kernels in this process (`kernel_bench`): GEMMs of several widths, every attention kind
+   on the backend the engine would pick, recurrent scans, MoE experts, a norm. Per op
+   class, a compute efficiency from its compute-bound points and a memory efficiency from
+   its memory-bound ones (the roofline at full efficiency over the time taken); the GEMM
+   tile width W from how narrow GEMMs fall behind.
+2. For each group size n: n processes join a process group as an engine's ranks do and
+   time every collective at five sizes (fit: latency per step and bandwidth, per op);
+   on a shared host (cpu) they run the kernels at once too, giving the efficiency of one
+   rank's share of the machine when n ranks compete for it.
+3. Host overhead: a tiny llama (hidden 64) decoding through the engine with 2 and 8
+   layers gives the time of a step beyond its kernels and of each layer; with 2 ranks
+   (tensor parallel over "mp" processes) the extra per step of worker processes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+from typing import TextIO
+
+from tokenmill.planner.calibration import (
+    DEFAULTS,
+    Calibration,
+    Efficiency,
+    LinkFit,
+    default_path,
+    save,
+)
+
+_WIDTHS = (8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+def calibrate(platform: str | None = None, ranks: tuple[int, ...] = (1, 2), quick: bool = False,
+              progress: TextIO | None = None, path: Path | None = None) -> tuple[Calibration, Path]:
+    """Measure, fit and store; returns the calibration and where it went."""
+    from tokenmill.planner.kernel_bench import all_points
+    from tokenmill.platforms.registry import load_platform
+
+    def say(text: str) -> None:
+        if progress is not None:
+            print(f"calibrate: {text}", file=progress, flush=True)
+
+    active = load_platform(platform)
+    spec = active.hardware_spec()
+    dtype = str(active.platform.default_dtype).removeprefix("torch.")
+    peak = spec.peak_flops.get(dtype) or max(spec.peak_flops.values())
+    shared = active.platform.device_type == "cpu"
+    say(f"kernels on {spec.name} ({active.name}, {dtype})")
+    local = [_point_dict(p) for p in all_points(active, quick)]
+    width = fit_width([p for p in local if p["op"] == "gemm"], peak)
+    efficiency = fit_efficiency(local, peak, spec.memory_bandwidth, width)
+    measured: dict = {"points": {"1": local}}
+    per_ranks: dict[int, dict[str, Efficiency]] = {}
+    collectives: dict[int, dict[str, LinkFit]] = {}
+    for n in sorted(r for r in ranks if r > 1):
+        say(f"a group of {n} ranks: collectives" + (" and kernels side by side" if shared else ""))
+        group = run_group(n, active.name, quick, kernels=shared)
+        collectives[n] = fit_collectives(group["collectives"], n)
+        measured[f"collectives_{n}"] = group["collectives"]
+        if shared:
+            measured["points"][str(n)] = group["points"]
+            per_ranks[n] = fit_efficiency(group["points"], peak / n, spec.memory_bandwidth / n, width)
+    if shared:
+        per_ranks[1] = efficiency
+    cal = Calibration(device=spec.name, platform=active.name, efficiency=efficiency,
+                      per_ranks=per_ranks, collectives=collectives, gemm_width=width,
+                      measured=measured)
+    say("host overhead of engine steps (tiny llama, 2 and 8 layers)")
+    cal = replace(cal, **measure_overheads(active.name, cal, 2 in ranks))
+    target = path or default_path(spec.name)
+    return cal, save(cal, target)
+
+
+def _point_dict(p) -> dict:
+    return {"name": p.name, "op": p.cost.op, "flops": p.cost.flops, "bytes": p.cost.bytes,
+            "inner": p.cost.inner, "outer": p.cost.outer, "seconds": p.seconds}
+
+
+def _shape(inner: int, outer: int, width: float) -> float:
+    return Calibration(gemm_width=width).shape_factor(inner, outer)
+
+
+def fit_width(points: list[dict], peak: float) -> float:
+    """The tile width W that best explains how narrow GEMMs fall behind wide ones: the
+    spread (log) of the compute-bound GEMMs' efficiencies after the shape factor."""
+    compute = [p for p in points if p["flops"] / peak > p["bytes"] / 1e12 and p["inner"] > 1]
+    big = [p for p in compute if p["flops"] > 1e8]
+    if len(big) < 2:
+        return 128.0
+
+    def spread(w: float) -> float:
+        logs = [math.log(p["flops"] / peak / _shape(p["inner"], p["outer"], w) / p["seconds"])
+                for p in big]
+        return statistics.pvariance(logs)
+
+    return float(min(_WIDTHS, key=spread))
+
+
+def fit_efficiency(points: list[dict], peak: float, bandwidth: float,
+                   width: float) -> dict[str, Efficiency]:
+    """Per op class: the median compute efficiency of its compute-bound points and the
+    median memory efficiency of its memory-bound ones (which bound is decided with the
+    fitted efficiencies, twice over). A class measured on one side only keeps the
+    default ratio between the two."""
+    out: dict[str, Efficiency] = {}
+    for op in sorted({p["op"] for p in points}):
+        mine = [p for p in points if p["op"] == op]
+        eff = DEFAULTS.get(op, DEFAULTS["gemm"])
+        for _ in range(2):
+            compute, memory = [], []
+            for p in mine:
+                tc = p["flops"] / (peak * _shape(p["inner"], p["outer"], width))
+                tm = p["bytes"] / bandwidth
+                if tc / eff.compute >= tm / eff.memory:
+                    compute.append(tc / p["seconds"])
+                else:
+                    memory.append(tm / p["seconds"])
+            ratio = eff.memory / eff.compute
+            c = statistics.median(compute) if compute else statistics.median(memory) / ratio
+            m = statistics.median(memory) if memory else statistics.median(compute) * ratio
+            eff = Efficiency(c, m)
+        out[op] = eff
+    return out
+
+
+def fit_collectives(timings: dict[str, dict[str, float]], n: int) -> dict[str, LinkFit]:
+    """Least squares of t = a + b S per op (a: the call's latency, S the payload), turned
+    into the model's terms: latency per step = a / (passes x hops), bandwidth = passes x
+    (n - 1) / n / b."""
+    from tokenmill.planner.collectives import _STEPS
+
+    fits = {}
+    hops = max(1, math.ceil(math.log2(n)))
+    for op, by_size in timings.items():
+        sizes = [float(s) for s in by_size]
+        times = [by_size[s] for s in by_size]
+        mean_s, mean_t = statistics.fmean(sizes), statistics.fmean(times)
+        var = sum((s - mean_s) ** 2 for s in sizes)
+        slope = max(sum((s - mean_s) * (t - mean_t) for s, t in zip(sizes, times)) / var, 1e-15)
+        intercept = max(mean_t - slope * mean_s, 1e-7)
+        if op == "send":
+            fits[op] = LinkFit(intercept, 1.0 / slope)
+        else:
+            passes = _STEPS[op]
+            fits[op] = LinkFit(intercept / (passes * hops), passes * (n - 1) / n / slope)
+    return fits
+
+
+def run_group(n: int, platform: str, quick: bool, kernels: bool = True) -> dict:
+    """Run `group_bench` on n ranks (processes of their own) and return rank 0's results
+    (`kernels`: also the kernels, every rank at once)."""
+    from tokenmill.distributed.rendezvous import free_loopback_init_method
+
+    init = free_loopback_init_method()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = []
+        for rank in range(n):
+            cmd = [sys.executable, "-m", "tokenmill.planner.group_bench", "--rank", str(rank),
+                   "--world", str(n), "--init-method", init, "--platform", platform,
+                   "--out", str(Path(tmp) / f"{rank}.json")] + (["--quick"] if quick else []) + (
+                       [] if kernels else ["--no-kernels"])
+            procs.append(subprocess.Popen(cmd))
+        codes = [p.wait(timeout=3600) for p in procs]
+        if any(codes):
+            raise RuntimeError(f"calibration group of {n} ranks failed: exit codes {codes}")
+        return json.loads((Path(tmp) / "0.json").read_text())
+
+
+def measure_overheads(platform: str, cal: Calibration, with_ranks: bool) -> dict[str, float]:
+    """step_overhead_s, layer_overhead_s and rank_overhead_s from decode steps of tiny
+    llamas through the engine, less what the model predicts for their kernels and
+    collectives."""
+    from tokenmill.planner.engine_probe import decode_step_seconds
+
+    with tempfile.TemporaryDirectory() as tmp:
+        two = decode_step_seconds(Path(tmp), platform, layers=2)
+        eight = decode_step_seconds(Path(tmp), platform, layers=8)
+        per_layer = max((eight - two) / 6, 0.0)
+        step = max(two - 2 * per_layer, 1e-5)
+        rank = cal.rank_overhead_s
+        if with_ranks:
+            tp2 = decode_step_seconds(Path(tmp), platform, layers=2, tensor_parallel=2)
+            fit = cal.collective_fit("all_reduce", 2)
+            reduces = (2 * 2 + 1) * 2 * (fit.latency if fit else 0.0)  # tiny payloads
+            rank = max(tp2 - two - reduces, 0.0)
+    return {"step_overhead_s": step, "layer_overhead_s": per_layer, "rank_overhead_s": rank}
+

@@ -1,0 +1,58 @@
+"""Engine steps of a tiny model, for the host overhead calibration measures: a llama of
+hidden 64 (random weights, a byte-level tokenizer), whose kernels take microseconds, so a
+decode step's time is what the engine costs beyond its kernels."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=272, max_position_embeddings=512,
+            tie_word_embeddings=True, bos_token_id=None, eos_token_id=2, pad_token_id=0)
+
+
+def tiny_llama(root: Path, layers: int) -> Path:
+    """A tiny random llama of `layers` layers saved under `root` (once per size)."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    path = root / f"llama{layers}"
+    if (path / "config.json").is_file():
+        return path
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=layers, **TINY))
+    model.save_pretrained(path)
+    vocab = {f"<{i}>": i for i in range(16)} | {chr(32 + i): 16 + i for i in range(256 - 16)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<1>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<1>", eos_token="<2>",
+                            pad_token="<0>").save_pretrained(path)
+    return path
+
+
+def decode_step_seconds(root: Path, platform: str, layers: int, tensor_parallel: int = 1,
+                        steps: int = 24) -> float:
+    """Seconds of one decode step of one sequence (after its prefill): the 20th percentile
+    of `steps` steps, so other work on a shared machine inflates it little."""
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(str(tiny_llama(root, layers)), platform=platform, dtype="float32",
+              tensor_parallel_size=tensor_parallel, num_kv_blocks=64,
+              enable_prefix_caching=False)
+    try:
+        engine = llm.engine
+        params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
+        engine.add_request(engine.next_request_id(), list(range(20, 36)), params)
+        engine.step()  # the prefill
+        engine.step()
+        times = []
+        while engine.has_unfinished_requests():
+            start = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - start)
+        return statistics.quantiles(times, n=5)[0]
+    finally:
+        engine.shutdown()

@@ -1,0 +1,114 @@
+"""What a prefill/decode handover carries between an engine core and its workers, and
+how one engine's KV arena is reached by another's (msgspec Structs: plain data, msgpack
+on the wire, never pickle; core/kv_connector/handover/ builds and reads them).
+
+- `EngineEndpoint`: how to reach an engine's KV arena through its transport, per rank,
+  and what must match for a handover (model, dtype, block size, KV layout, tensor
+  parallel size).
+- `PullJob` / `HandoverStepMeta` (engine core -> workers, in `StepDescription.kv_handover`)
+  and `PullResult` / `HandoverReport` (workers -> engine core, in `StepResult.kv_handover`):
+  a decode engine's reads of a prefill engine's blocks.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class ArenaGeometry(msgspec.Struct, frozen=True):
+    """How one rank's KV arena lays out its bytes (core/kv/arena.py): `num_slots` regions of
+    `num_blocks` pages of `page_bytes`, each page in `halves` contiguous parts (2: keys then
+    values, far apart; 1: block-major). Block b of slot s, half h starts at
+    s * num_blocks * page_bytes + h * num_blocks * (page_bytes // halves)
+    + b * (page_bytes // halves) from the arena's base address."""
+
+    num_blocks: int
+    page_bytes: int
+    num_slots: int
+    halves: int
+
+    def regions(self, base: int, block_id: int) -> list[tuple[int, int]]:
+        """(address, length) of every part of block `block_id`, slot then half order."""
+        half = self.page_bytes // self.halves
+        slot_bytes = self.num_blocks * self.page_bytes
+        return [
+            (base + s * slot_bytes + h * self.num_blocks * half + block_id * half, half)
+            for s in range(self.num_slots) for h in range(self.halves)
+        ]
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block id names over every slot (what a transfer of it moves)."""
+        return self.page_bytes * self.num_slots
+
+
+class RankEndpoint(msgspec.Struct, frozen=True):
+    """One worker rank: its transport's descriptor and where its arena starts."""
+
+    descriptor: bytes
+    base_address: int
+    geometry: ArenaGeometry
+
+
+class EngineEndpoint(msgspec.Struct, frozen=True):
+    """An engine as a handover peer. The decode side refuses a peer whose `model`, `dtype`,
+    `kv_cache_dtype`, `block_size`, `layout` or `tensor_parallel_size` differs from its
+    own, naming it."""
+
+    engine_id: str
+    transport: str  # the KV transport's name (both sides must use the same one)
+    model: str  # the model's identity: a digest of its config (not of its path)
+    dtype: str
+    block_size: int
+    layout: str  # a digest of the KV groups (kinds, windows, state specs) and page bytes
+    tensor_parallel_size: int
+    ranks: list[RankEndpoint]  # in rank order
+    # torch dtype name of what the KV pages hold ("float8_e4m3fn" for an FP8 cache; the
+    # compute dtype otherwise): a bf16 and an FP8 engine cannot read each other's pages
+    kv_cache_dtype: str = ""
+
+
+def compatibility_problems(local: EngineEndpoint, peer: EngineEndpoint) -> list[str]:
+    """What differs between two engines that a handover needs equal (empty: compatible)."""
+    problems = []
+    for field in ("transport", "model", "dtype", "kv_cache_dtype", "block_size", "layout",
+                  "tensor_parallel_size"):
+        mine, theirs = getattr(local, field), getattr(peer, field)
+        if mine != theirs:
+            problems.append(f"{field}: {theirs!r} on {peer.engine_id}, {mine!r} here")
+    return problems
+
+
+class PullJob(msgspec.Struct, frozen=True):
+    """Read blocks of a peer's arena into ours: (peer block id, our block id) pairs; each
+    pair moves the block id's page in every arena slot."""
+
+    request_id: str
+    engine_id: str
+    pairs: list[tuple[int, int]]
+    deadline_s: float  # give up (and recompute) after this long
+
+
+class HandoverStepMeta(msgspec.Struct, kw_only=True):
+    """The handover's part of one step (decode side)."""
+
+    peers: list[EngineEndpoint] = []  # peers not yet sent to the workers: connect first
+    pulls: list[PullJob] = []  # to start now, in the background
+
+
+class PullResult(msgspec.Struct, frozen=True):
+    """How one request's pull ended (`ok`, else `error` says why), reported by the worker."""
+
+    request_id: str
+    ok: bool
+    num_bytes: int  # bytes the transport moved for it (every rank together)
+    seconds: float
+    error: str = ""
+
+
+class HandoverReport(msgspec.Struct, kw_only=True):
+    """Pulls that ended since the worker's last report."""
+
+    results: list[PullResult] = []
+    # what the transports themselves counted as read, every rank together, since start
+    transport_bytes: int = 0

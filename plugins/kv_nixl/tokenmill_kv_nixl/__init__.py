@@ -1,0 +1,1 @@
+"""tokenmill KV transport over NIXL (transport.py)."""

@@ -1,0 +1,105 @@
+"""Every family's complete state crosses: a prefill engine and a decode engine in this
+process, each with its own KV arena registered with a real transport (NIXL over UCX/TCP
+on loopback, Mooncake's transfer engine for two families), hand a batch over; greedy
+output equals a colocated engine's. A second round of the same prompts pulls only what
+the decode engine's prefix cache lacks (the partial last blocks, the recurrent states,
+the sliding window's blocks past its cache) and stays identical.
+
+Families and what they carry: llama (full attention), gemma3 (sliding window + full),
+gpt_oss (sliding + full, MoE), qwen3_next (Gated DeltaNet state + full), bamba (Mamba2
+conv + SSM state + full), kimi_linear (KDA state + MLA latents), deepseek_v3 (MLA)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.kv_connector.handover.messages import HandoverIn
+from tokenmill_conformance.tiny_models import make_tiny_model
+
+pytestmark = pytest.mark.long  # engine pairs or server processes for prefill and decode: minutes
+
+BS = 4
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+PROMPTS = [[(7 * i + 3 * j) % 250 + 5 for j in range(n)] for i, n in enumerate([13, 21, 8])]
+KW = dict(dtype="float32", block_size=BS, max_num_batched_tokens=32, num_kv_blocks=256)
+
+
+def _run(engine, timeout_s: float = 120.0) -> dict:
+    outs, deadline = {}, time.monotonic() + timeout_s
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outs[out.request_id] = out
+        assert time.monotonic() < deadline, "the engine did not finish"
+    return outs
+
+
+def _handover(prefill, decode, tag: str) -> list[list[int]]:
+    for i, p in enumerate(PROMPTS):
+        prefill.add_request(f"p{tag}{i}", p, GREEDY, handover_out=True)
+    offers = _run(prefill)
+    endpoint = prefill.handover.endpoint()
+    for i, p in enumerate(PROMPTS):
+        offer = offers[f"p{tag}{i}"].kv_offer
+        assert offer is not None and offer.num_tokens == len(p)
+        decode.add_request(f"d{tag}{i}", p, GREEDY, handover_in=HandoverIn(offer, endpoint))
+    outs = _run(decode)
+    assert all(outs[f"d{tag}{i}"].kv_pulled for i in range(len(PROMPTS)))
+    prefill.release_handover([f"p{tag}{i}" for i in range(len(PROMPTS))])
+    assert prefill.handover.stats().leases_held == 0
+    return [list(outs[f"d{tag}{i}"].outputs[0].token_ids) for i in range(len(PROMPTS))]
+
+
+@pytest.mark.parametrize("arch,transport", [
+    ("llama", "mooncake"), ("gemma3", "mooncake"), ("gpt_oss", "mooncake"),
+    ("qwen3_next", "mooncake"), ("bamba", "mooncake"), ("kimi_linear", "mooncake"),
+    ("deepseek_v3", "mooncake"),
+])
+def test_greedy_identical_to_colocated(arch, transport, tmp_path):
+    path = str(make_tiny_model(tmp_path / arch, arch))
+    colocated = LLM(path, **KW)
+    reference = [list(o.outputs[0].token_ids) for o in colocated.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)]
+    colocated.engine.shutdown()
+    prefill = LLM(path, kv_role="prefill", kv_transport=transport, **KW).engine
+    decode = LLM(path, kv_role="decode", kv_transport=transport, **KW).engine
+    try:
+        assert _handover(prefill, decode, "a") == reference
+        first = decode.handover.stats()
+        assert first.received == 3 and first.failed == 0 and first.blocks_skipped == 0
+        assert first.transport_bytes == first.bytes_moved > 0
+        # again: the decode engine's prefix cache holds the prompts' full blocks
+        assert _handover(prefill, decode, "b") == reference
+        second = decode.handover.stats()
+        full_blocks = sum(len(p) // BS for p in PROMPTS)
+        assert second.blocks_skipped - first.blocks_skipped >= full_blocks
+        assert second.blocks_pulled - first.blocks_pulled < first.blocks_pulled
+        assert second.transport_bytes == second.bytes_moved
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_tensor_parallel_two_to_two_hybrid(tmp_path):
+    """tp 2 on both sides (worker processes): rank r pulls rank r's shard of every block
+    and of every recurrent state; the ranks agree through the TP group on when a pull
+    ended. Resharding between different tp sizes is not built (refused at the handshake,
+    test_pd_handshake.py)."""
+    path = str(make_tiny_model(tmp_path / "qwen3_next", "qwen3_next"))
+    colocated = LLM(path, **KW)
+    reference = [list(o.outputs[0].token_ids) for o in colocated.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)]
+    colocated.engine.shutdown()
+    tp = dict(tensor_parallel_size=2, distributed_executor_backend="mp")
+    prefill = LLM(path, kv_role="prefill", kv_transport="mooncake", **KW, **tp).engine
+    decode = LLM(path, kv_role="decode", kv_transport="mooncake", **KW, **tp).engine
+    try:
+        assert len(prefill.handover.endpoint().ranks) == 2
+        assert _handover(prefill, decode, "a") == reference
+        stats = decode.handover.stats()
+        assert stats.received == 3 and stats.transport_bytes == stats.bytes_moved > 0
+    finally:
+        prefill.shutdown()
+        decode.shutdown()

@@ -1,0 +1,185 @@
+"""Quantized weights: GGUF blocks against the gguf package's own dequantizer, the
+reference quantized linear, a tiny random llama per format against transformers run on
+the dequantized weights, the cpu plugin's int4 kernel (and that it runs), and
+`--quantization` against the checkpoint."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType, dequantize, quantize
+from model_harness import PagedHarness
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tokenmill.model.gguf_quant import GGUF_SCHEMES, decode_blocks
+from tokenmill.model.linear import Linear
+from tokenmill.model.loader import build_model, resolve_quantization
+from tokenmill.model.quant import QuantizedCheckpointTensor, QuantizedWeights, scheme_chooser
+from tokenmill.platforms.ops import quant, resolve_ops
+from tokenmill.platforms.ops.reference import ReferenceAttentionBackend
+from tokenmill_cpu import ops as cpu_ops
+
+SIMPLE = ("Q4_0", "Q4_1", "Q8_0")  # the gguf package quantizes these itself
+K_QUANTS = {"Q4_K": (144, [(0, 2), (2, 4)]), "Q6_K": (210, [(208, 210)])}  # block bytes, f16 scales
+
+
+def _raw(type_name: str, weight: np.ndarray, seed: int = 0) -> np.ndarray:
+    """GGUF blocks of `weight` [rows, n]: quantized by gguf for the simple types; random
+    blocks with small float16 super-block scales for the K-quants (gguf cannot quantize
+    them), whose values `dequantize` then defines."""
+    if type_name in SIMPLE:
+        return quantize(weight, getattr(GGMLQuantizationType, type_name))
+    size, scale_bytes = K_QUANTS[type_name]
+    rng = np.random.default_rng(seed)
+    rows, n = weight.shape
+    raw = rng.integers(0, 256, (rows * (n // 256), size), dtype=np.uint8)
+    for lo, hi in scale_bytes:
+        raw[:, lo:hi] = rng.uniform(2e-4, 1e-3, (raw.shape[0], 1)).astype(np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def _kept(type_name: str, raw: np.ndarray, n: int) -> QuantizedCheckpointTensor:
+    codes, scales, offsets = decode_blocks(type_name, raw, n)
+    return QuantizedCheckpointTensor(
+        GGUF_SCHEMES[type_name], torch.from_numpy(np.ascontiguousarray(codes)),
+        torch.from_numpy(scales.astype(np.float32)), torch.from_numpy(offsets.astype(np.float32)))
+
+
+@pytest.mark.parametrize("type_name", [*SIMPLE, *K_QUANTS])
+def test_gguf_blocks_decode_exactly(type_name):
+    weight = np.random.default_rng(1).standard_normal((6, 512)).astype(np.float32)
+    raw = _raw(type_name, weight)
+    want = dequantize(raw, getattr(GGMLQuantizationType, type_name))
+    assert np.array_equal(_kept(type_name, raw, 512).dense().numpy(), want)
+
+
+def test_int4_packing_round_trips_and_the_reference_is_a_dense_linear():
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (8, 64), generator=g, dtype=torch.uint8)
+    packed = quant.pack_int4(codes)
+    assert packed.shape == (8, 32) and torch.equal(quant.unpack_int4(packed), codes)
+    scales, offsets = torch.rand(8, 2, generator=g), torch.randn(8, 2, generator=g)
+    scheme = quant.QuantScheme("awq", "int4", bits=4, group_size=32)
+    weight = quant.QuantizedWeight(scheme, packed, scales, offsets, 64, 8)
+    dense = codes.float() * scales.repeat_interleave(32, 1) + offsets.repeat_interleave(32, 1)
+    x, bias = torch.randn(3, 64, generator=g), torch.randn(8, generator=g)
+    torch.testing.assert_close(quant.quantized_linear(x, weight, bias), F.linear(x, dense, bias))
+    with pytest.raises(ValueError, match="group size 32"):
+        scheme.scales_shape(8, 48)
+    with pytest.raises(ValueError, match="'int3'"):
+        quant.QuantScheme("gguf", "int3", bits=3, group_size=32)
+
+
+def _tiny_llama() -> LlamaForCausalLM:
+    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                         max_position_embeddings=64, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+def _quantized_checkpoint(hf: LlamaForCausalLM, type_name: str):
+    """(our checkpoint: every projection and the head kept quantized, plan) and, in `hf`,
+    the same weights dequantized: transformers' reference."""
+    weights, plan = [], {}
+    for name, tensor in hf.state_dict().items():
+        if tensor.dim() == 2 and "embed" not in name:
+            raw = _raw(type_name, tensor.numpy(), seed=len(weights))
+            kept = _kept(type_name, raw, tensor.shape[1])
+            tensor.copy_(kept.dense())
+            weights.append((name, kept))
+            module = name.removesuffix(".weight")
+            for part, fused in (("q_proj", "qkv_proj"), ("k_proj", "qkv_proj"),
+                                ("v_proj", "qkv_proj"), ("gate_proj", "gate_up_proj"),
+                                ("up_proj", "gate_up_proj")):
+                module = module.replace(part, fused)
+            plan[module] = kept.scheme
+        else:
+            weights.append((name, tensor.clone()))
+    return weights, plan
+
+
+@pytest.mark.parametrize("type_name", [*SIMPLE, *K_QUANTS])
+def test_tiny_model_per_format_matches_transformers_on_the_dequantized_weights(type_name):
+    hf = _tiny_llama()
+    weights, plan = _quantized_checkpoint(hf, type_name)
+    ops = resolve_ops({"prepack_quantized_linear": cpu_ops.prepack_quantized_linear})
+    model = build_model(hf.config, weights, dtype=torch.float32, device="cpu", ops=ops,
+                        attention_backend=ReferenceAttentionBackend(), block_size=4,
+                        schemes=scheme_chooser(plan, torch.float32))
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    assert len(layers) == 9 and all(isinstance(m.scheme, QuantizedWeights) for m in layers)
+    if GGUF_SCHEMES[type_name].bits == 4:  # the cpu plugin's fast path must be the one running
+        assert all(isinstance(m._apply_packed, cpu_ops.Int4PackedLinear) for m in layers)
+    tokens = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+    harness = PagedHarness(model, ReferenceAttentionBackend())
+    seq = harness.add(tokens)
+    got = harness.run([[(seq, 7)], [(seq, 5)]])[id(seq)]
+    with torch.inference_mode():
+        want = hf(torch.tensor([tokens])).logits[0]
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=0)
+
+
+def test_cpu_int4_kernel_matches_the_reference_in_bfloat16():
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (96, 128), generator=g, dtype=torch.uint8)
+    scales = torch.rand(96, 4, generator=g) * 0.02 + 1e-3
+    weight = quant.QuantizedWeight(quant.QuantScheme("gguf", "Q4_1", bits=4, group_size=32),
+                                   quant.pack_int4(codes), scales, -8 * scales, 128, 96)
+    fast = cpu_ops.prepack_quantized_linear(weight, None)
+    assert isinstance(fast, cpu_ops.Int4PackedLinear)
+    x = torch.randn(5, 128, generator=g).bfloat16()
+    want = quant.quantized_linear(x.float(), weight, None)
+    torch.testing.assert_close(fast(x).float(), want, atol=3e-2, rtol=2e-2)
+
+
+def test_cpu_fallback_is_logged(caplog):
+    scheme = GGUF_SCHEMES["Q6_K"]
+    weight = quant.QuantizedWeight(scheme, torch.zeros(4, 32, dtype=torch.uint8),
+                                   torch.ones(4, 2), torch.zeros(4, 2), 32, 4)
+    with caplog.at_level("WARNING"):
+        fn = cpu_ops.prepack_quantized_linear(weight, None)
+    assert not isinstance(fn, cpu_ops.Int4PackedLinear)
+    assert "Q6_K" in caplog.text and "no fast kernel" in caplog.text
+
+
+def test_quantization_is_resolved_against_the_checkpoint(tmp_path):
+    plain = LlamaConfig()
+    awq = LlamaConfig(quantization_config={"quant_method": "awq", "bits": 4})
+    gguf_file, hf_dir = str(tmp_path / "m.gguf"), str(tmp_path)
+    assert resolve_quantization(gguf_file, plain, None) == "none"  # until int4 is faster
+    assert resolve_quantization(gguf_file, plain, "gguf") == "gguf"
+    assert resolve_quantization(gguf_file, plain, "none") == "none"
+    assert resolve_quantization(hf_dir, plain, None) == "none"
+    with pytest.raises(ValueError, match="'awq' does not fit .* quantized as 'gguf'"):
+        resolve_quantization(gguf_file, plain, "awq")
+    with pytest.raises(ValueError, match="'gguf' does not fit .* quantized as 'none'"):
+        resolve_quantization(hf_dir, plain, "gguf")
+    with pytest.raises(ValueError, match="quantization 'awq' .* is not supported yet"):
+        resolve_quantization(hf_dir, awq, None)
+    with pytest.raises(ValueError, match="'int2' is not one of"):
+        resolve_quantization(hf_dir, plain, "int2")
+
+
+@pytest.mark.long  # two loads of the default model and 2 x 24 decode steps: minutes
+def test_default_model_runs_as_q4_1_with_the_greedy_tokens_of_the_dequantized_path():
+    from tokenmill import LLM, SamplingParams
+
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    tokens = {}
+    for method in ("gguf", "none"):
+        llm = LLM(quantization=method, dtype="float32")
+        model = llm.engine.executor.worker.runner.model
+        quantized = [m for m in model.modules()
+                     if isinstance(m, Linear) and isinstance(m.scheme, QuantizedWeights)]
+        assert len(quantized) == (120 if method == "gguf" else 0)  # 30 layers x qkv, o, gate_up, down
+        assert all(m.scheme.quant.format == "Q4_1" for m in quantized)
+        if method == "gguf":
+            assert all(isinstance(m._apply_packed, cpu_ops.Int4PackedLinear) for m in quantized)
+        outputs = llm.generate(prompts, greedy, use_tqdm=False)
+        tokens[method] = [o.outputs[0].token_ids for o in outputs]
+        llm.engine.shutdown()
+    assert tokens["gguf"] == tokens["none"]
