@@ -122,6 +122,25 @@ def test_tiny_model_per_format_matches_transformers_on_the_dequantized_weights(t
     torch.testing.assert_close(got, want, atol=2e-4, rtol=0)
 
 
+@pytest.mark.parametrize("platform_ops", ["reference", "cpu"])
+def test_a_platform_without_a_quantized_kernel_is_named_in_the_log(platform_ops, caplog):
+    """A quantized model on ops with no prepack_quantized_linear of their own (the
+    triton plugins today) says so once at load; the cpu plugin's Q4_0 path does not."""
+    hf = _tiny_llama()
+    weights, plan = _quantized_checkpoint(hf, "Q4_0")
+    overrides = ({} if platform_ops == "reference"
+                 else {"prepack_quantized_linear": cpu_ops.prepack_quantized_linear})
+    with caplog.at_level("WARNING"):
+        build_model(hf.config, weights, dtype=torch.float32, device="cpu",
+                    ops=resolve_ops(overrides), attention_backend=ReferenceAttentionBackend(),
+                    block_size=4, schemes=scheme_chooser(plan, torch.float32))
+    named = [r for r in caplog.records if "no quantized-linear kernel" in r.getMessage()]
+    if platform_ops == "reference":
+        assert len(named) == 1 and "Q4_0" in named[0].getMessage()
+    else:
+        assert not named
+
+
 def test_cpu_int4_kernel_matches_the_reference_in_bfloat16():
     g = torch.Generator().manual_seed(0)
     codes = torch.randint(0, 16, (96, 128), generator=g, dtype=torch.uint8)
