@@ -11,17 +11,35 @@ certified tile logic is the one an H100 runs, with bf16 tiles upcast before tl.d
 
 from __future__ import annotations
 
-from tokenmill_triton.configs import AttentionConfig, KernelConfigs, MoEConfig
+from tokenmill_triton.configs import (
+    AttentionConfig,
+    KernelConfigs,
+    LinearAttentionConfig,
+    MoEConfig,
+)
+
+# The chunked scans keep [chunk, 128] key tiles, the [128, block_v] state slice and their
+# float32 products (tl.dot at "ieee" runs on FMA units, every operand in registers) per
+# program: with 64-token chunks and 4 warps ptxas spilled 70-680 KB per kernel on sm_100
+# and took up to 40 minutes for one of them; 16-token chunks, 16 value columns (Mamba2: 16
+# head-dim rows) and 8 key channels per KDA pair tile over 8 warps fit in 232-244
+# registers without a spill (docs/certificates/nvidia-compile.md).
+LINEAR = LinearAttentionConfig(chunk_size=16, block_v=16, pair_block_k=8, ssd_block_p=16,
+                               num_warps=8)
 
 HOPPER = KernelConfigs(
     attention=AttentionConfig(block_m=64, tile_n=64, num_warps=4, num_stages=3,
                               decode_block_m=16, decode_tile_n=64, decode_num_warps=4),
     moe=MoEConfig(block_m=64, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=4),
+    linear=LINEAR,
 )
+# MoE: a 128x128 float32 tile over 8 warps spilled 200 bytes at 255 registers; 64x128
+# needs 170
 BLACKWELL = KernelConfigs(
     attention=AttentionConfig(block_m=128, tile_n=64, num_warps=8, num_stages=3,
                               decode_block_m=16, decode_tile_n=64, decode_num_warps=4),
-    moe=MoEConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=4),
+    moe=MoEConfig(block_m=64, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=4),
+    linear=LINEAR,
 )
 AMPERE = KernelConfigs(
     attention=AttentionConfig(block_m=64, tile_n=32, num_warps=4, num_stages=2,
