@@ -6,10 +6,11 @@ The same records the conformance suite puts into a certificate's `compile` secti
 
     python plugins/triton/compile_records.py [nvidia] [rocm]
     python plugins/triton/compile_records.py nvidia --only CASE... [--targets sm_90...]
+        [--out STEM]
 
 `--only` compiles the named aot_cases launches (`python -m tokenmill_triton.aot
-tokenmill_nvidia.configs:HOPPER sm_90 --list` names them) and writes
-{plugin}-compile-only.{json,md} beside the full record, which it leaves as it is.
+tokenmill_nvidia.configs:HOPPER sm_90 --list` names them) and writes STEM.{json,md}
+(default {plugin}-compile-only) beside the full record, which it leaves as it is.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from tokenmill_conformance.compile_record import compile_lines, compile_section,
 OUT = Path(__file__).resolve().parents[2] / "docs" / "certificates"
 
 
-def write(plugin: str, only: list[str] | None = None, targets: list[str] | None = None) -> int:
+def write(plugin: str, only: list[str] | None = None, targets: list[str] | None = None,
+          out: str | None = None) -> int:
     from tokenmill_triton.aot import compile_plugin
 
     module = __import__(f"tokenmill_{plugin}.plugin", fromlist=["plugin"])
@@ -40,10 +42,11 @@ def write(plugin: str, only: list[str] | None = None, targets: list[str] | None 
     builds = [KernelBuild(**r) for r in compile_plugin(builds_for, cases=only)]
     seconds = time.perf_counter() - start
     section = compile_section(builds)
-    stem = f"{plugin}-compile" + ("-only" if only else "")
+    stem = f"{plugin}-compile" if not only else out or f"{plugin}-compile-only"
     command = " ".join(["python plugins/triton/compile_records.py", plugin]
                        + (["--only", *(f'"{c}"' for c in only)] if only else [])
-                       + (["--targets", *targets] if targets else []))
+                       + (["--targets", *targets] if targets else [])
+                       + (["--out", out] if only and out else []))
     (OUT / f"{stem}.json").write_text(json.dumps(section, indent=1) + "\n")
     found = problems(builds)
     scope = ("every kernel and launch configuration the plugin's launchers produce at "
@@ -69,9 +72,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("plugins", nargs="*", choices=["nvidia", "rocm"], default=[])
     parser.add_argument("--only", nargs="+", metavar="CASE", help="aot_cases names")
     parser.add_argument("--targets", nargs="+", metavar="TARGET")
+    parser.add_argument("--out", metavar="STEM", help="with --only: the files' name")
     args = parser.parse_args(argv)
+    if args.out and not args.only:
+        parser.error("--out names the record of an --only run; the full record is "
+                     "{plugin}-compile")
     plugins = args.plugins or ["nvidia", "rocm"]
-    return 1 if sum(write(p, args.only, args.targets) for p in plugins) else 0
+    return 1 if sum(write(p, args.only, args.targets, args.out) for p in plugins) else 0
 
 
 if __name__ == "__main__":
