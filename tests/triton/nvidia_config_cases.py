@@ -1,5 +1,6 @@
-"""The kernels whose nvidia launch settings the compile records changed (the Gated DeltaNet,
-KDA and Mamba2 chunked scans, the conv, the MoE grouped GEMMs) in the plugin's own settings (tokenmill_nvidia.configs HOPPER and BLACKWELL:
+"""The kernels whose nvidia launch settings the compile records changed (paged attention's
+float32 prefill rows and decode key tiles, the Gated DeltaNet, KDA and Mamba2 chunked
+scans, the conv, the MoE grouped GEMMs) in the plugin's own settings (tokenmill_nvidia.configs HOPPER and BLACKWELL:
 the tiles the ahead-of-time compile records certify spill-free) against the core's
 references. Run by test_triton_kernels.py in a fresh process (TRITON_INTERPRET=1 without
 a GPU); production key and state sizes (128), sequences across several chunks."""
@@ -13,13 +14,16 @@ import torch
 from gated_delta_cases import _delta_inputs
 from kda_cases import _inputs as _kda_inputs
 
+from tokenmill.platforms.interfaces import AttentionKind, AttentionSpec
 from tokenmill.platforms.ops import reference
 from tokenmill.platforms.ops.gated_delta import causal_conv1d, gated_delta_rule_chunked
 from tokenmill.platforms.ops.kda import kda_chunked
 from tokenmill.platforms.ops.mamba2 import discretize_dt, mamba2_chunked
+from tokenmill_conformance.attention_harness import check_step, make_step, mixed_batch, to_device
 from tokenmill_nvidia.configs import BLACKWELL, HOPPER
 from tokenmill_triton import gated_delta as gd
 from tokenmill_triton import kda, mamba2, moe
+from tokenmill_triton.attention import TritonPagedAttention
 from tokenmill_triton.configs import interpreter_mode
 
 DEVICE = "cpu" if interpreter_mode() else "cuda"
@@ -39,6 +43,19 @@ def _pieces(lens):
 
 def _dev(*ts):
     return [t if t is None else t.to(DEVICE) for t in ts]
+
+
+@pytest.mark.parametrize("arch", CONFIGS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_size", [128, 256])
+def test_attention_in_the_plugin_settings(arch, dtype, head_size):
+    """A mixed prefill and decode batch (poisoned free slots), then a decode-only step:
+    float32 prefill in the plugin's float32 rows, decode in its decode key tiles."""
+    spec = AttentionSpec(AttentionKind.SLIDING_WINDOW, 8, 2, head_size, dtype, 16, 40)
+    backend = TritonPagedAttention(AttentionKind.SLIDING_WINDOW, CONFIGS[arch], "test")
+    device = torch.device(DEVICE)
+    check_step(backend, spec, to_device(make_step(mixed_batch(1), spec, 1, poison=True), device))
+    check_step(backend, spec, to_device(make_step([(70, 1), (5, 1)], spec, 2), device))
 
 
 @pytest.mark.parametrize("arch", CONFIGS)
