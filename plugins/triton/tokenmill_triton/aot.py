@@ -342,8 +342,10 @@ def _collect(worker: _Worker, records: list[dict], kernel_timeout: float) -> dic
     """Read the worker's lines into `records` until it ends (None) or a compile runs past
     `kernel_timeout` (kills the worker; returns that compile's kernel, config, case)."""
     while True:
+        wait = 5.0 if worker.started is None else max(
+            0.0, kernel_timeout - (time.perf_counter() - worker.since))
         try:
-            line = worker.lines.get(timeout=5.0)
+            line = worker.lines.get(timeout=wait)
         except queue.Empty:
             line = ""
         if line is None:
