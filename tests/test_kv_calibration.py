@@ -59,6 +59,42 @@ def test_calibrated_scales_are_the_amax_per_head_of_the_hf_keys_and_values(tiny_
         llm.engine.shutdown()
 
 
+def test_mla_calibrates_one_scale_for_the_latent_row(tmp_path):
+    """A tiny DeepSeek-V3 (MLA) on the cpu plugin's MLA backend: each layer's one k_scale
+    is amax / 448 of the latent row it caches (c_kv after kv_a_layernorm | the roped k_pe),
+    from transformers: the norm's output (a forward hook) and the rope part of its cache."""
+    from test_deepseek_v3 import save_tiny, tiny_config
+    from transformers import AutoModelForCausalLM
+
+    from tokenmill_conformance.tiny_models import make_tokenizer
+
+    tokenizer = make_tokenizer(300)
+    config = tiny_config(len(tokenizer))
+    save_tiny(tmp_path, config, tokenizer)
+    llm = LLM(str(tmp_path), dtype="float32", platform="cpu", block_size=4,
+              kv_cache_dtype="fp8", calculate_kv_scales=True, max_num_batched_tokens=64,
+              num_kv_blocks=64)
+    try:
+        ids = list(llm.engine.config.kv_calibration_token_ids)
+        assert len(ids) == 64  # one step of max_num_batched_tokens
+        layers = quantized_kv_layers(_model(llm))
+    finally:
+        llm.engine.shutdown()
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32,
+                                              attn_implementation="eager").eval()
+    normed: list[torch.Tensor] = []
+    for layer in hf.model.layers:
+        layer.self_attn.kv_a_layernorm.register_forward_hook(lambda m, i, o: normed.append(o))
+    with torch.no_grad():
+        cache = hf(torch.tensor([ids]), use_cache=True).past_key_values
+    assert len(layers) == len(normed) == config.num_hidden_layers
+    for layer, c_kv, hf_layer in zip(layers, normed, cache.layers, strict=True):
+        k_pe = hf_layer.keys[0, :, :, -config.qk_rope_head_dim:]
+        amax = torch.maximum(c_kv.abs().max(), k_pe.abs().max())
+        assert layer.k_scale.shape == (1,)
+        torch.testing.assert_close(layer.k_scale, (amax / E4M3_MAX).view(1), rtol=1e-4, atol=0)
+
+
 def test_scales_have_a_floor_and_refuse_an_unquantized_dtype():
     amax = torch.tensor([0.0, 4.48, 896.0])
     scales = calibrated_scales(amax, torch.float8_e4m3fn)
