@@ -62,7 +62,8 @@ def test_calibrated_scales_are_the_amax_per_head_of_the_hf_keys_and_values(tiny_
 def test_mla_calibrates_one_scale_for_the_latent_row(tmp_path):
     """A tiny DeepSeek-V3 (MLA) on the cpu plugin's MLA backend: each layer's one k_scale
     is amax / 448 of the latent row it caches (c_kv after kv_a_layernorm | the roped k_pe),
-    from transformers: the norm's output (a forward hook) and the rope part of its cache."""
+    from transformers' cache, which holds exactly those two parts (keys: c_kv, values:
+    k_pe)."""
     from test_deepseek_v3 import save_tiny, tiny_config
     from transformers import AutoModelForCausalLM
 
@@ -82,14 +83,13 @@ def test_mla_calibrates_one_scale_for_the_latent_row(tmp_path):
         llm.engine.shutdown()
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32,
                                               attn_implementation="eager").eval()
-    normed: list[torch.Tensor] = []
-    for layer in hf.model.layers:
-        layer.self_attn.kv_a_layernorm.register_forward_hook(lambda m, i, o: normed.append(o))
     with torch.no_grad():
         cache = hf(torch.tensor([ids]), use_cache=True).past_key_values
-    assert len(layers) == len(normed) == config.num_hidden_layers
-    for layer, c_kv, hf_layer in zip(layers, normed, cache.layers, strict=True):
-        k_pe = hf_layer.keys[0, :, :, -config.qk_rope_head_dim:]
+    assert len(layers) == len(cache.layers) == config.num_hidden_layers
+    for layer, hf_layer in zip(layers, cache.layers, strict=True):
+        c_kv, k_pe = hf_layer.keys[0], hf_layer.values[0]  # [1, T, rank], [1, T, rope]
+        assert c_kv.shape[-1] == config.kv_lora_rank
+        assert k_pe.shape[-1] == config.qk_rope_head_dim
         amax = torch.maximum(c_kv.abs().max(), k_pe.abs().max())
         assert layer.k_scale.shape == (1,)
         torch.testing.assert_close(layer.k_scale, (amax / E4M3_MAX).view(1), rtol=1e-4, atol=0)
