@@ -217,13 +217,15 @@ def measure_pd(path: str, isl: int, osl: int, clients: int, requests: int) -> di
 def context(path: str, isl: int, osl: int, clients: int, calibration):
     import torch
 
+    from tokenmill.planner.calibration import for_spec
     from tokenmill.planner.catalog import model_shape
     from tokenmill.planner.cluster import parse_cluster
     from tokenmill.planner.serving import SLO, Context, Limits
     from tokenmill.planner.workload import Workload
 
     shape = model_shape(path, torch.bfloat16)
-    return Context(shape, parse_cluster("1x4xcpu"), calibration,
+    cluster = parse_cluster("1x4xcpu")
+    return Context(shape, cluster, for_spec(calibration, cluster.device),
                    Workload(isl, osl, concurrency=clients), SLO(),
                    Limits(2048, max(clients, 8), 512))
 
