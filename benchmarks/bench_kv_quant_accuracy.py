@@ -11,7 +11,12 @@ greedy agreement: `--greedy-prompts` windows' first 256 tokens, each continued
 `--greedy-tokens` tokens greedily; the share of positions where the FP8 run's token equals
 the bf16 run's (up to the first difference, and over all positions).
 
-    python benchmarks/bench_kv_quant_accuracy.py --out benchmarks/results/kv-quant-accuracy.json
+A `--kv-dtypes` entry `NAME-calibrated` (e.g. `fp8-calibrated`) runs `kv_cache_dtype`
+NAME with `calculate_kv_scales=True` (per-head scales from a calibration prefill at
+start, docs/quantized-kv.md); plain NAME keeps the checkpoint's scales, else 1.0.
+
+    python benchmarks/bench_kv_quant_accuracy.py --kv-dtypes auto fp8 fp8-calibrated \
+        --out benchmarks/results/kv-quant-accuracy.json
 """
 
 from __future__ import annotations
@@ -77,19 +82,30 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=2048)
     parser.add_argument("--greedy-prompts", type=int, default=16)
     parser.add_argument("--greedy-tokens", type=int, default=64)
-    parser.add_argument("--kv-dtypes", nargs="+", default=["auto", "fp8", "fp8_e5m2"])
+    parser.add_argument("--kv-dtypes", nargs="+",
+                        default=["auto", "fp8", "fp8-calibrated", "fp8_e5m2"],
+                        help="kv_cache_dtype values, the first the baseline; NAME-calibrated: "
+                        "NAME with calculate_kv_scales")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                        help="the KV pool's bytes for every run (skips the start-up "
+                        "profiling step, minutes on a loaded CPU); default: sized by the "
+                        "engine")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
     from tokenmill import LLM
 
     results: dict = {"load_before": os.getloadavg(), "python": platform.python_version(),
-                     "files": STDLIB_FILES, "window": args.window, "runs": {}}
+                     "files": STDLIB_FILES, "window": args.window, "runs": {},
+                     "kv_cache_memory_bytes": args.kv_cache_memory_bytes}
     greedy_out: dict[str, list[list[int]]] = {}
     windows = prompts = None
     for kv in args.kv_dtypes:
-        llm = LLM(dtype=args.dtype, kv_cache_dtype=kv, max_model_len=args.window + 128)
+        kv_cache_dtype, calibrated = kv.removesuffix("-calibrated"), kv.endswith("-calibrated")
+        llm = LLM(dtype=args.dtype, kv_cache_dtype=kv_cache_dtype,
+                  calculate_kv_scales=calibrated, max_model_len=args.window + 128,
+                  kv_cache_memory_bytes=args.kv_cache_memory_bytes)
         if windows is None:
             ids = llm.get_tokenizer().encode(sample_text())[: args.tokens]
             windows = [ids[i : i + args.window] for i in range(0, len(ids), args.window)]

@@ -28,6 +28,7 @@ import os
 os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF reader's progress bars, once per rank
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -177,9 +178,10 @@ def measure_pd(path: str, isl: int, osl: int, clients: int, requests: int) -> di
         client = openai.OpenAI(base_url=procs[-1].url + "/v1", api_key="unused", max_retries=0,
                                timeout=3600)
         lock, sent, times = threading.Lock(), [0], []
+        vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
 
-        def one(i: int) -> None:
-            prompt = [(7 + 31 * i + 13 * j) % 40000 + 10 for j in range(isl)]
+        def one(i: int) -> None:  # the in-process loop's prompts (ids inside the vocabulary)
+            prompt = [(7 + 31 * i + 13 * j) % (vocab - 20) + 10 for j in range(isl)]
             t0, first = time.perf_counter(), None
             for chunk in client.completions.create(model="m", prompt=prompt, max_tokens=osl,
                                                    temperature=0, stream=True,
@@ -217,13 +219,15 @@ def measure_pd(path: str, isl: int, osl: int, clients: int, requests: int) -> di
 def context(path: str, isl: int, osl: int, clients: int, calibration):
     import torch
 
+    from tokenmill.planner.calibration import for_spec
     from tokenmill.planner.catalog import model_shape
     from tokenmill.planner.cluster import parse_cluster
     from tokenmill.planner.serving import SLO, Context, Limits
     from tokenmill.planner.workload import Workload
 
     shape = model_shape(path, torch.bfloat16)
-    return Context(shape, parse_cluster("1x4xcpu"), calibration,
+    cluster = parse_cluster("1x4xcpu")
+    return Context(shape, cluster, for_spec(calibration, cluster.device),
                    Workload(isl, osl, concurrency=clients), SLO(),
                    Limits(2048, max(clients, 8), 512))
 

@@ -52,8 +52,8 @@ class RankEndpoint(msgspec.Struct, frozen=True):
 
 class EngineEndpoint(msgspec.Struct, frozen=True):
     """An engine as a handover peer. The decode side refuses a peer whose `model`, `dtype`,
-    `kv_cache_dtype`, `block_size`, `layout` or `tensor_parallel_size` differs from its
-    own, naming it."""
+    `kv_cache_dtype`, `kv_scales`, `block_size`, `layout` or `tensor_parallel_size` differs
+    from its own, naming it."""
 
     engine_id: str
     transport: str  # the KV transport's name (both sides must use the same one)
@@ -66,13 +66,16 @@ class EngineEndpoint(msgspec.Struct, frozen=True):
     # torch dtype name of what the KV pages hold ("float8_e4m3fn" for an FP8 cache; the
     # compute dtype otherwise): a bf16 and an FP8 engine cannot read each other's pages
     kv_cache_dtype: str = ""
+    # a digest of the KV scales when calibrated at start (calculate_kv_scales), else "":
+    # FP8 pages read right only with the scales they were written with
+    kv_scales: str = ""
 
 
 def compatibility_problems(local: EngineEndpoint, peer: EngineEndpoint) -> list[str]:
     """What differs between two engines that a handover needs equal (empty: compatible)."""
     problems = []
-    for field in ("transport", "model", "dtype", "kv_cache_dtype", "block_size", "layout",
-                  "tensor_parallel_size"):
+    for field in ("transport", "model", "dtype", "kv_cache_dtype", "kv_scales", "block_size",
+                  "layout", "tensor_parallel_size"):
         mine, theirs = getattr(local, field), getattr(peer, field)
         if mine != theirs:
             problems.append(f"{field}: {theirs!r} on {peer.engine_id}, {mine!r} here")

@@ -23,8 +23,10 @@ the argument names; the kind's required hooks and `tokenmill_api_version` are pr
 the declared version is compatible with the core's; no hook it implements is newer than
 that version (tokenmill.platforms.versions). A broken plugin found through its entry point
 is kept with its error and listed, so one bad plugin never hides the others.
-The core's own tiers and parsers are plugins on the same groups (the core's
-pyproject.toml), found and validated like any other.
+The core's own tiers, parsers and model runner are plugins on the same groups (the core's
+pyproject.toml), found and validated like any other; one the metadata Python reads does
+not announce (a stale `tokenmill.egg-info` in the current directory) is registered from
+the core itself, with a warning (`CORE_PLUGINS`).
 
 Adding a kind is one small step: its hookspec in hookspecs.py
 (with its `HOOKS_SINCE` entry), one `PluginKind` added to `KINDS`, and the core's call
@@ -34,10 +36,12 @@ kind with no call site in the core is not added.
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from importlib import metadata
+from pathlib import Path
 
 import pluggy
 
@@ -105,6 +109,15 @@ KV_TRANSPORT = PluginKind(
 KINDS: tuple[PluginKind, ...] = (PLATFORM, KV_TIER, KV_TRANSPORT, TOOL_PARSER, REASONING_PARSER,
                                  MODEL_RUNNER)
 CORE_PLUGIN_NAME = "tokenmill"  # the core's own plugins of each non-platform kind
+# kind -> the module of the core's own plugin, as the core's pyproject.toml announces it
+# (tests/test_plugin_manager.py holds the two equal). `discover` registers one directly
+# when the metadata Python reads does not announce it (see `_add_missing_core_plugins`).
+CORE_PLUGINS = {
+    "kv_tier": "tokenmill.kv_connector.registry",
+    "tool_parser": "tokenmill.server.tool_parsers",
+    "reasoning_parser": "tokenmill.server.reasoning",
+    "model_runner": "tokenmill.worker.runner_plugin",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,7 +166,37 @@ class PluginManager:
                     continue
                 manager.register(plugin, kind, entry_point.name, dist_name, dist_version,
                                  keep_errors=True)
+        manager._add_missing_core_plugins(kinds)
         return manager
+
+    def _add_missing_core_plugins(self, kinds: Iterable[PluginKind]) -> None:
+        """Register the core's own plugin of each kind whose entry points did not include
+        it, from the module the core's pyproject.toml names, with a warning. Entry points
+        come from the first `tokenmill` metadata on sys.path: a `tokenmill.egg-info` of an
+        older install left in a source checkout hides the installed metadata from `python
+        -m ...` and scripts started in that directory (sys.path[0] is the current
+        directory for them), and without this the engine stopped there with "no model
+        runner" while the same engine in a script elsewhere ran."""
+        for kind in kinds:
+            module = CORE_PLUGINS.get(kind.name)
+            if module is None or self.record(kind, CORE_PLUGIN_NAME) is not None:
+                continue
+            logger.warning(
+                "the core's %s plugin (%s) is not announced in entry point group %r of the "
+                "tokenmill metadata Python read (%s); registering it from the core itself. "
+                "A tokenmill.egg-info older than the installed tokenmill, in the current "
+                "directory, does this: delete it or run `pip install -e .` again there",
+                kind.name, module, kind.entry_point_group, _metadata_location())
+            try:
+                plugin = importlib.import_module(module)
+            except ImportError as exc:
+                error = f"cannot import {module!r}: {exc!r}"
+                logger.warning("%s plugin %r: %s", kind.name, CORE_PLUGIN_NAME, error)
+                self._keep(PluginRecord(kind, CORE_PLUGIN_NAME, "tokenmill", "0", None, None,
+                                        error))
+                continue
+            self.register(plugin, kind, CORE_PLUGIN_NAME, "tokenmill", _core_version(),
+                          keep_errors=True)
 
     def register(
         self, plugin: object, kind: PluginKind, name: str, distribution: str = IN_PROCESS,
@@ -339,3 +382,18 @@ def _check_hook_names(where: str, kind: PluginKind, plugin: object) -> None:
         if getattr(getattr(plugin, attr), f"{hookspecs.PROJECT_NAME}_impl", None) is None:
             raise PluginError(f"{where} defines {attr!r} without "
                               f"@pluggy.HookimplMarker({hookspecs.PROJECT_NAME!r}); decorate it")
+
+
+def _metadata_location() -> str:
+    """Where the `tokenmill` distribution metadata Python finds first lives, for messages."""
+    try:
+        dist = metadata.distribution("tokenmill")
+    except metadata.PackageNotFoundError:
+        return "none found: tokenmill is not installed"
+    return str(Path(str(dist.locate_file(""))).resolve())
+
+
+def _core_version() -> str:
+    from tokenmill import __version__
+
+    return __version__

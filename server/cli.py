@@ -151,6 +151,7 @@ def _serve(args: argparse.Namespace) -> int:
         "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
         "kv_eviction": args.kv_eviction,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "calculate_kv_scales": args.calculate_kv_scales or None,
         "enable_prefix_caching": args.enable_prefix_caching,
         "generation_config": args.generation_config,
         "speculative_config": args.speculative_config,
@@ -294,6 +295,10 @@ def _add_serve_parser(sub) -> None:
                    help="what the KV cache stores (vLLM's names): auto (the compute dtype, "
                         "the default) or FP8, twice the tokens in the same bytes; the "
                         "platform must support it (docs/quantized-kv.md)")
+    p.add_argument("--calculate-kv-scales", action="store_true",
+                   help="with an FP8 --kv-cache-dtype: per-head KV scales from the amax "
+                        "of a calibration prefill at start (a fixed stdlib sample) instead "
+                        "of 1.0; checkpoint scales win; ignored with auto")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--kv-offload-host-bytes", default=None, metavar="SIZE",
                    help="KV offload: host-memory tier size, e.g. 8GiB (default: no host "

@@ -84,6 +84,9 @@ class Worker:
         self.kv_offload: WorkerOffload | None = None  # KV offload's worker half, if configured
         self.handover: HandoverWorker | None = None  # P/D disaggregation's transport, if set
         self._sleep_level: int | None = None  # set while asleep
+        # a digest of the KV scales when calibrated at load (calculate_kv_scales), else "":
+        # part of the offload fingerprint and the P/D handshake
+        self.kv_scales = ""
 
     # ---- set-up, in the executor's order -----------------------------------------------
     def init_device(self) -> None:
@@ -108,6 +111,37 @@ class Worker:
         self._check_runner()
         logger.info("rank %d: model runner %s (from plugin %r), %s", self.rank,
                     type(self.runner).__name__, self.runner_provider, self.runner_caps)
+        if self.config.kv_calibration_token_ids:
+            self._calibrate_kv_scales()
+
+    def _calibrate_kv_scales(self) -> None:
+        """The runner's KV scale calibration (calculate_kv_scales) over the engine's sample,
+        on scratch arenas of the layers' plain specs (the compute dtype), freed right after;
+        before the KV arena exists, so no KV is stored with other scales."""
+        runner = self._runner
+        calibrate = getattr(runner, "calibrate_kv_scales", None)
+        if calibrate is None:
+            raise ValueError(
+                f"calculate_kv_scales: {type(runner).__name__} (from plugin "
+                f"{self.runner_provider!r}) does not calibrate KV scales; drop "
+                "calculate_kv_scales or use a checkpoint that carries k_scale / v_scale")
+        layout = self._layout
+        plain = [dataclasses.replace(s, cache_dtype=None) if s.cache_dtype is not None else s
+                 for s in layout.attention_specs]
+        allocator = self._platform.allocator(AllocatorPurpose.KV_ARENA)
+        scratch: list[KVArena] = []
+
+        def pages(num_blocks: int) -> KVCachePages:
+            scratch.append(KVArena.create(
+                allocator, plain, num_blocks=num_blocks, device=self.context.device,
+                layer_slots=self._layer_slots(), backends=layout.backends))
+            return self._pages(scratch[-1], num_blocks)
+
+        try:
+            self.kv_scales = calibrate(pages, list(self.config.kv_calibration_token_ids))
+        finally:
+            for arena in scratch:
+                allocator.free(arena.buffer)
 
     def _check_runner(self) -> None:
         runner, caps, layout = self._runner, self.runner_caps, self.kv_layout
@@ -241,6 +275,7 @@ class Worker:
                 self.config.kv_offload, self.config.model_path, self.hf_config,
                 self.arena.page_rows(), self._platform, self.config.block_size,
                 self.config.kv_cache_dtype or self.config.dtype,  # what the pages hold
+                kv_scales=self.kv_scales,
             )
             if self.config.parallel.distributed_executor_backend != "uni":
                 # the engine's scheduler side mirrors the stack from our reports
@@ -251,6 +286,10 @@ class Worker:
             self.handover = make_handover_worker(
                 self.config.kv_transport, self.config.engine_id, self.rank, self.arena,
                 str(self._platform.platform.device), self.parallel_state)
+
+    def kv_scales_digest(self) -> str:
+        """A digest of this rank's calibrated KV scales ("" when not calibrated)."""
+        return self.kv_scales
 
     def handover_endpoint(self) -> bytes:
         """This rank's transport descriptor and arena geometry (msgpack `RankEndpoint`)."""

@@ -59,6 +59,14 @@ class EngineArgs(BaseModel):
         "platform must declare the dtype (Capabilities.kv_cache_dtypes); recurrent state "
         "keeps its own dtype (docs/quantized-kv.md)",
     )
+    calculate_kv_scales: bool = Field(
+        False,
+        description="with an FP8 kv_cache_dtype: set each attention layer's k / v scales "
+        "per KV head to amax / the format's largest value, measured at start by a prefill "
+        "of a fixed sample (Python stdlib sources) in the compute dtype, instead of 1.0; "
+        "scales a checkpoint carries win; ignored (logged) with kv_cache_dtype 'auto', as "
+        "in vLLM (docs/quantized-kv.md)",
+    )
     enable_prefix_caching: bool = True
     kv_eviction: Literal["benefit", "lru"] = Field(
         "benefit",
@@ -306,6 +314,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # torch dtype name of what the KV cache stores, e.g. "float8_e4m3fn" (EngineArgs.
     # kv_cache_dtype resolved against the platform); None: the compute dtype
     kv_cache_dtype: str | None = None
+    # calculate_kv_scales: the sample's token ids every worker calibrates the quantized KV
+    # cache's scales on before its arena exists (tokenmill.engine.kv_calibration); empty:
+    # no calibration (scales from the checkpoint, else 1.0)
+    kv_calibration_token_ids: tuple[int, ...] = ()
     max_num_batched_tokens: int
     max_num_seqs: int
     max_model_len: int  # the model's context, before the KV pool may lower it

@@ -17,6 +17,7 @@ from tokenmill.distributed.executor import Executor, make_executor
 from tokenmill.distributed.rendezvous import free_loopback_init_method
 from tokenmill.engine.config import EngineArgs, EngineConfig
 from tokenmill.engine.in_flight import InFlightSteps
+from tokenmill.engine.kv_calibration import calibration_token_ids
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tokenmill.engine.wiring import (
@@ -211,6 +212,9 @@ class LLMEngine:
             dtype=str(self.dtype).removeprefix("torch."),
             quantization=self.quantization,
             kv_cache_dtype=dtype_name(self.kv_cache_dtype),
+            kv_calibration_token_ids=calibration_token_ids(
+                args.calculate_kv_scales, self.kv_cache_dtype is not None, self.tokenizer,
+                min(args.max_num_batched_tokens, self.max_model_len)),
             block_size=args.block_size,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs,

@@ -93,16 +93,19 @@ def offload_config(args) -> OffloadConfig | None:
 
 def make_worker_offload(
     config: OffloadConfig, model_path: str, hf_config, rows: list, platform, block_size: int,
-    dtype: str,
+    dtype: str, kv_scales: str = "",
 ) -> WorkerOffload:
     """A worker's tier stack and connector half over its arena's slots as bytes, `rows`
-    (`KVArena.page_rows`); `dtype`: the model's KV dtype name (part of the fingerprint)."""
+    (`KVArena.page_rows`); `dtype`: the model's KV dtype name, `kv_scales`: a digest of
+    calibrated KV scales ("" when they are the checkpoint's or 1.0), both part of the
+    fingerprint."""
     layout = KVLayout(
         model_id=model_identity(model_path, hf_config),
         dtype=dtype,
         block_size=block_size,
         layer_shapes=tuple((r.shape[0], r.shape[2]) for r in rows),
         itemsize=1,
+        kv_scales=kv_scales,
     )
     staging = platform.allocator(AllocatorPurpose.HOST_STAGING)
     stack = build_stack(config, layout, lambda: staging)

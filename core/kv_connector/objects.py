@@ -69,6 +69,10 @@ class KVLayout:
     block_size: int
     layer_shapes: tuple[tuple[int, ...], ...]
     itemsize: int
+    # a digest of the KV scales when calibrated at load (calculate_kv_scales; the model
+    # fixes any other: the checkpoint's or 1.0), else "": FP8 pages read right only with
+    # the scales they were written with
+    kv_scales: str = ""
 
     @property
     def page_bytes(self) -> int:
@@ -94,6 +98,8 @@ class KVLayout:
             "block_size": self.block_size,
             "layers": [list(s) for s in self.layer_shapes],
         }
+        if self.kv_scales:  # uncalibrated layouts keep the fingerprints they had
+            doc["kv_scales"] = self.kv_scales
         return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).digest()
 
 

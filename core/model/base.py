@@ -224,6 +224,8 @@ class CausalLM(nn.Module):
         model_specs = with_kv_cache_dtype(
             family.attention_specs(hf_config, dtype, block_size), kv_cache_dtype
         )
+        # the KV cache scales the checkpoint set (their names): calibration leaves them be
+        self.checkpoint_kv_scales: list[str] = []
         self.tie_word_embeddings = family.head_is_tied(full_config)
         stage = pipeline.Stage.of(self.pp, len(model_specs), self.tie_word_embeddings)
         self.attention_specs: list[AttentionSpec] = model_specs[stage.layers.start : stage.layers.stop]
@@ -406,7 +408,8 @@ class CausalLM(nn.Module):
                     continue
                 tensor = tensor.dense()  # a layer built dense
             if is_kv_scale(hf_name):  # a quantized KV cache's scale, not a parameter
-                load_kv_scale(modules, hf_name, tensor)
+                if load_kv_scale(modules, hf_name, tensor):
+                    self.checkpoint_kv_scales.append(hf_name)
                 continue
             for name, shard, converted in self._convert(hf_name, tensor):
                 if name not in params:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenmill.model.kv_scales import add_kv_scales, kv_scale_kwargs
+from tokenmill.model.kv_scales import add_kv_scales, kv_cache_args
 from tokenmill.model.linear import LayerBuilder
 from tokenmill.model.parallel import Slice
 from tokenmill.platforms.interfaces import (
@@ -204,10 +204,10 @@ class Attention(nn.Module):
             q = self.q_norm(q)
             k = self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        extra = kv_scale_kwargs(self)
+        spec, extra = kv_cache_args(self, k, v)  # an FP8 cache's scales (or calibration)
         if self.sinks is not None:
             extra["sinks"] = self.sinks.float()
-        out = self.backend.forward(self.spec, q, k, v, kv_cache, metadata, **extra)
+        out = self.backend.forward(spec, q, k, v, kv_cache, metadata, **extra)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 

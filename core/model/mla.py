@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenmill.model.kv_scales import add_kv_scales, kv_scale_kwargs
+from tokenmill.model.kv_scales import add_kv_scales, kv_cache_args
 from tokenmill.model.layers import RMSNorm, RotaryEmbedding
 from tokenmill.model.linear import LayerBuilder
 from tokenmill.platforms.interfaces import (
@@ -139,8 +139,8 @@ class MLAAttention(nn.Module):
         query = torch.cat((q_nope, q_pe), dim=-1)
         latent = torch.cat((c_kv.unsqueeze(1), k_pe), dim=-1)  # [T, 1, rank + rope]
         w_uk, w_uv = self.up_projections()
+        spec, scales = kv_cache_args(self, latent, None)  # an FP8 cache's scale (or calibration)
         out = self.backend.forward(
-            self.spec, query, latent, None, kv_cache, metadata, w_uk=w_uk, w_uv=w_uv,
-            **kv_scale_kwargs(self),
+            spec, query, latent, None, kv_cache, metadata, w_uk=w_uk, w_uv=w_uv, **scales,
         )
         return self.o_proj(out.reshape(-1, self.num_heads * d.v_head_dim))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenmill.planner.calibration import Calibration
+from tokenmill.planner.calibration import Calibration, for_spec
 from tokenmill.planner.cluster import Cluster
 from tokenmill.planner.model_shape import ModelShape
 from tokenmill.planner.search import Candidate, search
@@ -26,9 +26,10 @@ class Plan:
 def plan(model: ModelShape, cluster: Cluster, workload: Workload, slo: SLO | None = None,
          limits: Limits | None = None, calibration: Calibration | None = None,
          pool: str | None = None) -> Plan:
-    """Every candidate of `cluster` for `model` serving `workload`, ranked."""
-    ctx = Context(model, cluster, calibration or Calibration(), workload, slo or SLO(),
-                  limits or Limits())
+    """Every candidate of `cluster` for `model` serving `workload`, ranked; `calibration`'s
+    efficiencies rescaled to the cluster device's peaks (`calibration.for_spec`)."""
+    calibration = for_spec(calibration or Calibration(), cluster.device)
+    ctx = Context(model, cluster, calibration, workload, slo or SLO(), limits or Limits())
     return Plan(ctx, search(ctx, pool))
 
 

@@ -32,6 +32,7 @@ from tokenmill.planner.calibration import (
     Calibration,
     Efficiency,
     LinkFit,
+    Peaks,
     default_path,
     save,
 )
@@ -73,7 +74,7 @@ def calibrate(platform: str | None = None, ranks: tuple[int, ...] = (1, 2), quic
         per_ranks[1] = efficiency
     cal = Calibration(device=spec.name, platform=active.name, efficiency=efficiency,
                       per_ranks=per_ranks, collectives=collectives, gemm_width=width,
-                      measured=measured)
+                      measured=measured, fitted_to=Peaks.of(spec, dtype))
     say("host overhead of engine steps (tiny llama, 2 and 8 layers)")
     cal = replace(cal, **measure_overheads(active.name, cal, 2 in ranks))
     target = path or default_path(spec.name)

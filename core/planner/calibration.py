@@ -11,17 +11,32 @@ is read the same way (`from_certificate`).
 On a shared host (the cpu plugin: every rank of a mix is a process on the same cores),
 efficiencies are measured per number of ranks sharing it (`per_ranks`): two processes
 time-slicing two cores do not reach what one process does.
+
+An efficiency is a fraction of the peaks of the `HardwareSpec` it was fitted against, so a
+calibration records those peaks (`fitted_to`). What was measured is the achieved
+throughput, efficiency x the old peak; when the plugin's spec changes later, `for_spec`
+rescales each efficiency to the new peaks (logged), so the predicted times stay those
+measured. A calibration file without the peaks (format version 1) is refused with an
+error saying to run `tokenmill plan --calibrate` again: its efficiencies are fractions of
+a spec nobody can name any more, and a plugin's spec did change under one (the cpu
+plugin's became a ceiling 5-8x the earlier estimate), predicting 3-4x too fast.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from tokenmill.platforms.interfaces import HardwareSpec
+
+logger = logging.getLogger(__name__)
+
 FORMAT = "tokenmill-calibration"
-VERSION = 1
+VERSION = 2  # 2: `fitted_to`, the peaks the efficiencies are fractions of
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +51,31 @@ class LinkFit:
 
     latency: float
     bandwidth: float
+
+
+@dataclass(frozen=True, slots=True)
+class Peaks:
+    """The `HardwareSpec` figures a calibration's efficiencies are fractions of: compute
+    efficiencies of `peak_flops[dtype]` (the dtype its kernels ran in), memory ones of
+    `memory_bandwidth`."""
+
+    device: str  # the spec's name
+    peak_flops: dict[str, float]  # dtype name -> FLOP/s
+    memory_bandwidth: float  # bytes/s
+    dtype: str
+
+    @classmethod
+    def of(cls, spec: HardwareSpec, dtype: str) -> Peaks:
+        return cls(spec.name, dict(spec.peak_flops), spec.memory_bandwidth, dtype)
+
+    @property
+    def flops(self) -> float:
+        return peak_at(self.peak_flops, self.dtype)
+
+
+def peak_at(peak_flops: Mapping[str, float], dtype: str) -> float:
+    """The peak FLOP/s of `dtype`, else the highest the spec gives (as the model costs it)."""
+    return peak_flops.get(dtype) or max(peak_flops.values())
 
 
 DEFAULTS: dict[str, Efficiency] = {
@@ -73,6 +113,7 @@ class Calibration:
     rank_overhead_s: float = 2e-4  # per step, when the ranks are processes of their own
     measured: dict = field(default_factory=dict)  # the raw measurements, for the record
     created: float = 0.0
+    fitted_to: Peaks | None = None  # the spec figures the efficiencies are fractions of
 
     @property
     def calibrated(self) -> bool:
@@ -101,6 +142,53 @@ class Calibration:
 _UNCALIBRATED = Calibration()
 
 
+def for_spec(cal: Calibration, spec: HardwareSpec) -> Calibration:
+    """`cal` with its efficiencies as fractions of `spec`'s peaks: each rescaled by old peak
+    / new peak, so efficiency x peak, the throughput that was measured, stays the same
+    (logged when it changes anything). Uncalibrated defaults are fractions of any spec
+    and stay as they are; a calibration of another device (its `fitted_to` names another
+    spec) is applied as fractions of this one's peaks, and says so."""
+    old = cal.fitted_to
+    if old is None:
+        if cal.calibrated:
+            raise ValueError(_no_peaks(cal.device, "this calibration"))
+        return cal
+    if old.device != spec.name:
+        logger.warning("calibration of %r applied to %r: its efficiencies are used as fractions "
+                       "of %r's peaks (measured on another device; `tokenmill plan --calibrate` "
+                       "on this one measures it)", old.device, spec.name, spec.name)
+        return cal
+    compute = old.flops / peak_at(spec.peak_flops, old.dtype)
+    memory = old.memory_bandwidth / spec.memory_bandwidth
+    if compute == 1.0 and memory == 1.0:
+        return cal
+
+    def scaled(table: dict[str, Efficiency]) -> dict[str, Efficiency]:
+        return {op: Efficiency(e.compute * compute, e.memory * memory) for op, e in table.items()}
+
+    logger.info("calibration of %r was fitted to peaks of %.4g FLOP/s (%s) and %.4g B/s; the "
+                "spec now says %.4g and %.4g: efficiencies rescaled by %.4g (compute) and %.4g "
+                "(memory) so the measured throughputs stand", spec.name, old.flops, old.dtype,
+                old.memory_bandwidth, peak_at(spec.peak_flops, old.dtype),
+                spec.memory_bandwidth, compute, memory)
+    out = replace(cal, efficiency=scaled(cal.efficiency),
+                  per_ranks={n: scaled(t) for n, t in cal.per_ranks.items()},
+                  fitted_to=Peaks.of(spec, old.dtype))
+    above = sorted(op for op, e in out.efficiency.items() if max(e.compute, e.memory) > 1.0)
+    if above:
+        logger.warning("calibration of %r: %s measured faster than the spec's peaks allow (the "
+                       "spec understates the device)", spec.name, ", ".join(above))
+    return out
+
+
+def _no_peaks(device: str, source: str) -> str:
+    return (f"{source} (device {device!r}) does not record the HardwareSpec peaks its "
+            f"efficiencies were fitted against (a calibration of format version 1): they "
+            "cannot be rescaled to the plugin's spec, which may have changed since; run "
+            "`tokenmill plan --calibrate` again to measure this machine (or plan without "
+            "--calibration)")
+
+
 def _nearest(table: dict[int, object], ranks: int) -> int:
     if not table:
         return ranks
@@ -113,13 +201,18 @@ def to_json(cal: Calibration) -> dict:
     return data
 
 
-def from_json(data: dict) -> Calibration:
+def from_json(data: dict, source: str = "calibration") -> Calibration:
+    """A calibration from its JSON; raises ValueError (naming `source`) for data of another
+    format or a calibration that does not record the peaks it was fitted against."""
     if data.get("format") != FORMAT:
-        raise ValueError(f"not a {FORMAT} file (format {data.get('format')!r})")
+        raise ValueError(f"{source}: not a {FORMAT} file (format {data.get('format')!r})")
 
     def table(entries: dict) -> dict[str, Efficiency]:
         return {op: Efficiency(**e) for op, e in entries.items()}
 
+    fitted_to = _peaks(data)
+    if fitted_to is None and data["device"] != _UNCALIBRATED.device:
+        raise ValueError(_no_peaks(data["device"], source))
     return Calibration(
         device=data["device"],
         platform=data.get("platform", ""),
@@ -135,7 +228,21 @@ def from_json(data: dict) -> Calibration:
         rank_overhead_s=data.get("rank_overhead_s", _UNCALIBRATED.rank_overhead_s),
         measured=data.get("measured", {}),
         created=data.get("created", 0.0),
+        fitted_to=fitted_to,
     )
+
+
+def _peaks(data: dict) -> Peaks | None:
+    """`fitted_to`, else the declared spec a conformance certificate's T5 calibration
+    records (`measured.declared`; its fractions are of the bfloat16 peak where the spec
+    has one)."""
+    if data.get("fitted_to"):
+        return Peaks(**data["fitted_to"])
+    declared = (data.get("measured") or {}).get("declared") or {}
+    if declared.get("peak_flops") and declared.get("memory_bandwidth"):
+        return Peaks(data["device"], dict(declared["peak_flops"]), declared["memory_bandwidth"],
+                     "bfloat16")
+    return None
 
 
 def save(cal: Calibration, path: Path) -> Path:
@@ -149,7 +256,7 @@ def load(path: Path) -> Calibration:
     data = json.loads(Path(path).read_text())
     if data.get("format") != FORMAT:
         return from_certificate(data, str(path))
-    return from_json(data)
+    return from_json(data, str(path))
 
 
 def from_certificate(cert: dict, source: str = "certificate") -> Calibration:
@@ -159,21 +266,27 @@ def from_certificate(cert: dict, source: str = "certificate") -> Calibration:
     perf = cert.get("performance") or {}
     embedded = perf.get("calibration") or cert.get("calibration")
     if embedded:
-        return from_json(embedded)
-    matmul = perf.get("matmul") or {}
-    fractions = [m["fraction_of_declared"] for m in matmul.values() if m.get("fraction_of_declared")]
+        return from_json(embedded, source)
+    matmul = {dtype: m["fraction_of_declared"] for dtype, m in (perf.get("matmul") or {}).items()
+              if m.get("fraction_of_declared")}
     bandwidth = (perf.get("memory_bandwidth") or {}).get("fraction_of_declared")
-    if not fractions or not bandwidth:
+    if not matmul or not bandwidth:
         raise ValueError(f"{source}: neither a calibration file nor a certificate with a T5 "
                          "report (performance.matmul, performance.memory_bandwidth)")
     spec = (cert.get("hardware") or {}).get("spec") or {}
-    compute = max(fractions)
+    if not spec.get("peak_flops") or not spec.get("memory_bandwidth"):
+        raise ValueError(_no_peaks(spec.get("name", source), f"{source}: the certificate"))
+    dtype = max(matmul, key=matmul.__getitem__)  # the fraction taken is of this dtype's peak
+    compute = matmul[dtype]
+    fitted_to = Peaks(spec.get("name", source), dict(spec["peak_flops"]),
+                      spec["memory_bandwidth"], dtype)
     efficiency = dict(DEFAULTS)
     efficiency["gemm"] = Efficiency(compute, bandwidth)
     efficiency["moe"] = Efficiency(compute * 0.8, bandwidth)
     efficiency["elementwise"] = Efficiency(compute * 0.5, bandwidth)
     return Calibration(device=spec.get("name", source), platform=cert.get("platform", ""),
-                       efficiency=efficiency, measured={"certificate": source})
+                       efficiency=efficiency, measured={"certificate": source},
+                       fitted_to=fitted_to)
 
 
 def default_path(device: str) -> Path:

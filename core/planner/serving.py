@@ -5,8 +5,11 @@ Colocated, the engine's one scheduling rule decides the shape of a step: every r
 request decodes one token, and what is left of the token budget goes to prompt chunks.
 In a steady state with B requests decoding, each step must also prefill B x ISL' / OSL
 prompt tokens (ISL' the tokens past the prefix hit) for new requests to replace the
-finished ones; a step carries both, so prefill slows every decode (TPOT = the step) and
-decodes slow every prefill. With pipeline parallel, pp micro-batches of B / pp requests
+finished ones; a step carries both, so prefill slows every decode and decodes slow every
+prefill. The mean step prices throughput (B tokens a step); a request's TPOT is the mean
+of the OSL - 1 steps after its first token, which carry the other B - 1 requests' prompt
+chunks but never its own (those come before its first token): one request alone decodes
+at the decode step's pace. With pipeline parallel, pp micro-batches of B / pp requests
 are in flight: a request's next token waits for its micro-batch to pass every stage (TPOT
 = pp stage times) and a prompt's chunks flow through the stages one behind the other
 (TTFT = (chunks + pp - 1) stage times, the pipeline bubble). A request waits for the
@@ -119,7 +122,8 @@ def _step(ctx: Context, mix: Mix, decode: int, prefill: int, prompts: int = 1,
 @dataclass(frozen=True, slots=True)
 class _Point:
     ttft: float
-    tpot: float
+    tpot: float  # a request's mean gap between tokens after its first
+    cycle: float  # the mean step (x pp): one token of each of the batch's requests
     step: StepTime
     rho: float  # prefill capacity in use
 
@@ -131,8 +135,11 @@ def _colocated_point(ctx: Context, mix: Mix, batch: int) -> _Point | None:
     The scheduler gives a prompt all the budget the decodes leave (up to
     `long_prefill_token_threshold`), so steps are of two kinds: decodes alone, and decodes
     with a prompt chunk of c tokens. A share f = (prompt tokens needed per step) / c of the
-    steps carry a chunk; TPOT is the mean step, TTFT the prompt's chunks (through every
-    stage) after its wait in the queue of chunked steps (rho = f)."""
+    steps carry a chunk; throughput is a token per request per mean step, TTFT the
+    prompt's chunks (through every stage) after its wait in the queue of chunked steps
+    (rho = f). A request's own chunks all come before its first token, so its OSL - 1
+    later steps carry the chunks of the other B - 1 requests only: a share f (B - 1) / B x
+    OSL / (OSL - 1) of them (B = 1: none, TPOT = the decode step)."""
     wl, limits, pp = ctx.workload, ctx.limits, mix.pp
     left = limits.max_num_batched_tokens - batch
     needed = batch * wl.new_tokens / wl.osl  # prompt tokens per step to replace finished ones
@@ -143,11 +150,13 @@ def _colocated_point(ctx: Context, mix: Mix, batch: int) -> _Point | None:
     alone = _step(ctx, mix, micro, 0)
     mixed = _step(ctx, mix, micro, chunk)
     share = needed / chunk
-    tpot = pp * ((1 - share) * alone.seconds + share * mixed.seconds)
+    cycle = pp * ((1 - share) * alone.seconds + share * mixed.seconds)
+    others = min(1.0, share * (batch - 1) / batch * wl.osl / max(wl.osl - 1, 1))
+    tpot = pp * ((1 - others) * alone.seconds + others * mixed.seconds)
     service = (cdiv(wl.new_tokens, chunk) + pp - 1) * mixed.seconds
-    ttft = service * (1 + share / (2 * (1 - share))) + tpot / 2
+    ttft = service * (1 + share / (2 * (1 - share))) + cycle / 2
     binding = mixed if share * mixed.seconds > (1 - share) * alone.seconds else alone
-    return _Point(ttft, tpot, binding, share)
+    return _Point(ttft, tpot, cycle, binding, share)
 
 
 def _largest(ok, high: int) -> int:
@@ -183,7 +192,7 @@ def predict_colocated(ctx: Context, mix: Mix) -> Prediction:
     p = point(batch)
     if p is None:
         return _unfit(mix, "both", "the token budget cannot prefill one request per step")
-    served = batch / p.tpot * mix.dp  # output tokens/s of every replica
+    served = batch / p.cycle * mix.dp  # output tokens/s of every replica
     if wl.rate is not None and not overloaded:
         served = wl.rate * wl.osl
     binding = "KV capacity" if batch == sessions and sessions < ctx.limits.max_num_seqs else p.step.binding
@@ -202,10 +211,10 @@ def _operating_batch(ctx: Context, mix: Mix, cap: int, point) -> tuple[int, bool
         p = point(b)
         if p is None:
             return INF
-        if wl.rate is not None:
-            return wl.rate / mix.dp * wl.osl * p.tpot
+        if wl.rate is not None:  # a request spends OSL steps in the batch
+            return wl.rate / mix.dp * wl.osl * p.cycle
         clients = wl.concurrency / mix.dp
-        return clients * wl.osl * p.tpot / (wl.osl * p.tpot + p.ttft)
+        return clients * wl.osl * p.cycle / (wl.osl * p.cycle + p.ttft)
 
     def settles(b: int) -> bool:  # the load keeps at least b requests decoding
         return point(b) is not None and demand(b) >= b

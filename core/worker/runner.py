@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from tokenmill.kv.groups import KVLayout, plan_groups
+from tokenmill.model.kv_scales import calibrate_kv_scales, kv_scales_digest, quantized_kv_layers
 from tokenmill.platforms.interfaces import (
     Allocator,
     AttentionKind,
@@ -184,10 +185,57 @@ class ModelRunner(ModelRunnerBase):
         num_tokens = self.max_num_batched_tokens
         num_seqs = min(self.max_num_seqs, num_tokens)
         lens = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        hidden = self._scratch_prefill(scratch, lens, input_ids)
+        if hidden is not None:  # None: a pipeline stage before the last
+            last = torch.tensor(lens, device=self.device).cumsum(0) - 1
+            self.model.compute_logits(hidden[last])
+
+    @torch.inference_mode()
+    def calibrate_kv_scales(
+        self, scratch: Callable[[int], KVCachePages], token_ids: list[int]
+    ) -> str:
+        """Set the quantized KV cache's scales from one prefill of `token_ids` on `scratch`
+        pages laid out for the layers' plain specs (the compute dtype): each layer's k / v
+        scale per KV head is the amax it stored / the format's largest value
+        (`tokenmill.model.kv_scales.calibrate_kv_scales`). Runs before `bind_kv_cache`,
+        once: KV is never stored with other scales. Returns a digest of the scales set (for
+        the KV layout's fingerprint; "" when the checkpoint's scales are kept); ValueError when the model's KV cache is not quantized
+        or the sample is empty or longer than one step (max_num_batched_tokens) or the
+        context (max_model_len)."""
+        layers = quantized_kv_layers(self.model)
+        if not layers:
+            raise ValueError("calibrate_kv_scales: the model's KV cache is not quantized")
+        from_checkpoint = self.model.checkpoint_kv_scales
+        if from_checkpoint:  # calibrated by whoever made the checkpoint: those win
+            logger.warning("calculate_kv_scales: the checkpoint carries KV scales (%s, %d in "
+                           "all); they are kept, nothing is calibrated", from_checkpoint[0],
+                           len(from_checkpoint))
+            return ""
+        most = min(self.max_num_batched_tokens, self.max_model_len)
+        if not 0 < len(token_ids) <= most:
+            raise ValueError(f"calibrate_kv_scales: a sample of {len(token_ids)} tokens; it "
+                             f"must hold 1 to {most} (one prefill step)")
+        input_ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
+        calibrate_kv_scales(layers, lambda: self._scratch_prefill(scratch, [len(token_ids)],
+                                                                   input_ids))
+        scales = torch.cat([torch.cat([layer.k_scale, layer.v_scale]) for layer in layers])
+        logger.info("KV scales calibrated on %d tokens: %d layers, scales %.3g to %.3g",
+                    len(token_ids), len(layers), scales.min().item(), scales.max().item())
+        return kv_scales_digest(layers)
+
+    def _scratch_prefill(
+        self, scratch: Callable[[int], KVCachePages], lens: list[int], input_ids: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The model's forward over fresh sequences of `lens` tokens (`input_ids`, all of
+        them in order) on scratch pages; its hidden states (None on a pipeline stage before
+        the last)."""
+        num_seqs = len(lens)
         per_seq = [-(-n // self.block_size) for n in lens]
         layout = self.model.kv_layout
         state_pages = max((g.state_pages for g in layout.groups), default=0)
-        # every KV group reads the same blocks here: the step measures memory, not values
+        # every KV group uses the same blocks here: layers sharing a slot overwrite each
+        # other's pages, after each has read its own (one prefill, no context before it)
         pages = scratch(max(sum(per_seq), state_pages))
         first = [sum(per_seq[:i]) for i in range(num_seqs)]
         block_ids = [list(range(f, f + n)) for f, n in zip(first, per_seq)]
@@ -202,12 +250,8 @@ class ModelRunner(ModelRunnerBase):
                 if (backend.kind == AttentionKind.LINEAR) == (m.recurrent is not None):
                     backend.prepare(m)
         _, positions = token_positions(lens, lens)
-        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         caches = list(pages.layer_caches[:len(self.model.attention_specs)])  # not the draft's
-        hidden = self.model(input_ids, positions.to(self.device), caches, metadata)
-        if hidden is not None:  # None: a pipeline stage before the last
-            last = torch.tensor(lens, device=self.device).cumsum(0) - 1
-            self.model.compute_logits(hidden[last])
+        return self.model(input_ids, positions.to(self.device), caches, metadata)
 
     def sleep(self, level: int) -> int:
         """Free the weights' buffers through the platform's allocator (kept in host memory

@@ -6,8 +6,9 @@ A cache entry is `saturate(x / scale)` in the cache dtype and reads as `stored *
 with one float32 scale per KV head (`scale` [num_kv_heads]; per layer: one value
 repeated; MLA: [1] for the whole latent row). Saturating matters: casting a float past
 the format's largest finite value to float8_e4m3fn gives NaN, not the largest value.
-The scale comes from the checkpoint (`k_scale` / `v_scale`, as vLLM reads them) or is
-1.0 (vLLM's default when uncalibrated).
+The scale comes from the checkpoint (`k_scale` / `v_scale`, as vLLM reads them), from a
+calibration pass (`calibrated_scales`: amax / the format's largest value, per head;
+vLLM's `calculate_kv_scales`) or is 1.0 (vLLM's default when uncalibrated).
 
 The user-facing names are vLLM's: `--kv-cache-dtype auto | fp8 | fp8_e4m3 | fp8_e5m2`
 (`fp8` is `fp8_e4m3`).
@@ -51,3 +52,29 @@ def dequantize_kv(stored: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def unit_scales(num_kv_heads: int, device: torch.device | str | None = None) -> torch.Tensor:
     """float32 [num_kv_heads] of 1.0: the scales of an uncalibrated cache (vLLM's default)."""
     return torch.ones(num_kv_heads, dtype=torch.float32, device=device)
+
+
+# The smallest amax a calibrated scale is computed from: a head whose keys (or values)
+# were all zero on the calibration sample gets scale AMAX_FLOOR / max, not 0 (x / 0 would
+# store NaN); any positive scale stores zeros exactly.
+AMAX_FLOOR = 1e-6
+
+
+def head_amax(x: torch.Tensor) -> torch.Tensor:
+    """float32 [heads]: the largest |x| of each head of `x` [T, heads, dim] (an MLA latent
+    [T, 1, dim]: one value), over every token; what a calibration pass records."""
+    return x.detach().abs().amax(dim=(0, 2)).float()
+
+
+def calibrated_scales(amax: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """float32 scales for a `cache_dtype` cache from the observed `amax` [heads]: amax /
+    the format's largest finite value (448 for e4m3), so the largest observed entry is
+    stored at the top of the range and small ones keep their mantissa bits rather than
+    falling into the subnormals; `AMAX_FLOOR` keeps an all-zero head's scale positive."""
+    if not is_quantized(cache_dtype):
+        raise ValueError(f"cache_dtype={cache_dtype} is not a quantized KV dtype "
+                         f"({sorted(map(str, QUANTIZED_KV_DTYPES))}); it takes no scales")
+    if not torch.isfinite(amax).all():
+        raise ValueError(f"KV amax {amax.tolist()} is not finite: the calibration pass "
+                         "overflowed; its scales would store NaN")
+    return amax.float().clamp(min=AMAX_FLOOR) / torch.finfo(cache_dtype).max

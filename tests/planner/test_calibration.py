@@ -1,11 +1,16 @@
 """Calibration: the fits recover the efficiencies, tile width and link figures that
 generated their data; the figures round-trip through JSON and a certificate; collectives
 measured in a real two-process group fit to positive latency and bandwidth; stored
-efficiencies change the predictions."""
+efficiencies change the predictions; a calibration carries the peaks it was fitted to and,
+loaded against a spec whose peaks changed, still predicts the times it measured; one
+without them (format version 1) is refused with a message that says what to do."""
 
 from __future__ import annotations
 
+import json
+import logging
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -13,6 +18,8 @@ from tokenmill.planner.calibrate import fit_collectives, fit_efficiency, fit_wid
 from tokenmill.planner.calibration import (
     Calibration,
     Efficiency,
+    Peaks,
+    for_spec,
     from_certificate,
     from_json,
     load,
@@ -20,6 +27,7 @@ from tokenmill.planner.calibration import (
     to_json,
 )
 from tokenmill.planner.ops import gemm
+from tokenmill.platforms.interfaces import HardwareSpec
 
 PEAK, BANDWIDTH = 1e12, 1e11
 
@@ -63,14 +71,19 @@ def test_collective_fit_recovers_latency_and_bandwidth():
 def test_calibration_round_trips_and_reads_a_certificate(tmp_path):
     cal = Calibration(device="dev", platform="cpu",
                       efficiency={"gemm": Efficiency(0.5, 0.9)}, gemm_width=32,
-                      per_ranks={2: {"gemm": Efficiency(0.3, 0.4)}}, step_overhead_s=0.002)
+                      per_ranks={2: {"gemm": Efficiency(0.3, 0.4)}}, step_overhead_s=0.002,
+                      fitted_to=Peaks("dev", {"bfloat16": 2e12}, 1e11, "bfloat16"))
     assert from_json(to_json(cal)) == cal
     assert load(save(cal, tmp_path / "c.json")).efficiency_for("gemm", 2) == Efficiency(0.3, 0.4)
-    cert = {"platform": "cpu", "hardware": {"spec": {"name": "AMD EPYC"}}, "performance": {
-        "matmul": {"bfloat16": {"fraction_of_declared": 0.42}},
+    spec = {"name": "AMD EPYC", "peak_flops": {"float32": 6e11, "bfloat16": 1.2e12},
+            "memory_bandwidth": 1e11}
+    cert = {"platform": "cpu", "hardware": {"spec": spec}, "performance": {
+        "matmul": {"bfloat16": {"fraction_of_declared": 0.42},
+                   "float32": {"fraction_of_declared": 0.2}},
         "memory_bandwidth": {"fraction_of_declared": 0.61}}}
     read = from_certificate(cert)
     assert read.device == "AMD EPYC" and read.efficiency["gemm"] == Efficiency(0.42, 0.61)
+    assert read.fitted_to == Peaks("AMD EPYC", spec["peak_flops"], 1e11, "bfloat16")
     cert["performance"]["calibration"] = to_json(cal)  # a T5 report carrying ours whole
     assert from_certificate(cert) == cal
     with pytest.raises(ValueError, match="neither a calibration file"):
@@ -99,3 +112,97 @@ def test_stored_efficiencies_change_the_prediction():
                                      for op, e in Calibration().efficiency.items()})
     slow = step_time(model, Mix(tp=8), cluster, halved, seqs, 1)
     assert slow.compute_s == pytest.approx(2 * base.compute_s, rel=0.01)
+
+
+def _doubled(spec: HardwareSpec) -> HardwareSpec:
+    return replace(spec, peak_flops={k: 2 * v for k, v in spec.peak_flops.items()},
+                   memory_bandwidth=2 * spec.memory_bandwidth)
+
+
+def test_a_calibration_predicts_what_it_measured_after_the_spec_doubles(tmp_path, caplog):
+    """Kernels timed at a fixed achieved throughput, fitted against one spec the way
+    `--calibrate` fits them, stored and loaded against a spec with doubled peaks: each op's
+    predicted time is still the time measured (the reference), on one device and on a
+    shared host's two ranks; without the rescale it would be half of it."""
+    from tokenmill.planner.cluster import parse_cluster
+    from tokenmill.planner.step import op_seconds, rank_share
+
+    achieved_flops, achieved_bytes = 3e11, 4e10  # what the "machine" does, whatever the spec
+    shapes = [(512, 2048, 2048), (512, 1024, 1024), (256, 4096, 1024), (1, 4096, 4096),
+              (2, 2048, 4096), (4, 1024, 8192)]
+    costs = [gemm(r, k, n, 2, 2) for r, k, n in shapes]
+    narrow = Calibration(gemm_width=128).shape_factor  # narrow GEMMs run slower, as modelled
+    measured = [max(c.flops / (achieved_flops * narrow(c.inner, c.outer)), c.bytes / achieved_bytes)
+                for c in costs]
+    for text, ranks in (("1x8xH200", 1), ("1x2xcpu", 2)):
+        cluster = parse_cluster(text)
+        old = cluster.device
+        share = rank_share(cluster, ranks)
+        # on a shared host each of n ranks gets 1/n of the machine: it measures 1/n of it too
+        points = [point(c, t * share.ranks) for c, t in zip(costs, measured)]
+        efficiency = fit_efficiency(points, share.peak, share.bandwidth, 128)
+        table = {"per_ranks": {ranks: efficiency}} if cluster.shared_host else {}
+        cal = Calibration(device=old.name, efficiency=efficiency, gemm_width=128,
+                          fitted_to=Peaks.of(old, "bfloat16"), **table)
+        stored = load(save(cal, tmp_path / f"{ranks}.json"))
+        new_cluster = replace(cluster, device=_doubled(old))
+        new_share = rank_share(new_cluster, ranks)
+        with caplog.at_level(logging.INFO, logger="tokenmill.planner.calibration"):
+            rescaled = for_spec(stored, new_cluster.device)
+        assert "rescaled by 0.5 (compute) and 0.5 (memory)" in caplog.text
+        for c, t in zip(costs, measured):
+            assert op_seconds(c, share, stored)[0] == pytest.approx(t * share.ranks, rel=1e-9)
+            assert op_seconds(c, new_share, rescaled)[0] == pytest.approx(t * share.ranks, rel=1e-9)
+            assert op_seconds(c, new_share, stored)[0] == pytest.approx(t * share.ranks / 2,
+                                                                        rel=1e-9)
+        assert for_spec(stored, old) is stored  # the spec it was fitted to: nothing to do
+
+
+def test_the_planner_rescales_a_stored_calibration_to_the_clusters_spec():
+    """`planner.plan` (what `tokenmill plan` runs) predicts the same TTFT and TPOT from a
+    calibration fitted to a spec and a cluster whose spec doubled since."""
+    from tokenmill import planner
+    from tokenmill.planner.catalog import model_shape
+    from tokenmill.planner.cluster import parse_cluster
+    from tokenmill.planner.workload import Workload
+
+    cluster = parse_cluster("1x8xH200")
+    halved = {op: Efficiency(e.compute / 2, e.memory / 3) for op, e in Calibration().efficiency.items()}
+    cal = Calibration(device=cluster.device.name, efficiency=halved,
+                      fitted_to=Peaks.of(cluster.device, "bfloat16"))
+    model, workload = model_shape("qwen3-32b"), Workload(2000, 200, concurrency=16)
+    before = planner.plan(model, cluster, workload, calibration=cal, pool="both").candidates
+    after = planner.plan(model, replace(cluster, device=_doubled(cluster.device)), workload,
+                         calibration=cal, pool="both").candidates
+    assert [c.mix for c in after] == [c.mix for c in before]
+    for a, b in zip(after, before):
+        assert a.ttft_s == pytest.approx(b.ttft_s, rel=1e-9)
+        assert a.tpot_s == pytest.approx(b.tpot_s, rel=1e-9)
+
+
+def test_a_calibration_without_its_peaks_is_refused_with_what_to_do(tmp_path, capsys):
+    """A file of format version 1 (no `fitted_to`) cannot be rescaled: `load` and `tokenmill
+    plan --calibration` refuse it, naming the file and the fix."""
+    from tokenmill.server.cli import build_parser
+
+    old = to_json(Calibration(device="AMD EPYC (2 cores)", efficiency={"gemm": Efficiency(0.1, 0.2)}))
+    del old["fitted_to"]
+    old["version"] = 1
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    with pytest.raises(ValueError, match=r"old\.json.*does not record the HardwareSpec peaks.*"
+                                         r"tokenmill plan --calibrate"):
+        load(path)
+    args = build_parser().parse_args(["plan", "--calibration", str(path), "--cluster", "1x8xH200",
+                                      "--workload", "isl=128,osl=8"])
+    assert args.func(args) == 2
+    assert "does not record the HardwareSpec peaks" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="does not record the HardwareSpec peaks"):
+        for_spec(Calibration(device="x", efficiency={"gemm": Efficiency(0.1, 0.2)}),
+                 parse_spec_of_h200())
+
+
+def parse_spec_of_h200() -> HardwareSpec:
+    from tokenmill.planner.cluster import parse_cluster
+
+    return parse_cluster("1x8xH200").device

@@ -112,6 +112,7 @@ class EngineHandover:
                 model=model_digest(engine.loaded.hf_config),
                 dtype=str(engine.dtype).removeprefix("torch."), block_size=engine.args.block_size,
                 kv_cache_dtype=engine.config.kv_cache_dtype or engine.config.dtype,
+                kv_scales=scales_digest(engine.executor.collective_rpc("kv_scales_digest")),
                 layout=layout_digest(engine.kv.groups, ranks),
                 tensor_parallel_size=engine.args.tensor_parallel_size, ranks=ranks,
             )
@@ -184,3 +185,11 @@ class EngineHandover:
 
     def stats(self) -> HandoverStats:
         return self.scheduler_side.stats()
+
+
+def scales_digest(rank_digests: list[str]) -> str:
+    """One digest of every rank's calibrated KV scales, in rank order ("" when no rank
+    calibrated: the scales are the checkpoint's or 1.0, which the model fixes)."""
+    if not any(rank_digests):
+        return ""
+    return hashlib.sha256("/".join(rank_digests).encode()).hexdigest()[:16]

@@ -39,7 +39,7 @@ from torch import nn
 from tokenmill.model.base import CausalLM, DecoderModel
 from tokenmill.model.draft import DraftBase
 from tokenmill.model.family import ModelFamily, shrink_config
-from tokenmill.model.kv_scales import kv_scale_kwargs
+from tokenmill.model.kv_scales import kv_cache_args
 from tokenmill.model.layers import (
     Attention,
     BackendChoice,
@@ -197,7 +197,8 @@ class GatedAttention(Attention):
         k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_size))
         v = v.reshape(-1, self.num_kv_heads, self.head_size)
         q, k = self.rotary(positions, q, k)
-        out = self.backend.forward(self.spec, q, k, v, kv_cache, metadata, **kv_scale_kwargs(self))
+        spec, scales = kv_cache_args(self, k, v)  # an FP8 cache's scales (or calibration)
+        out = self.backend.forward(spec, q, k, v, kv_cache, metadata, **scales)
         out = out.reshape(-1, self.q_size)
         return self.o_proj(out * torch.sigmoid(gate.reshape(-1, self.q_size)))
 
