@@ -5,23 +5,49 @@ register file of each generation: Hopper (sm90: H100, H200) and Blackwell (sm100
 take 64-128 query rows and 64-key tiles with a 3-stage software pipeline; Ampere (sm80)
 has less shared memory per SM, so 2 stages. Decode steps use 16-row tiles (GQA packs the
 group into them) and split long contexts across 16 segments (split-K) once the longest
-sequence reaches 2048 tokens. In interpreter mode the Hopper settings are used, so the
+sequence reaches 2048 tokens. The linear-attention scans and the MoE GEMMs are sized so
+that ptxas keeps them in registers on sm_90 and sm_100 (the ahead-of-time compile records,
+docs/certificates/nvidia-compile*.md). In interpreter mode the Hopper settings are used, so the
 certified tile logic is the one an H100 runs, with bf16 tiles upcast before tl.dot.
 """
 
 from __future__ import annotations
 
-from tokenmill_triton.configs import AttentionConfig, KernelConfigs, MoEConfig
+from tokenmill_triton.configs import (
+    AttentionConfig,
+    KernelConfigs,
+    LinearAttentionConfig,
+    MoEConfig,
+)
 
+# The chunked scans keep [chunk, 128] key tiles, the [128, block_v] state slice and their
+# float32 products (tl.dot at "ieee" runs on FMA units, every operand in registers) per
+# program: with 64-token chunks and 4 warps ptxas spilled 70-680 KB per kernel on sm_100
+# and took up to 40 minutes for one of them; 16-token chunks, 16 value columns (Mamba2: 16
+# head-dim rows) and 8 key channels per KDA pair tile over 8 warps fit in 232-244
+# registers without a spill (docs/certificates/nvidia-compile.md).
+LINEAR = LinearAttentionConfig(chunk_size=16, block_v=16, pair_block_k=8, ssd_block_p=16,
+                               num_warps=8)
+
+# float32 (tl.dot at "ieee" on FMA units) spilled where 16-bit tiles fit: prefill of head
+# 256 in 64 rows x 4 warps (sm_90: 40 KB at 32 query rows still) or 128 rows x 8 warps
+# (sm_100: 35-79 KB), the 128-column MoE tiles (32-200 bytes). float32 prefill takes 16
+# query rows on Hopper, 32 on Blackwell; MoE tiles are 64x64 (no spill on either).
 HOPPER = KernelConfigs(
     attention=AttentionConfig(block_m=64, tile_n=64, num_warps=4, num_stages=3,
-                              decode_block_m=16, decode_tile_n=64, decode_num_warps=4),
-    moe=MoEConfig(block_m=64, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=4),
+                              decode_block_m=16, decode_tile_n=64, decode_num_warps=4,
+                              float32_block_m=16),
+    moe=MoEConfig(block_m=64, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=4),
+    linear=LINEAR,
 )
+# decode keeps 64-key tiles: 32 fit float32 head 128 (64 spill 328 bytes there) but made
+# float16 / bfloat16 head 64 spill 8 bytes
 BLACKWELL = KernelConfigs(
     attention=AttentionConfig(block_m=128, tile_n=64, num_warps=8, num_stages=3,
-                              decode_block_m=16, decode_tile_n=64, decode_num_warps=4),
-    moe=MoEConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=4),
+                              decode_block_m=16, decode_tile_n=64, decode_num_warps=4,
+                              float32_block_m=32),
+    moe=MoEConfig(block_m=64, block_n=64, block_k=64, group_m=8, num_warps=8, num_stages=4),
+    linear=LINEAR,
 )
 AMPERE = KernelConfigs(
     attention=AttentionConfig(block_m=64, tile_n=32, num_warps=4, num_stages=2,

@@ -12,22 +12,27 @@ the ptxas that ships in the triton wheel) and tells Triton not to launch. Both a
 Triton's public extension points; nothing of Triton is patched, and both are restored on
 exit. The kernels are the ones the GPU runs (not interpreted), so this module must run in
 a process without TRITON_INTERPRET=1: `python -m tokenmill_triton.aot` (aot_cases.py
-lists the launches; `compile_plugin` runs it in a subprocess).
+lists the launches; `compile_target` runs it in a subprocess with a timeout per kernel, so
+one kernel that LLVM or ptxas cannot finish is recorded as such and the rest still compile).
 
-Per compiled kernel: NVIDIA registers and spill bytes from `ptxas -v` on the kernel's PTX
-(the same ptxas and flags Triton used), AMD VGPRs, SGPRs and spill counts from the
+Per compiled kernel: NVIDIA registers and spill bytes from the `ptxas -v` log of the
+entry function (Triton's own ptxas run, `knobs.nvidia.dump_ptxas_log`; the same ptxas and
+flags again where Triton's cache had the cubin), AMD VGPRs, SGPRs and spill counts from the
 assembly's metadata; shared memory from Triton's metadata (dynamic shared memory / LDS).
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
+import queue
 import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -93,9 +98,13 @@ def gpu_target(name: str):
 
 
 @contextlib.contextmanager
-def compiling_for(name: str, records: list[KernelCompile], case: Callable[[], str]) -> Iterator[None]:
+def compiling_for(name: str, records: list[KernelCompile], case: Callable[[], str],
+                  skip: frozenset[tuple[str, str]] = frozenset(),
+                  on_start: Callable[[str, str, str], None] | None = None,
+                  on_record: Callable[[KernelCompile], None] | None = None) -> Iterator[None]:
     """While active, every kernel launch compiles for target `name` instead of running and
-    appends a record (once per distinct specialization); `case()` names the launch."""
+    appends a record (once per distinct specialization, none for those in `skip`);
+    `case()` names the launch; on_start / on_record: see compile_cases."""
     import triton
     from triton import knobs
     from triton.runtime.driver import driver
@@ -109,10 +118,14 @@ def compiling_for(name: str, records: list[KernelCompile], case: Callable[[], st
     def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled) -> bool:
         kernel = fn.jit_function
         config = _config_text(kernel, compile)
-        if (fn.name, config) in seen:
+        if (fn.name, config) in seen or (fn.name, config) in skip:
             return True
         seen.add((fn.name, config))
+        if on_start is not None:
+            on_start(fn.name, config, case())
         records.append(_compile_one(name, target, kernel, fn.name, config, case(), compile))
+        if on_record is not None:
+            on_record(records[-1])
         return True  # compiled here: Triton neither compiles nor launches it
 
     previous_hook = knobs.runtime.jit_cache_hook
@@ -144,20 +157,24 @@ def _config_text(kernel, compile: dict) -> str:
 
 def _compile_one(target_name, target, kernel, name, config, case, compile) -> KernelCompile:
     import triton
+    from triton import knobs
     from triton.compiler import ASTSource
 
     start = time.perf_counter()
     options = {k: compile[k] for k in ("num_warps", "num_ctas", "num_stages",
                                        "enable_fp_fusion", "launch_cooperative_grid")}
     src = ASTSource(kernel, compile["signature"], compile["constants"], compile["configs"][0])
+    log = io.StringIO()  # Triton prints its own `ptxas -v` log when asked (a public knob)
     try:
-        compiled = triton.compile(src, target=target, options=options)
+        with knobs.nvidia.scope(), contextlib.redirect_stdout(log):
+            knobs.nvidia.dump_ptxas_log = True
+            compiled = triton.compile(src, target=target, options=options)
     except Exception as exc:  # the record says why: a compile error fails the certificate
         return KernelCompile(target_name, name, config, case, None, None, None,
                              time.perf_counter() - start, _first_lines(exc))
     shared = int(compiled.metadata.shared)
     if target.backend == "cuda":
-        registers, spills, error = _ptxas_usage(compiled.asm["ptx"], target.arch)
+        registers, spills, error = _nvidia_usage(compiled, log.getvalue(), target.arch)
     else:
         registers, spills, error = _amdgcn_usage(compiled.asm["amdgcn"])
     return KernelCompile(target_name, name, config, case, registers, spills, shared,
@@ -169,9 +186,25 @@ def _first_lines(exc: BaseException, limit: int = 1500) -> str:
     return text if len(text) <= limit else text[:limit] + " ..."
 
 
-def _ptxas_usage(ptx: str, arch: int) -> tuple[int | None, int | None, str | None]:
-    """(registers per thread, spill store bytes, error) from `ptxas -v` on the PTX, with
-    the ptxas and architecture name Triton compiled it with."""
+def _nvidia_usage(compiled, log: str, arch: int) -> tuple[int | None, int | None, str | None]:
+    """(registers, spill bytes, error) of the compiled kernel from the `ptxas -v` log of
+    Triton's own ptxas run, or, where Triton took the cubin from its cache (no ptxas ran),
+    from running the same ptxas again on the PTX."""
+    name = compiled.metadata.name
+    if f"Compiling entry function '{name}'" not in log:
+        log, error = _run_ptxas(compiled.asm["ptx"], arch)
+        if error is not None:
+            return None, None, error
+    try:
+        registers, spills = ptxas_usage(log, name)
+    except ValueError as exc:
+        return None, None, str(exc)
+    return registers, spills, None
+
+
+def _run_ptxas(ptx: str, arch: int) -> tuple[str, str | None]:
+    """(`ptxas -v` log, error) with the ptxas, architecture name and register allocation
+    option Triton compiles with."""
     from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 
     ptxas = get_ptxas(arch).path
@@ -184,12 +217,31 @@ def _ptxas_usage(ptx: str, arch: int) -> tuple[int | None, int | None, str | Non
         result = subprocess.run(command, capture_output=True, text=True)
     log = result.stderr + result.stdout
     if result.returncode != 0:
-        return None, None, f"ptxas failed ({result.returncode}): {log[-1500:]}"
-    registers = re.search(r"Used (\d+) registers", log)
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    if registers is None or spills is None:
-        return None, None, f"could not read ptxas -v output: {log[-800:]}"
-    return int(registers.group(1)), int(spills.group(1)) + int(spills.group(2)), None
+        return log, f"ptxas failed ({result.returncode}): {log[-1500:]}"
+    return log, None
+
+
+_ENTRY = re.compile(r"^\S*ptxas\S* info\s*: Compiling entry function '([^']+)'", re.MULTILINE)
+
+
+def ptxas_usage(log: str, kernel: str) -> tuple[int, int]:
+    """(registers per thread, spill bytes: stores + loads) of entry function `kernel` in a
+    `ptxas -v` log. A PTX module can hold several functions: only the lines from
+    "Compiling entry function 'kernel'" to the next entry count, and the spills of every
+    function listed there (the entry and the device functions it calls) add up."""
+    entries = list(_ENTRY.finditer(log))
+    for i, entry in enumerate(entries):
+        if entry.group(1) != kernel:
+            continue
+        block = log[entry.end():entries[i + 1].start() if i + 1 < len(entries) else len(log)]
+        registers = re.search(r"Used (\d+) registers", block)
+        spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", block)
+        if registers is None or not spills:
+            raise ValueError(f"ptxas -v gives no register or spill line for {kernel!r}: "
+                             f"{block[-800:]}")
+        return int(registers.group(1)), sum(int(s) + int(ld) for s, ld in spills)
+    raise ValueError(f"ptxas -v compiled no entry function {kernel!r} (entries: "
+                     f"{[e.group(1) for e in entries]}): {log[-800:]}")
 
 
 def _amdgcn_usage(asm: str) -> tuple[int | None, int | None, str | None]:
@@ -205,65 +257,163 @@ def _amdgcn_usage(asm: str) -> tuple[int | None, int | None, str | None]:
     return vgprs, 4 * (vgpr_spills + sgpr_spills), None
 
 
-def compile_cases(target: str, configs, cases: dict[str, Callable[[], None]]) -> list[KernelCompile]:
-    """Run each case (a launch at production shapes, see aot_cases) for `target`."""
+def compile_cases(target: str, configs, cases: dict[str, Callable[[], None]],
+                  skip: frozenset[tuple[str, str]] = frozenset(),
+                  on_start: Callable[[str, str, str], None] | None = None,
+                  on_record: Callable[[KernelCompile], None] | None = None) -> list[KernelCompile]:
+    """Run each case (a launch at production shapes, see aot_cases) for `target`; the
+    specializations in `skip` ((kernel, config) pairs) are neither compiled nor recorded.
+    `on_start(kernel, config, case)` is called before each compile, `on_record` after."""
     records: list[KernelCompile] = []
     current = [""]
-    with compiling_for(target, records, lambda: current[0]):
+    with compiling_for(target, records, lambda: current[0], skip, on_start, on_record):
         for name, launch in cases.items():
             current[0] = name
             launch()
     return records
 
 
-def compile_plugin(builds: dict[str, str], timeout: float = 3000.0) -> list[dict]:
-    """Records (as dicts) of every kernel launch of the shared kernels for each target of
-    `builds` (target -> launch settings 'module:ATTRIBUTE', e.g. {"sm_90":
-    "tokenmill_nvidia.configs:HOPPER"}), each target compiled in a fresh process without the
-    interpreter, the targets side by side. A target whose compile cannot run at all gets one
-    record with the exact error."""
+@dataclass(slots=True)
+class _Worker:
+    """One `python -m tokenmill_triton.aot` process of compile_plugin and what it said."""
+
+    process: subprocess.Popen
+    lines: queue.Queue  # stdout lines, then None at end of output
+    stderr: list[str]
+    stderr_reader: threading.Thread
+    started: dict | None = None  # the compile in progress: kernel, config, case
+    since: float = 0.0
+
+
+def _start_worker(command: list[str], env: dict[str, str]) -> _Worker:
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=env)
+    lines: queue.Queue = queue.Queue()
+    stderr: list[str] = []
+
+    def pump() -> None:
+        for line in process.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    stderr_reader = threading.Thread(target=lambda: stderr.extend(process.stderr), daemon=True)
+    stderr_reader.start()
+    return _Worker(process, lines, stderr, stderr_reader, since=time.perf_counter())
+
+
+def compile_target(target: str, configs_ref: str, cases: list[str] | None = None,
+                   kernel_timeout: float = 1200.0) -> list[dict]:
+    """Records (as dicts) of every kernel launch of `cases` (aot_cases names; None: all)
+    for `target` with the launch settings `configs_ref` ('module:ATTRIBUTE', e.g.
+    "tokenmill_nvidia.configs:HOPPER"), in a fresh process without the interpreter that
+    streams one record per kernel. A kernel whose compile runs past `kernel_timeout`
+    seconds (LLVM or ptxas) becomes a record with that error: the process is killed and a
+    new one runs the cases again, skipping that specialization and those recorded. A process that fails otherwise
+    gives one record with its exact error, after the records it produced."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, stated
-    running = []
-    for target, configs_ref in builds.items():
-        command = [sys.executable, "-m", "tokenmill_triton.aot", configs_ref, target]
-        running.append((target, configs_ref, command, subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)))
-    records = []
-    for target, configs_ref, command, process in running:
+    base = [sys.executable, "-m", "tokenmill_triton.aot", configs_ref, target]
+    for name in cases or []:
+        base += ["--case", name]
+    records: list[dict] = []
+    while True:  # a restarted process skips what is recorded: compiled, failed or timed out
+        command = base + [a for r in records for a in ("--skip", f"{r['kernel']}\t{r['config']}")]
+        worker = _start_worker(command, env)
+        timed_out = _collect(worker, records, kernel_timeout)
+        if timed_out is None:
+            break
+        records.append(asdict(KernelCompile(
+            target, timed_out["kernel"], timed_out["config"], timed_out["case"], None, None,
+            None, kernel_timeout, f"compile timed out after {kernel_timeout:.0f} s (LLVM and "
+            "ptxas still running; killed, the remaining kernels compiled in a new process)")))
+    worker.process.wait()
+    worker.stderr_reader.join(timeout=10.0)
+    if worker.process.returncode != 0:
+        error = (f"`{' '.join(command[1:])}` exited with {worker.process.returncode}: "
+                 f"{''.join(worker.stderr)[-2000:]}")
+        case = worker.started["case"] if worker.started else ""
+        records.append(asdict(KernelCompile(target, "<all>", configs_ref, case, None, None,
+                                            None, 0.0, error)))
+    return records
+
+
+def _collect(worker: _Worker, records: list[dict], kernel_timeout: float) -> dict | None:
+    """Read the worker's lines into `records` until it ends (None) or a compile runs past
+    `kernel_timeout` (kills the worker; returns that compile's kernel, config, case)."""
+    while True:
+        wait = 5.0 if worker.started is None else max(
+            0.0, kernel_timeout - (time.perf_counter() - worker.since))
         try:
-            out, err = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            out, err = process.communicate()
-            err = f"timed out after {timeout} s. {err}"
-        if process.returncode != 0:
-            error = f"`{' '.join(command[1:])}` exited with {process.returncode}: {err[-2000:]}"
-            records.append(asdict(KernelCompile(target, "<all>", configs_ref, "", None, None,
-                                                None, 0.0, error)))
-        else:
-            records += json.loads(out)
+            line = worker.lines.get(timeout=wait)
+        except queue.Empty:
+            line = ""
+        if line is None:
+            return None
+        if line.strip():
+            message = json.loads(line)
+            if "record" in message:
+                records.append(message["record"])
+                worker.started = None
+            else:
+                worker.started, worker.since = message["compiling"], time.perf_counter()
+        if worker.started is not None and time.perf_counter() - worker.since > kernel_timeout:
+            worker.process.kill()
+            worker.process.wait()
+            return worker.started
+
+
+def compile_plugin(builds: dict[str, str], cases: list[str] | None = None,
+                   kernel_timeout: float = 1200.0) -> list[dict]:
+    """compile_target for each target of `builds` (target -> launch settings
+    'module:ATTRIBUTE', e.g. {"sm_90": "tokenmill_nvidia.configs:HOPPER"}), one target
+    after the other (ptxas and LLVM take a core each; side by side they only contend)."""
+    records = []
+    for target, configs_ref in builds.items():
+        records += compile_target(target, configs_ref, cases, kernel_timeout)
     return records
 
 
 def main(argv: list[str]) -> int:
-    """`python -m tokenmill_triton.aot MODULE:CONFIGS TARGET...`: JSON records on stdout."""
+    """`python -m tokenmill_triton.aot MODULE:CONFIGS TARGET [--case NAME]... [--skip
+    KERNEL<tab>CONFIG]...`: one JSON line per compile started ({"compiling": {kernel,
+    config, case}}) and per record ({"record": {...}}) on stdout, flushed as they come."""
+    import argparse
     import importlib
     import logging
 
     from tokenmill_triton.aot_cases import launch_cases
 
     logging.disable(logging.WARNING)
-    if len(argv) < 2:
-        print(__doc__.split("\n\n")[0], "\nusage: python -m tokenmill_triton.aot "
-              "module:CONFIGS target...", file=sys.stderr)
-        return 2
-    module, _, attr = argv[0].partition(":")
+    parser = argparse.ArgumentParser(prog="python -m tokenmill_triton.aot",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("configs", help="launch settings, module:ATTRIBUTE")
+    parser.add_argument("target", choices=sorted(TARGETS))
+    parser.add_argument("--case", action="append", default=[],
+                        help="an aot_cases name (repeat for more; default: every case)")
+    parser.add_argument("--skip", action="append", default=[],
+                        help="KERNEL<tab>CONFIG: a specialization not to compile")
+    parser.add_argument("--list", action="store_true", help="print the case names and exit")
+    args = parser.parse_args(argv)
+    module, _, attr = args.configs.partition(":")
     configs = getattr(importlib.import_module(module), attr)
-    records = []
-    for target in argv[1:]:
-        records += [asdict(r) for r in compile_cases(target, configs, launch_cases(configs))]
-    json.dump(records, sys.stdout)
+    cases = launch_cases(configs)
+    if args.list:
+        print("\n".join(cases))
+        return 0
+    unknown = [c for c in args.case if c not in cases]
+    if unknown:
+        parser.error(f"unknown case(s) {unknown}; `--list` prints the known ones")
+    chosen = {name: cases[name] for name in args.case} if args.case else cases
+    skip = frozenset(tuple(s.split("\t", 1)) for s in args.skip)
+
+    def say(message: dict) -> None:
+        print(json.dumps(message), flush=True)
+
+    compile_cases(args.target, configs, chosen, skip,
+                  on_start=lambda kernel, config, case: say(
+                      {"compiling": {"kernel": kernel, "config": config, "case": case}}),
+                  on_record=lambda record: say({"record": asdict(record)}))
     return 0
 
 

@@ -106,6 +106,8 @@ def paged_attention(
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     block_m = cfg.decode_block_m if decode_only else cfg.block_m
+    if query.dtype == torch.float32 and not decode_only and cfg.float32_block_m:
+        block_m = min(block_m, cfg.float32_block_m)
     block_q = max(1, block_m // group_pad)
     head_pad = triton.next_power_of_2(head_size)
     tile_n = cfg.decode_tile_n if decode_only else cfg.tile_n
