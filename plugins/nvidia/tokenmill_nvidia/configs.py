@@ -31,21 +31,22 @@ LINEAR = LinearAttentionConfig(chunk_size=16, block_v=16, pair_block_k=8, ssd_bl
 
 # float32 (tl.dot at "ieee" on FMA units) spilled where 16-bit tiles fit: prefill of head
 # 256 in 64 rows x 4 warps (sm_90: 40 KB at 32 query rows still) or 128 rows x 8 warps
-# (sm_100: 35-79 KB), the 128-column MoE tiles (32-200 bytes). float32 prefill takes 16
-# query rows on Hopper, 32 on Blackwell; MoE tiles are 64x64 (no spill on either).
+# (sm_100: 35-79 KB), decode of head 128 in 64-key tiles (328-360 bytes), the 128-column
+# MoE tiles (32-200 bytes). float32 prefill takes 16 query rows on Hopper, 32 on
+# Blackwell, and float32 K/V tiles half the keys (32 of head 128, 16 of head 256); MoE
+# tiles are 64x64 (no spill on either).
 HOPPER = KernelConfigs(
     attention=AttentionConfig(block_m=64, tile_n=64, num_warps=4, num_stages=3,
                               decode_block_m=16, decode_tile_n=64, decode_num_warps=4,
-                              float32_block_m=16),
+                              float32_block_m=16, float32_tile_elements=32 * 128),
     moe=MoEConfig(block_m=64, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=4),
     linear=LINEAR,
 )
-# decode keeps 64-key tiles: 32 fit float32 head 128 (64 spill 328 bytes there) but made
-# float16 / bfloat16 head 64 spill 8 bytes
+# 16-bit decode keeps 64-key tiles (32 made float16 / bfloat16 head 64 spill 8 bytes)
 BLACKWELL = KernelConfigs(
     attention=AttentionConfig(block_m=128, tile_n=64, num_warps=8, num_stages=3,
                               decode_block_m=16, decode_tile_n=64, decode_num_warps=4,
-                              float32_block_m=32),
+                              float32_block_m=32, float32_tile_elements=32 * 128),
     moe=MoEConfig(block_m=64, block_n=64, block_k=64, group_m=8, num_warps=8, num_stages=4),
     linear=LINEAR,
 )

@@ -111,7 +111,10 @@ def paged_attention(
     block_q = max(1, block_m // group_pad)
     head_pad = triton.next_power_of_2(head_size)
     tile_n = cfg.decode_tile_n if decode_only else cfg.tile_n
-    tile_n = min(tile_n, max(16, cfg.tile_elements // head_pad))
+    tile_elements = cfg.tile_elements
+    if query.dtype == torch.float32 and cfg.float32_tile_elements:
+        tile_elements = min(tile_elements, cfg.float32_tile_elements)
+    tile_n = min(tile_n, max(16, tile_elements // head_pad))
     num_seqs = metadata.num_seqs
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_segments)
     dtype = query.dtype

@@ -40,10 +40,11 @@ class AttentionConfig:
     split_k_min_seq_len: int = 2048
     # keys x head dims of one K or V tile at most: head size 256 halves a 64-key tile
     tile_elements: int = 64 * 128
-    # float32 prefill at "ieee" precision: tl.dot runs on FMA units with whole operand rows
-    # in registers, so a tile that fits 16-bit types can spill; rows per program for
-    # float32 queries (0: block_m)
+    # float32 at "ieee" precision: tl.dot runs on FMA units with whole operand rows in
+    # registers, so a tile that fits 16-bit types can spill; prefill rows per program and
+    # keys x head dims of a K or V tile for float32 queries (0: block_m / tile_elements)
     float32_block_m: int = 0
+    float32_tile_elements: int = 0
 
 
 @dataclass(frozen=True, slots=True)
