@@ -156,7 +156,7 @@ def serve_process(tiny_model, tmp_path):
     template.write_text(CLI_TEMPLATE)
     cmd = [sys.executable, "-m", "tokenmill.server.cli", "serve", str(tiny_model),
            "--port", str(port), "--dtype", "float32", "--block-size", "4",
-           "--served-model-name", TINY_NAME, "--log-level", "warning", "--shutdown-timeout", "20",
+           "--served-model-name", TINY_NAME, "--log-level", "warning", "--shutdown-timeout", "120",
            "--chat-template", str(template), "--max-model-len", "256"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env={**os.environ, "TOKENMILL_API_KEY": ""})
