@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from importlib import metadata
@@ -394,6 +395,6 @@ def _metadata_location() -> str:
 
 
 def _core_version() -> str:
-    from tokenmill import __version__
-
-    return __version__
+    """The running core's version (the package is imported by then: the contract lives in
+    it), read without importing the core from the contract."""
+    return str(getattr(sys.modules.get("tokenmill"), "__version__", "0"))
