@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from transformers import AutoConfig
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.kv_connector.handover.messages import HandoverIn
@@ -85,8 +86,7 @@ def test_greedy_identical_to_colocated(arch, transport, tmp_path):
 def test_tensor_parallel_two_to_two_hybrid(tmp_path):
     """tp 2 on both sides (worker processes): rank r pulls rank r's shard of every block
     and of every recurrent state; the ranks agree through the TP group on when a pull
-    ended. Resharding between different tp sizes is not built (refused at the handshake,
-    test_pd_handshake.py)."""
+    ended. Between different tp sizes: test_tensor_parallel_resharded below."""
     path = str(make_tiny_model(tmp_path / "qwen3_next", "qwen3_next"))
     colocated = LLM(path, **KW)
     reference = [list(o.outputs[0].token_ids) for o in colocated.generate(
@@ -100,6 +100,39 @@ def test_tensor_parallel_two_to_two_hybrid(tmp_path):
         assert _handover(prefill, decode, "a") == reference
         stats = decode.handover.stats()
         assert stats.received == 3 and stats.transport_bytes == stats.bytes_moved > 0
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)])
+def test_tensor_parallel_resharded(prefill_tp, decode_tp, tmp_path):
+    """A prefill engine of one tp size hands over to a decode engine of another (llama:
+    2 KV heads, one per rank at tp 2): each decode rank reads its heads from the peer
+    ranks that hold them, into place. Greedy output equals a colocated tp 1 engine's, and
+    the transports move each missing block's bytes once: the pulled blocks times one
+    block over every layer and head, whatever the sizes."""
+    path = str(make_tiny_model(tmp_path / "llama", "llama"))
+    colocated = LLM(path, **KW)
+    reference = [list(o.outputs[0].token_ids) for o in colocated.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)]
+    colocated.engine.shutdown()
+    config = AutoConfig.from_pretrained(path)  # float32 keys and values of every layer
+    head_size = config.hidden_size // config.num_attention_heads
+    whole_block = config.num_hidden_layers * 2 * BS * config.num_key_value_heads * head_size * 4
+
+    def tp(n: int) -> dict:
+        return dict(tensor_parallel_size=n, distributed_executor_backend="mp") if n > 1 else {}
+
+    prefill = LLM(path, kv_role="prefill", kv_transport="mooncake", **KW, **tp(prefill_tp)).engine
+    decode = LLM(path, kv_role="decode", kv_transport="mooncake", **KW, **tp(decode_tp)).engine
+    try:
+        assert len(prefill.handover.endpoint().ranks) == prefill_tp
+        assert _handover(prefill, decode, "a") == reference
+        stats = decode.handover.stats()
+        assert stats.received == 3 and stats.failed == 0 and stats.blocks_skipped == 0
+        assert stats.blocks_pulled == sum(-(-len(p) // BS) for p in PROMPTS)
+        assert stats.transport_bytes == stats.bytes_moved == stats.blocks_pulled * whole_block
     finally:
         prefill.shutdown()
         decode.shutdown()
