@@ -1,6 +1,8 @@
 """The handshake: a decode engine refuses a prefill engine whose model, dtype, block size,
-KV layout, tensor parallel size or transport differ from its own, naming each mismatch
-(and nothing is queued). Different block sizes are refused, not converted."""
+KV layout or transport differ from its own, naming each mismatch (and nothing is queued);
+another tensor parallel size only where the pages cannot be resharded
+(test_reshard_plan.py; here: endpoints that do not describe their pages). Different
+block sizes are refused, not converted."""
 
 from __future__ import annotations
 
