@@ -105,21 +105,38 @@ def test_tensor_parallel_two_to_two_hybrid(tmp_path):
         decode.shutdown()
 
 
+def _whole_bytes(config) -> tuple[int, int]:
+    """(bytes of one KV block over every attention layer and KV head, bytes of one
+    request's recurrent states over every linear layer), float32, from the model's config
+    alone."""
+    head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    block = kinds.count("full_attention") * 2 * BS * config.num_key_value_heads * head_size * 4
+    if "linear_attention" not in kinds:
+        return block, 0
+    key_dim = config.linear_num_key_heads * config.linear_key_head_dim
+    value_dim = config.linear_num_value_heads * config.linear_value_head_dim
+    conv = (2 * key_dim + value_dim) * (config.linear_conv_kernel_dim - 1) * 4
+    ssm = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
+    return block, kinds.count("linear_attention") * (conv + ssm)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
 @pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)])
-def test_tensor_parallel_resharded(prefill_tp, decode_tp, tmp_path):
+def test_tensor_parallel_resharded(arch, prefill_tp, decode_tp, tmp_path):
     """A prefill engine of one tp size hands over to a decode engine of another (llama:
-    2 KV heads, one per rank at tp 2): each decode rank reads its heads from the peer
-    ranks that hold them, into place. Greedy output equals a colocated tp 1 engine's, and
-    the transports move each missing block's bytes once: the pulled blocks times one
-    block over every layer and head, whatever the sizes."""
-    path = str(make_tiny_model(tmp_path / "llama", "llama"))
+    2 KV heads, one per rank at tp 2; qwen3_next: its Gated DeltaNet states' conv channels
+    and value heads split too): each decode rank reads its heads and state rows from the
+    peer ranks that hold them, into place. Greedy output equals a colocated tp 1 engine's,
+    and the transports move each missing block's bytes once and each recurrent state's
+    rows once, whatever the sizes: the pulled blocks times one block over every attention
+    layer and KV head, plus one whole state per linear layer and request."""
+    path = str(make_tiny_model(tmp_path / arch, arch))
     colocated = LLM(path, **KW)
     reference = [list(o.outputs[0].token_ids) for o in colocated.generate(
         [{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)]
     colocated.engine.shutdown()
-    config = AutoConfig.from_pretrained(path)  # float32 keys and values of every layer
-    head_size = config.hidden_size // config.num_attention_heads
-    whole_block = config.num_hidden_layers * 2 * BS * config.num_key_value_heads * head_size * 4
+    block_bytes, state_bytes = _whole_bytes(AutoConfig.from_pretrained(path))
 
     def tp(n: int) -> dict:
         return dict(tensor_parallel_size=n, distributed_executor_backend="mp") if n > 1 else {}
@@ -131,8 +148,9 @@ def test_tensor_parallel_resharded(prefill_tp, decode_tp, tmp_path):
         assert _handover(prefill, decode, "a") == reference
         stats = decode.handover.stats()
         assert stats.received == 3 and stats.failed == 0 and stats.blocks_skipped == 0
-        assert stats.blocks_pulled == sum(-(-len(p) // BS) for p in PROMPTS)
-        assert stats.transport_bytes == stats.bytes_moved == stats.blocks_pulled * whole_block
+        num_blocks = sum(-(-len(p) // BS) for p in PROMPTS)
+        expected = num_blocks * block_bytes + len(PROMPTS) * state_bytes
+        assert stats.transport_bytes == stats.bytes_moved == expected
     finally:
         prefill.shutdown()
         decode.shutdown()

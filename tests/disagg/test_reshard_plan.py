@@ -2,8 +2,9 @@
 of real engines' standard layout ([slot][keys, values][block][token][head][dim]) for every
 rank of two tp sizes, cut from one model-wide cache; the regions a decode rank reads,
 applied with memmove (what a transport does with them), leave in its pages exactly its
-heads of the peer's blocks, move each byte once, and touch nothing else. The handshake
-accepts another tp size only where every group's pages can be resharded."""
+heads of the peer's blocks, move each byte once, and touch nothing else; recurrent states
+packed by the real packer (kv_state.py) come out, unpacked, as the rank's rows of every
+run. The handshake accepts another tp size only where every group's pages reshard."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import ctypes
 import pytest
 import torch
 
-from tokenmill.kv_connector.handover.reshard import ReshardPlan
+from tokenmill.kv_connector.handover.reshard import ReshardPlan, rank_state
 from tokenmill.model.parallel import head_shards
+from tokenmill.platforms.kit.kv_state import read_states, write_states
 from tokenmill.platforms.kv_handover import (
     ArenaGeometry,
     EngineEndpoint,
@@ -22,6 +24,7 @@ from tokenmill.platforms.kv_handover import (
     RankEndpoint,
     compatibility_problems,
 )
+from tokenmill.platforms.ops.linear_attention import gated_delta_state_spec
 
 SLOTS, BLOCKS, ROWS, DIM = 2, 5, 4, 3  # layer slots, block ids, tokens per block, head size
 
@@ -113,3 +116,73 @@ def test_unreshardable_pages_are_refused_naming_the_sizes_and_why():
     missing = [_heads(2)[0], _heads(2)[0]]  # both ranks claim heads [0, 1): head 1 nowhere
     [problem] = compatibility_problems(_endpoint("a", 1, _heads(1)), _endpoint("b", 2, missing))
     assert "ranks there hold heads [0], not all 2" in problem
+
+
+# a Gated DeltaNet state (qwen3_next's shape at tiny size): conv channels q | k | v, value
+# heads; 3200 bytes packed, 4 pages of 1024 / tp bytes at every tp size here
+WHOLE_STATE = gated_delta_state_spec(96, 4, 4, 16, 8, torch.float32, conv_parts=(32, 32, 32))
+STATE_PAGES = 4
+
+
+def _rank_tensors(whole: list[torch.Tensor], tp: int, rank: int) -> list[torch.Tensor]:
+    """Rank `rank`'s share of each whole state tensor [1, rows, ...]: its rows of every run."""
+    out = []
+    for t, value in zip(WHOLE_STATE.tensors, whole, strict=True):
+        rows, start = [], 0
+        for part in t.parts:
+            n = part // tp
+            rows.append(value[:, start + rank * n:start + (rank + 1) * n])
+            start += part
+        out.append(torch.cat(rows, dim=1))
+    return out
+
+
+def _state_ranks(whole: list[torch.Tensor] | None, tp: int, pages: list[int]):
+    """Every rank's arena ([SLOTS] regions of [2, BLOCKS, half] bytes) with `whole`'s share
+    packed into `pages` of every slot (zeros when None), its endpoint and its layer views."""
+    page = 1024 // tp
+    arenas, ends, views = [], [], []
+    for r in range(tp):
+        arena = torch.zeros(SLOTS * BLOCKS * page, dtype=torch.uint8)
+        caches = [arena[s * BLOCKS * page:(s + 1) * BLOCKS * page].view(2, BLOCKS, page // 2)
+                  for s in range(SLOTS)]
+        if whole is not None:
+            for s, cache in enumerate(caches):  # a different state per slot (layer)
+                write_states(cache, rank_state(WHOLE_STATE, tp), [pages],
+                             _rank_tensors([w + s for w in whole], tp, r))
+        arenas.append(arena)
+        views.append(caches)
+        ends.append(RankEndpoint(b"", arena.data_ptr(), ArenaGeometry(BLOCKS, page, SLOTS, 2),
+                                 [PageShard("state")]))
+    return arenas, ends, views
+
+
+@pytest.mark.parametrize("peer_tp,local_tp", [(2, 1), (1, 2), (4, 2), (2, 4), (1, 4), (2, 2)])
+def test_recurrent_states_reshard_row_by_row(peer_tp, local_tp):
+    torch.manual_seed(0)
+    whole = [torch.randn(1, *t.shape) for t in WHOLE_STATE.tensors]
+    peer_pages, local_pages = [4, 0, 2, 1], [3, 1, 4, 0]
+    peer_arenas, peer, _ = _state_ranks(whole, peer_tp, peer_pages)
+    local_arenas, local, views = _state_ranks(None, local_tp, local_pages)
+    job = PullJob("r", "peer", list(zip(peer_pages, local_pages, strict=True)), 5.0,
+                  [0] * STATE_PAGES)
+    moved = 0
+    for r, end in enumerate(local):
+        plan = ReshardPlan(r, end.base_address, end.geometry, end.shards, peer, [WHOLE_STATE],
+                           local_tp)
+        for regions in plan.regions(job).values():
+            for dst, src, n in regions:
+                ctypes.memmove(dst, src, n)
+                moved += n
+        for s, cache in enumerate(views[r]):
+            got = read_states(cache, rank_state(WHOLE_STATE, local_tp), [local_pages])
+            want = _rank_tensors([w + s for w in whole], local_tp, r)
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    # every row once: the whole state's tensors in every slot, no alignment padding
+    assert moved == SLOTS * sum(t.num_bytes for t in WHOLE_STATE.tensors)
+
+
+def test_a_state_without_declared_parts_is_fixed():
+    spec = gated_delta_state_spec(96, 4, 4, 16, 8, torch.float32)  # no conv_parts
+    assert rank_state(spec, 2) is None
+    assert rank_state(WHOLE_STATE, 1) == WHOLE_STATE

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.kv_connector.handover.reshard import ReshardPlan
+from tokenmill.platforms.interfaces import RecurrentStateSpec
 from tokenmill.platforms.kv_handover import (
     ArenaGeometry,
     EngineEndpoint,
@@ -67,12 +68,14 @@ class HandoverWorker:
     def __init__(
         self, transport: KVTransport, buffer: torch.Tensor, geometry: ArenaGeometry,
         rank: int = 0, communicator=None, shards: list[PageShard] | None = None,
+        states: list[RecurrentStateSpec | None] | None = None,
     ) -> None:
         self.transport = transport
         self.geometry = geometry
         self.rank = rank
         self.communicator = communicator
         self.shards = shards or []  # per KV group, how this rank holds its pages
+        self.states = states or []  # per KV group, the model's whole recurrent state, if any
         self.base = buffer.data_ptr()
         transport.register(self.base, buffer.numel() * buffer.element_size())
         self._peers: dict[str, _Peer] = {}  # by engine id
@@ -102,7 +105,8 @@ class HandoverWorker:
         if len(peer.ranks) == self.tp_size:
             plan = None
         else:
-            plan = ReshardPlan(self.rank, self.base, self.geometry, self.shards, peer.ranks)
+            plan = ReshardPlan(self.rank, self.base, self.geometry, self.shards, peer.ranks,
+                               self.states, self.tp_size)
             logger.info("handover: rank %d reshards %s's %d ranks into our %d", self.rank,
                         peer.engine_id, len(peer.ranks), self.tp_size)
         self._peers[peer.engine_id] = _Peer(peer, {}, plan)
@@ -243,11 +247,13 @@ class HandoverWorker:
 
 
 def make_handover_worker(transport_name: str, engine_id: str, rank: int, arena,
-                         device: str, parallel_state, shards: list[PageShard]) -> HandoverWorker:
+                         device: str, parallel_state, shards: list[PageShard],
+                         states: list[RecurrentStateSpec | None]) -> HandoverWorker:
     """A rank's handover worker over the core runner's `arena` (core/kv/arena.py), its
     transport named `{engine_id}-r{rank}`; with tensor parallel, its ranks agree through
     the TP group's communicator. `shards`: how it holds each KV group's pages
-    (`reshard.page_shards`)."""
+    (`reshard.page_shards`); `states`: each group's whole recurrent state spec (None:
+    attention), from which a peer rank's state layout follows."""
     from tokenmill.kv_connector.handover.transports import make_transport
     from tokenmill.platforms.kv_transport import TransportContext
 
@@ -256,5 +262,6 @@ def make_handover_worker(transport_name: str, engine_id: str, rank: int, arena,
     transport = make_transport(transport_name, TransportContext(f"{engine_id}-r{rank}",
                                                                 device=device))
     tp = parallel_state.group("tp")
-    return HandoverWorker(transport, arena.buffer, geometry, rank, tp.communicator, shards)
+    return HandoverWorker(transport, arena.buffer, geometry, rank, tp.communicator, shards,
+                          states)
 
