@@ -59,7 +59,8 @@ def test_a_state_that_cannot_reshard_is_refused_naming_tp_and_the_group(tmp_path
     a tp 2 prefill engine's cannot be read by a tp 1 decode engine, which says so (its
     attention pages alone would reshard)."""
     path = str(make_tiny_model(tmp_path / "bamba", "bamba"))
-    kw = dict(dtype="float32", num_kv_blocks=64, kv_transport="mooncake", block_size=4)
+    kw = dict(dtype="float32", num_kv_blocks=256, kv_transport="mooncake", block_size=4,
+              max_num_batched_tokens=32)
     prefill = LLM(path, kv_role="prefill", tensor_parallel_size=2,
                   distributed_executor_backend="mp", **kw).engine
     decode = LLM(path, kv_role="decode", **kw).engine
