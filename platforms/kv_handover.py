@@ -50,9 +50,12 @@ class PageShard(msgspec.Struct, frozen=True):
       heads [head_start, head_start + heads) of `total_heads` (a head replicated on
       several ranks when there are fewer heads than ranks).
     - "replicated": every rank holds the whole page (MLA latent rows).
+    - "state": a recurrent state packed from this rank's rows of each state tensor, whose
+      runs split evenly over the ranks (`StateTensorSpec.parts`); every rank's layout
+      follows from the model's whole state spec and the tp size.
     - "fixed": laid out for one tensor parallel size in a way the core cannot reshard
-      (recurrent states, whose tensors split by head inside the packed state; a backend's
-      own page layout): only a peer of the same tensor parallel size reads it.
+      (a recurrent state whose family declares no runs; a backend's own page layout):
+      only a peer of the same tensor parallel size reads it.
     """
 
     kind: str
@@ -135,8 +138,8 @@ def reshard_problems(local: EngineEndpoint, peer: EngineEndpoint) -> list[str]:
                 a, b = getattr(mine, field), getattr(theirs, field)
                 if a != b:
                     problems.append(f"{head}: KV group {g} has {field} {b} there, {a} here")
-            held = {h for r in peer.ranks
-                    for h in range(r.shards[g].head_start, r.shards[g].head_start + r.shards[g].heads)}
+            held = {h for r in peer.ranks for h in range(
+                r.shards[g].head_start, r.shards[g].head_start + r.shards[g].heads)}
             if held != set(range(mine.total_heads)):
                 problems.append(f"{head}: KV group {g}'s ranks there hold heads "
                                 f"{sorted(held)}, not all {mine.total_heads}")

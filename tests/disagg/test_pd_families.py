@@ -109,6 +109,9 @@ def _whole_bytes(config) -> tuple[int, int]:
     """(bytes of one KV block over every attention layer and KV head, bytes of one
     request's recurrent states over every linear layer), float32, from the model's config
     alone."""
+    if getattr(config, "kv_lora_rank", None):  # MLA: one latent row per token and layer
+        row = config.kv_lora_rank + config.qk_rope_head_dim
+        return config.num_hidden_layers * BS * row * 4, 0
     head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
     block = kinds.count("full_attention") * 2 * BS * config.num_key_value_heads * head_size * 4
@@ -121,13 +124,16 @@ def _whole_bytes(config) -> tuple[int, int]:
     return block, kinds.count("linear_attention") * (conv + ssm)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
-@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("arch,prefill_tp,decode_tp", [
+    ("llama", 2, 1), ("llama", 1, 2), ("qwen3_next", 2, 1), ("qwen3_next", 1, 2),
+    ("deepseek_v3", 2, 1),
+])
 def test_tensor_parallel_resharded(arch, prefill_tp, decode_tp, tmp_path):
     """A prefill engine of one tp size hands over to a decode engine of another (llama:
     2 KV heads, one per rank at tp 2; qwen3_next: its Gated DeltaNet states' conv channels
-    and value heads split too): each decode rank reads its heads and state rows from the
-    peer ranks that hold them, into place. Greedy output equals a colocated tp 1 engine's,
+    and value heads split too; deepseek_v3: MLA latents, the same on every rank, read from
+    one): each decode rank reads its heads and state rows from the peer ranks that hold
+    them, into place. Greedy output equals a colocated tp 1 engine's,
     and the transports move each missing block's bytes once and each recurrent state's
     rows once, whatever the sizes: the pulled blocks times one block over every attention
     layer and KV head, plus one whole state per linear layer and request."""

@@ -51,32 +51,39 @@ def page_shards(layer_groups: Sequence[int], global_specs: Sequence[AttentionSpe
     out = []
     for g in range(max(layer_groups) + 1):
         layers = [i for i, gid in enumerate(layer_groups) if gid == g]
-        shards = {_shard(global_specs[i], local_specs[i],
-                         backends[i] if backends is not None else None, tp, rank, page_bytes)
-                  for i in layers}
-        out.append(shards.pop() if len(shards) == 1 else PageShard("fixed"))
+        found = {_shard(global_specs[i], local_specs[i],
+                        backends[i] if backends is not None else None, tp, rank, page_bytes)
+                 for i in layers}
+        shard, why = found.pop() if len(found) == 1 else (PageShard("fixed"), "its layers differ")
+        if why and rank == 0:
+            logger.info("KV group %d: pages laid out for tp %d only (%s); a handover from or "
+                        "to another tp size refuses it", g, tp, why)
+        out.append(shard)
     return out
 
 
 def _shard(whole: AttentionSpec, local: AttentionSpec, backend, tp: int, rank: int,
-           page_bytes: int) -> PageShard:
+           page_bytes: int) -> tuple[PageShard, str]:
+    """The layer's `PageShard`, and why it is "fixed" ("" otherwise)."""
     if local.kind == AttentionKind.MLA:
-        return PageShard("replicated")
+        return PageShard("replicated"), ""
     if local.kind == AttentionKind.LINEAR:
-        ok = whole.state is not None and rank_state(whole.state, tp) == local.state
-        return PageShard("state" if ok else "fixed")
+        if whole.state is not None and rank_state(whole.state, tp) == local.state:
+            return PageShard("state"), ""
+        return PageShard("fixed"), "a recurrent state whose tensor parallel runs are not declared"
     if local.kind not in (AttentionKind.FULL, AttentionKind.SLIDING_WINDOW):
-        return PageShard("fixed")
+        return PageShard("fixed"), f"attention kind {local.kind.value!r}"
     if backend is not None and tuple(backend.kv_cache_shape(local, 1)) != kv_cache_shape(local, 1):
-        return PageShard("fixed")  # the backend's own view of the bytes: heads not known
+        return PageShard("fixed"), f"{type(backend).__name__} declares its own page layout"
     heads = head_shards(whole.num_heads, whole.num_kv_heads, tp, rank)
     head_bytes = local.head_size * local.kv_dtype.itemsize
     if heads.num_kv_heads != local.num_kv_heads or (
             page_bytes != 2 * local.block_size * local.num_kv_heads * head_bytes):
-        return PageShard("fixed")
+        return PageShard("fixed"), (f"{local.num_kv_heads} KV heads in pages of {page_bytes} "
+                                    "bytes, not the standard split")
     return PageShard("heads", rows=local.block_size, heads=local.num_kv_heads,
                      head_bytes=head_bytes, head_start=heads.kv_head_start,
-                     total_heads=whole.num_kv_heads)
+                     total_heads=whole.num_kv_heads), ""
 
 
 def rank_state(whole: RecurrentStateSpec, tp: int) -> RecurrentStateSpec | None:

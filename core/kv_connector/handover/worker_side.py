@@ -264,4 +264,3 @@ def make_handover_worker(transport_name: str, engine_id: str, rank: int, arena,
     tp = parallel_state.group("tp")
     return HandoverWorker(transport, arena.buffer, geometry, rank, tp.communicator, shards,
                           states)
-
