@@ -126,7 +126,7 @@ def _whole_bytes(config) -> tuple[int, int]:
 
 @pytest.mark.parametrize("arch,prefill_tp,decode_tp", [
     ("llama", 2, 1), ("llama", 1, 2), ("qwen3_next", 2, 1), ("qwen3_next", 1, 2),
-    ("deepseek_v3", 2, 1),
+    ("deepseek_v3", 2, 1), ("deepseek_v3", 1, 2),
 ])
 def test_tensor_parallel_resharded(arch, prefill_tp, decode_tp, tmp_path):
     """A prefill engine of one tp size hands over to a decode engine of another (llama:
