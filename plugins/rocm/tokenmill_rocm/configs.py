@@ -37,8 +37,12 @@ CDNA3 = KernelConfigs(  # gfx942
     moe=MoEConfig(block_m=64, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=2),
     linear=LINEAR,
 )
+# gfx950 prefill took 8 warps at first: 512 lanes a program leave each lane 256 VGPRs and AGPRs,
+# and 128 query rows of head 256 spilled 548-692 bytes to scratch in every dtype (float32
+# head 128: 12 bytes); halving the K/V tile (64 keys x 128 dims) still spilled 96-804. 4
+# warps, as on gfx942, compile every prefill tile in 169-437 VGPRs without a VGPR spill.
 CDNA4 = KernelConfigs(  # gfx950
-    attention=AttentionConfig(block_m=128, tile_n=64, num_warps=8, num_stages=2,
+    attention=AttentionConfig(block_m=128, tile_n=64, num_warps=4, num_stages=2,
                               decode_block_m=16, decode_tile_n=64, decode_num_warps=4,
                               tile_elements=128 * 128),
     moe=MoEConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=2),
