@@ -20,13 +20,14 @@ from tokenmill_triton.configs import (
 )
 
 # The chunked scans in the default tiles (64-token chunks, 32 value columns, 16 key channels
-# per KDA pair tile, 4 warps) ran out of the 512 VGPRs + AGPRs on gfx942 and spilled to
-# scratch: Gated DeltaNet 1052-1304 bytes, KDA 4840 bytes (72 s to compile), Mamba2 1204
-# bytes. 16-token chunks, 16 value columns and 16 Mamba2 head-dim rows over 8 warps (256
-# VGPRs a lane) compile Gated DeltaNet and Mamba2 in 149-174 VGPRs without a scratch spill;
-# KDA's pair tile takes 4 key channels: 8 left it at 256 VGPRs with 17 SGPR spills and 3
-# VGPR spills (bf16), 8 channels over 4 warps 306-326 VGPRs with 63-66 SGPR spills, 4
-# channels over 8 warps 251 VGPRs with 2-4 SGPR spills (into VGPR lanes, no scratch).
+# per KDA pair tile, 4 warps) ran out of the 512 VGPRs + AGPRs a lane on gfx942 and spilled
+# to scratch: Gated DeltaNet 1052-1304 bytes, KDA 4840 (72 s to compile), Mamba2 1204.
+# 16-token chunks, 16 value columns and 16 Mamba2 head-dim rows over 8 warps (256 registers
+# a lane) compile Gated DeltaNet and Mamba2 in 149-174 VGPRs without a VGPR spill. KDA's
+# pair tile takes 4 key channels: 8 channels over 8 warps hit 256 VGPRs with 17 SGPR spills
+# (bf16: 3 VGPRs to scratch too), 8 over 4 warps 306-326 VGPRs and 63-66 SGPR spills, 4 over
+# 8 warps 243-251 VGPRs and 2-4 SGPR spills. What spills left (here and in paged attention)
+# are SGPRs parked in VGPR lanes (v_writelane, no scratch memory): docs/rocm.md.
 LINEAR = LinearAttentionConfig(chunk_size=16, block_v=16, pair_block_k=4, ssd_block_p=16,
                                num_warps=8)
 
