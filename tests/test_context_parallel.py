@@ -77,7 +77,7 @@ def reference(tiny_dirs):
     return tokens, block_bytes
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.long)])
 def test_dcp2_matches_one_process(tiny_dirs, reference, tp):
     want, full_block_bytes = reference
     llm = _llm(tiny_dirs["llama"], decode_context_parallel_size=2, tensor_parallel_size=tp)
@@ -106,8 +106,8 @@ def test_bad_decode_context_parallel_settings_are_named(tiny_dirs, tmp_path):
 
 
 @pytest.mark.parametrize("arch, kw", [
-    ("llama", {}),
-    ("llama", {"tensor_parallel_size": 2}),
+    pytest.param("llama", {}, marks=pytest.mark.long),
+    pytest.param("llama", {"tensor_parallel_size": 2}, marks=pytest.mark.long),
     ("gemma3", {"max_num_batched_tokens": 9}),  # chunks of prompts beside decodes
 ])
 def test_pcp2_matches_one_process(tiny_dirs, tmp_path, arch, kw):

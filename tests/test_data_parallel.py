@@ -27,6 +27,7 @@ def _tokens(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
+@pytest.mark.long  # four processes
 def test_dp2_x_tp2_matches_one_process(tiny_dirs):
     kw = {"dtype": "float32", "block_size": 4, "platform": "cpu", "num_kv_blocks": 64}
     one = LLM(str(tiny_dirs["llama"]), **kw)

@@ -136,6 +136,7 @@ def test_granite_is_unknown_until_registered(tmp_path):
         family_for(config)
 
 
+@pytest.mark.long  # four processes
 def test_granite_from_one_file_serves_like_transformers_with_tp2_x_pp2(registered):
     assert family_for(GraniteConfig()) is FAMILY
     path = _tiny_granite(registered / "granite")

@@ -289,6 +289,7 @@ def test_missing_model_path_says_so(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # a minute: the 135M model in transformers and here
 def test_default_gguf_matches_transformers():
     """The shipped SmolLM2 GGUF: our logits against transformers' own GGUF loading."""
     path = Path(default_model_path())

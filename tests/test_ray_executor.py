@@ -33,7 +33,10 @@ from tokenmill.engine.llm_engine import EngineDeadError
 from tokenmill.engine.request import RequestStatus
 from tokenmill.frontend.async_engine import AsyncLLM
 
-pytestmark = pytest.mark.long  # a Ray cluster on loopback per case: minutes
+pytestmark = [
+    pytest.mark.long,  # a Ray cluster on loopback per case: minutes
+    pytest.mark.xdist_group("ray"),  # one Ray cluster per module: one xdist worker runs them all
+]
 
 PROMPTS = ["The quick brown fox", "Paris is the capital of France; Berlin is", "def main():"]
 PARAMS = [

@@ -24,7 +24,10 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.server.pd import PrefillReply
 from tokenmill_conformance.tiny_models import make_tiny_model
 
-pytestmark = pytest.mark.long  # engine pairs or server processes for prefill and decode: minutes
+pytestmark = [
+    pytest.mark.long,  # engine pairs or server processes for prefill and decode: minutes
+    pytest.mark.xdist_group("pd_faults"),  # a module-scoped setup: one xdist worker
+]
 
 PROMPT = [(5 * j) % 200 + 7 for j in range(11)]
 MAX_NEW = 8

@@ -15,7 +15,10 @@ from pd_cluster import BLOCK_SIZE, cluster, metric
 from tokenmill import LLM, SamplingParams
 from tokenmill_conformance.tiny_models import make_tiny_model
 
-pytestmark = pytest.mark.long  # engine pairs or server processes for prefill and decode: minutes
+pytestmark = [
+    pytest.mark.long,  # engine pairs or server processes for prefill and decode: minutes
+    pytest.mark.xdist_group("pd_servers"),  # module-scoped server clusters: one xdist worker
+]
 
 MAX_NEW = 8
 PROMPTS = [[(7 * i + 3 * j) % 250 + 5 for j in range(n)] for i, n in enumerate([13, 22, 9])]

@@ -28,6 +28,7 @@ def chat_turns(llm: LLM) -> list[tuple[list[int], int]]:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_real_model_sessions_with_a_small_pool_and_offload(tmp_path):
     unlimited = chat_turns(LLM(dtype="bfloat16", num_kv_blocks=256))
     llm = LLM(dtype="bfloat16", num_kv_blocks=8, max_model_len=128,

@@ -17,6 +17,7 @@ from conftest import free_port
 
 
 @pytest.mark.slow
+@pytest.mark.long  # two minutes: serves the default model; .ci/run's quick start checks the same stop
 def test_ctrl_c_stops_serve_cleanly_and_its_log_speaks_gib(tmp_path):
     port = free_port()
     cmd = [sys.executable, "-m", "tokenmill.server.cli", "serve", "--port", str(port),

@@ -16,6 +16,7 @@ import time
 
 import httpx
 import openai
+import pytest
 from conftest import TINY_NAME, running_server
 
 from tokenmill.engine.config import EngineArgs
@@ -79,6 +80,7 @@ async def _kill_while_streaming(url: str, engine: AsyncLLM, victim: int) -> tupl
     return streams, killed_at[0]
 
 
+@pytest.mark.long
 def test_serve_dp2_affinity_and_replica_death(tiny_model):
     one = AsyncLLM(EngineArgs(model=str(tiny_model), **ENGINE_KW))
     with running_server(build_app(one, [TINY_NAME])) as url:

@@ -191,6 +191,7 @@ def _refuses_new_connections(url: str, within_s: float = 15.0) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.long  # two minutes: a real `tokenmill serve` drained under load
 def test_cli_serve_and_sigterm_drains_in_flight(serve_process):
     proc, url = serve_process
     models = httpx.get(f"{url}/v1/models").json()["data"]
