@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill_triton.aot import compile_target, ptxas_usage
+from tokenmill_triton.aot import _amdgcn_usage, compile_target, ptxas_usage
 
 DATA = Path(__file__).parent / "data"
 
@@ -34,6 +34,22 @@ def test_ptxas_usage_without_usage_lines_says_so():
     log = "ptxas info    : Compiling entry function 'k' for 'sm_90a'\nptxas info    : Compile time = 1 ms\n"
     with pytest.raises(ValueError, match="no register or spill line for 'k'"):
         ptxas_usage(log, "k")
+
+
+def test_amdgcn_sgprs_spilled_to_vgpr_lanes_are_not_memory_spills():
+    # the gfx942 float32 decode attention (Triton 3.9): 10 SGPRs live in VGPR lanes
+    # (v_writelane), no scratch: a register move, noted but not a spill
+    meta = (DATA / "amdgcn_gfx942_paged_attention_sgpr_lanes.meta").read_text()
+    assert _amdgcn_usage(meta) == (115, 0, 10, None)
+
+
+def test_amdgcn_vgpr_spills_count_their_scratch_bytes():
+    # a gfx942 float32 delta-rule chunked scan (4 warps, wide tiles of a trial launch): 939
+    # VGPRs and 271 SGPRs spilled, 3760 bytes of scratch per lane
+    meta = (DATA / "amdgcn_gfx942_chunked_scratch.meta").read_text()
+    assert _amdgcn_usage(meta) == (512, 3760, 271, None)
+    registers, spills, lanes, error = _amdgcn_usage("no metadata here")
+    assert (registers, spills) == (None, None) and "private_segment_fixed_size" in error
 
 
 @pytest.mark.long  # three processes that import torch and triton: about half a minute

@@ -17,8 +17,9 @@ one kernel that LLVM or ptxas cannot finish is recorded as such and the rest sti
 
 Per compiled kernel: NVIDIA registers and spill bytes from the `ptxas -v` log of the
 entry function (Triton's own ptxas run, `knobs.nvidia.dump_ptxas_log`; the same ptxas and
-flags again where Triton's cache had the cubin), AMD VGPRs, SGPRs and spill counts from the
-assembly's metadata; shared memory from Triton's metadata (dynamic shared memory / LDS).
+flags again where Triton's cache had the cubin), AMD VGPRs and scratch bytes from the
+assembly's metadata (SGPRs spilled into VGPR lanes, which touch no memory, noted beside the
+launch settings); shared memory from Triton's metadata (dynamic shared memory / LDS).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class KernelCompile:
     config: str  # the launch configuration: constexprs, warps, stages
     case: str  # the launch that produced it (op and shape)
     registers: int | None  # per thread (NVIDIA) / VGPRs per lane (AMD)
-    spill_bytes: int | None  # NVIDIA: spill stores; AMD: VGPR + SGPR spills (count x 4)
+    spill_bytes: int | None  # NVIDIA: spill stores + loads; AMD: scratch bytes per lane
     shared_bytes: int | None  # dynamic shared memory (NVIDIA) / LDS (AMD) per program
     seconds: float
     error: str | None = None
@@ -176,7 +177,9 @@ def _compile_one(target_name, target, kernel, name, config, case, compile) -> Ke
     if target.backend == "cuda":
         registers, spills, error = _nvidia_usage(compiled, log.getvalue(), target.arch)
     else:
-        registers, spills, error = _amdgcn_usage(compiled.asm["amdgcn"])
+        registers, spills, lane_spills, error = _amdgcn_usage(compiled.asm["amdgcn"])
+        if lane_spills:  # beside the launch settings: no memory, not a problem
+            config += f"; {lane_spills} SGPRs spilled to VGPR lanes"
     return KernelCompile(target_name, name, config, case, registers, spills, shared,
                          time.perf_counter() - start, error)
 
@@ -244,17 +247,24 @@ def ptxas_usage(log: str, kernel: str) -> tuple[int, int]:
                      f"{[e.group(1) for e in entries]}): {log[-800:]}")
 
 
-def _amdgcn_usage(asm: str) -> tuple[int | None, int | None, str | None]:
-    """(VGPRs, spill bytes, error) from the AMDGPU assembly's kernel metadata."""
+def _amdgcn_usage(asm: str) -> tuple[int | None, int | None, int | None, str | None]:
+    """(VGPRs, spill bytes, SGPRs spilled into VGPR lanes, error) from the AMDGPU assembly's
+    kernel metadata. Spill bytes are the scratch memory a lane needs
+    (`private_segment_fixed_size`, where every VGPR spill lands) and at least 4 bytes per
+    spilled VGPR: memory traffic, what a spill costs. An SGPR spill goes to a lane of a VGPR
+    (`v_writelane` / `v_readlane`, register moves, no memory) while one is free, to scratch
+    only when none is, and is then in the scratch bytes too; the count is returned apart."""
     def field(name: str) -> int | None:
         found = re.search(rf"\.{name}:\s+(\d+)", asm)
         return int(found.group(1)) if found else None
 
-    vgprs, vgpr_spills, sgpr_spills = field("vgpr_count"), field("vgpr_spill_count"), field(
-        "sgpr_spill_count")
-    if vgprs is None or vgpr_spills is None or sgpr_spills is None:
-        return None, None, "the AMDGPU metadata lacks vgpr_count / *_spill_count"
-    return vgprs, 4 * (vgpr_spills + sgpr_spills), None
+    vgprs, vgpr_spills, sgpr_spills, scratch = (
+        field("vgpr_count"), field("vgpr_spill_count"), field("sgpr_spill_count"),
+        field("private_segment_fixed_size"))
+    if vgprs is None or vgpr_spills is None or sgpr_spills is None or scratch is None:
+        return None, None, None, ("the AMDGPU metadata lacks vgpr_count / *_spill_count / "
+                                  "private_segment_fixed_size")
+    return vgprs, max(scratch, 4 * vgpr_spills), sgpr_spills, None
 
 
 def compile_cases(target: str, configs, cases: dict[str, Callable[[], None]],
