@@ -226,6 +226,9 @@ class ReshardPlan:
         out: dict[int, list[Region]] = {}
         states: dict[int, tuple[list[int], list[int]]] = {}  # group -> (our pages, theirs)
         for (remote_block, local_block), g in zip(job.pairs, job.groups, strict=True):
+            if not 0 <= g < len(self.shards):
+                raise ValueError(f"pull {job.request_id} names KV group {g}; this rank's "
+                                 f"pages describe {len(self.shards)} groups")
             mine = self.shards[g]
             if self.spans[g] is not None:  # one state's pages, in table order
                 pages = states.setdefault(g, ([], []))
