@@ -3,8 +3,8 @@ how one engine's KV arena is reached by another's (msgspec Structs: plain data, 
 on the wire, never pickle; core/kv_connector/handover/ builds and reads them).
 
 - `EngineEndpoint`: how to reach an engine's KV arena through its transport, per rank,
-  and what must match for a handover (model, dtype, block size, KV layout, tensor
-  parallel size).
+  and what must match for a handover (model, dtype, block size, KV layout; the tensor
+  parallel size too, unless every KV group's pages can be resharded: `PageShard`).
 - `PullJob` / `HandoverStepMeta` (engine core -> workers, in `StepDescription.kv_handover`)
   and `PullResult` / `HandoverReport` (workers -> engine core, in `StepResult.kv_handover`):
   a decode engine's reads of a prefill engine's blocks.
@@ -42,25 +42,53 @@ class ArenaGeometry(msgspec.Struct, frozen=True):
         return self.page_bytes * self.num_slots
 
 
+class PageShard(msgspec.Struct, frozen=True):
+    """How one KV group's pages split over tensor parallel ranks, as one rank holds them.
+
+    - "heads": each page half (keys, values) is [rows, heads, head_bytes] bytes, the
+      standard layout [block_size, KV heads, head_size]; this rank holds the model's KV
+      heads [head_start, head_start + heads) of `total_heads` (a head replicated on
+      several ranks when there are fewer heads than ranks).
+    - "replicated": every rank holds the whole page (MLA latent rows).
+    - "state": a recurrent state packed from this rank's rows of each state tensor, whose
+      runs split evenly over the ranks (`StateTensorSpec.parts`); every rank's layout
+      follows from the model's whole state spec and the tp size.
+    - "fixed": laid out for one tensor parallel size in a way the core cannot reshard
+      (a recurrent state whose family declares no runs; a backend's own page layout):
+      only a peer of the same tensor parallel size reads it.
+    """
+
+    kind: str
+    rows: int = 0
+    heads: int = 0
+    head_bytes: int = 0
+    head_start: int = 0
+    total_heads: int = 0
+
+
 class RankEndpoint(msgspec.Struct, frozen=True):
     """One worker rank: its transport's descriptor and where its arena starts."""
 
     descriptor: bytes
     base_address: int
     geometry: ArenaGeometry
+    shards: list[PageShard] = []  # per KV group, in group order
 
 
 class EngineEndpoint(msgspec.Struct, frozen=True):
     """An engine as a handover peer. The decode side refuses a peer whose `model`, `dtype`,
-    `kv_cache_dtype`, `kv_scales`, `block_size`, `layout` or `tensor_parallel_size` differs
-    from its own, naming it."""
+    `kv_cache_dtype`, `kv_scales`, `block_size` or `layout` differs from its own, naming
+    it, and one of another `tensor_parallel_size` unless every KV group's pages can be
+    resharded (`reshard_problems`)."""
 
     engine_id: str
     transport: str  # the KV transport's name (both sides must use the same one)
     model: str  # the model's identity: a digest of its config (not of its path)
     dtype: str
     block_size: int
-    layout: str  # a digest of the KV groups (kinds, windows, state specs) and page bytes
+    # a digest of the KV groups (kinds, windows, layer counts) and of their pages whatever
+    # the tensor parallel size (`PageShard`: total heads, head bytes, rows)
+    layout: str
     tensor_parallel_size: int
     ranks: list[RankEndpoint]  # in rank order
     # torch dtype name of what the KV pages hold ("float8_e4m3fn" for an FP8 cache; the
@@ -72,13 +100,49 @@ class EngineEndpoint(msgspec.Struct, frozen=True):
 
 
 def compatibility_problems(local: EngineEndpoint, peer: EngineEndpoint) -> list[str]:
-    """What differs between two engines that a handover needs equal (empty: compatible)."""
+    """What differs between two engines that a handover needs equal (empty: compatible).
+    A different tensor parallel size is a problem only where the pages cannot be
+    resharded (`reshard_problems`)."""
     problems = []
     for field in ("transport", "model", "dtype", "kv_cache_dtype", "kv_scales", "block_size",
-                  "layout", "tensor_parallel_size"):
+                  "layout"):
         mine, theirs = getattr(local, field), getattr(peer, field)
         if mine != theirs:
             problems.append(f"{field}: {theirs!r} on {peer.engine_id}, {mine!r} here")
+    if local.tensor_parallel_size != peer.tensor_parallel_size:
+        problems += reshard_problems(local, peer)
+    return problems
+
+
+def reshard_problems(local: EngineEndpoint, peer: EngineEndpoint) -> list[str]:
+    """Why `local` cannot read `peer`'s pages at another tensor parallel size (empty: every
+    KV group's heads split over both sides' ranks, or are replicated). Each problem starts
+    with `tensor_parallel_size: ` and the two sizes, then names the group and what blocks
+    it."""
+    head = (f"tensor_parallel_size: {peer.tensor_parallel_size!r} on {peer.engine_id}, "
+            f"{local.tensor_parallel_size!r} here")
+    if not local.ranks or not peer.ranks or any(
+            len(r.shards) != len(local.ranks[0].shards) for r in [*local.ranks, *peer.ranks]):
+        return [f"{head}: the endpoints do not say how their pages split over ranks"]
+    problems = []
+    for g, (mine, theirs) in enumerate(zip(local.ranks[0].shards, peer.ranks[0].shards,
+                                           strict=True)):
+        if "fixed" in (mine.kind, theirs.kind):
+            problems.append(f"{head}: KV group {g} keeps pages laid out for one tensor "
+                            "parallel size (recurrent states, or a backend's own layout), "
+                            "which cannot be resharded")
+        elif mine.kind != theirs.kind:
+            problems.append(f"{head}: KV group {g} is {theirs.kind!r} there, {mine.kind!r} here")
+        elif mine.kind == "heads":
+            for field in ("total_heads", "head_bytes", "rows"):
+                a, b = getattr(mine, field), getattr(theirs, field)
+                if a != b:
+                    problems.append(f"{head}: KV group {g} has {field} {b} there, {a} here")
+            held = {h for r in peer.ranks for h in range(
+                r.shards[g].head_start, r.shards[g].head_start + r.shards[g].heads)}
+            if held != set(range(mine.total_heads)):
+                problems.append(f"{head}: KV group {g}'s ranks there hold heads "
+                                f"{sorted(held)}, not all {mine.total_heads}")
     return problems
 
 
@@ -90,6 +154,9 @@ class PullJob(msgspec.Struct, frozen=True):
     engine_id: str
     pairs: list[tuple[int, int]]
     deadline_s: float  # give up (and recompute) after this long
+    # the KV group of each pair (what its pages hold: which `PageShard` splits them when
+    # the peer's tensor parallel size differs); empty: not needed (same size)
+    groups: list[int] = []
 
 
 class HandoverStepMeta(msgspec.Struct, kw_only=True):

@@ -14,11 +14,18 @@ import torch
 @dataclass(frozen=True, slots=True)
 class StateTensorSpec:
     """One tensor of a recurrent layer's per-sequence state (e.g. "conv" [C, K - 1] or
-    "ssm" [H, dk, dv]); shape without the batch dimension."""
+    "ssm" [H, dk, dv]); shape without the batch dimension.
+
+    `parts`: how tensor parallel splits it, when declared: dim 0 is these runs of rows in
+    order (Gated DeltaNet's conv: its q, k and v channels; its ssm: one run of heads),
+    each split evenly over the ranks, a rank holding its share of every run in the same
+    order. Empty: not declared (a handover between engines of different tensor parallel
+    sizes then refuses to reshard it)."""
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    parts: tuple[int, ...] = ()
 
     @property
     def num_bytes(self) -> int:

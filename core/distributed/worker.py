@@ -32,6 +32,7 @@ from tokenmill.kv.arena import KVArena
 from tokenmill.kv.groups import plan_groups
 from tokenmill.kv.sizing import kv_cache_budget
 from tokenmill.kv_connector.engine_setup import WorkerOffload, make_worker_offload
+from tokenmill.kv_connector.handover.reshard import page_shards
 from tokenmill.kv_connector.handover.worker_side import HandoverWorker, make_handover_worker
 from tokenmill.model.loader import checkpoint_weights, load_model_info
 from tokenmill.model.pipeline import stage_weight_filter
@@ -44,8 +45,10 @@ from tokenmill.platforms.interfaces import (
     MemoryInfo,
     ModelRunnerBase,
     ModelRunnerContext,
+    RecurrentStateSpec,
     RunnerCapabilities,
 )
+from tokenmill.platforms.kv_handover import PageShard
 from tokenmill.platforms.registry import ActivePlatform, PlatformRegistry, load_platform
 from tokenmill.platforms.step import StepDescription, StepResult
 from tokenmill.worker.sleep_mode import check_level
@@ -285,7 +288,24 @@ class Worker:
         if self.config.kv_transport is not None:  # the runner declared kv_offload (checked)
             self.handover = make_handover_worker(
                 self.config.kv_transport, self.config.engine_id, self.rank, self.arena,
-                str(self._platform.platform.device), self.parallel_state)
+                str(self._platform.platform.device), self.parallel_state, self._page_shards(),
+                self._whole_states())
+
+    def _page_shards(self) -> list[PageShard]:
+        """How this rank holds each KV group's pages (the model's specs against its own)."""
+        kv, layout = self.context.kv_cache, self._layout
+        tp = self.parallel_state.group("tp")
+        return page_shards(kv.layer_groups, kv.attention_specs, layout.attention_specs,
+                           layout.backends, tp.world_size, tp.rank_in_group,
+                           self.arena.page_bytes)
+
+    def _whole_states(self) -> list[RecurrentStateSpec | None]:
+        """Per KV group, the model's whole recurrent state spec (None: attention)."""
+        kv = self.context.kv_cache
+        out: list[RecurrentStateSpec | None] = [None] * (max(kv.layer_groups) + 1)
+        for spec, g in zip(kv.attention_specs, kv.layer_groups, strict=True):
+            out[g] = spec.state
+        return out
 
     def kv_scales_digest(self) -> str:
         """A digest of this rank's calibrated KV scales ("" when not calibrated)."""

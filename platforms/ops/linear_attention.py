@@ -78,15 +78,18 @@ class GatedDeltaInputs:
 
 def gated_delta_state_spec(
     conv_dim: int, conv_kernel: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
-    conv_dtype: torch.dtype,
+    conv_dtype: torch.dtype, conv_parts: tuple[int, ...] = (),
 ) -> RecurrentStateSpec:
     """The state of one Gated DeltaNet layer: the conv's last K - 1 inputs [C, K - 1] in
-    the model dtype, and the delta-rule state [Hv, dk, dv] in float32."""
+    the model dtype, and the delta-rule state [Hv, dk, dv] in float32. `conv_parts`: the
+    conv channels' runs as tensor parallel splits them (q, k, v; `StateTensorSpec.parts`),
+    where the model declares them."""
     return RecurrentStateSpec(
         "gated_delta",
         (
-            StateTensorSpec("conv", (conv_dim, conv_kernel - 1), conv_dtype),
-            StateTensorSpec("ssm", (num_v_heads, head_k_dim, head_v_dim), torch.float32),
+            StateTensorSpec("conv", (conv_dim, conv_kernel - 1), conv_dtype, conv_parts),
+            StateTensorSpec("ssm", (num_v_heads, head_k_dim, head_v_dim), torch.float32,
+                            (num_v_heads,) if conv_parts else ()),
         ),
     )
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from transformers import AutoConfig
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.kv_connector.handover.messages import HandoverIn
@@ -85,8 +86,7 @@ def test_greedy_identical_to_colocated(arch, transport, tmp_path):
 def test_tensor_parallel_two_to_two_hybrid(tmp_path):
     """tp 2 on both sides (worker processes): rank r pulls rank r's shard of every block
     and of every recurrent state; the ranks agree through the TP group on when a pull
-    ended. Resharding between different tp sizes is not built (refused at the handshake,
-    test_pd_handshake.py)."""
+    ended. Between different tp sizes: test_tensor_parallel_resharded below."""
     path = str(make_tiny_model(tmp_path / "qwen3_next", "qwen3_next"))
     colocated = LLM(path, **KW)
     reference = [list(o.outputs[0].token_ids) for o in colocated.generate(
@@ -100,6 +100,65 @@ def test_tensor_parallel_two_to_two_hybrid(tmp_path):
         assert _handover(prefill, decode, "a") == reference
         stats = decode.handover.stats()
         assert stats.received == 3 and stats.transport_bytes == stats.bytes_moved > 0
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def _whole_bytes(config, decode_tp: int) -> tuple[int, int]:
+    """(bytes of one KV block over every attention layer and KV head, bytes of one
+    request's recurrent states over every linear layer), float32, from the model's config
+    alone, as the `decode_tp` ranks of the decode engine hold them (an MLA page is whole
+    on every rank: each reads its own copy)."""
+    if getattr(config, "kv_lora_rank", None):  # MLA: one latent row per token and layer
+        row = config.kv_lora_rank + config.qk_rope_head_dim
+        return decode_tp * config.num_hidden_layers * BS * row * 4, 0
+    head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    block = kinds.count("full_attention") * 2 * BS * config.num_key_value_heads * head_size * 4
+    if "linear_attention" not in kinds:
+        return block, 0
+    key_dim = config.linear_num_key_heads * config.linear_key_head_dim
+    value_dim = config.linear_num_value_heads * config.linear_value_head_dim
+    conv = (2 * key_dim + value_dim) * (config.linear_conv_kernel_dim - 1) * 4
+    ssm = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
+    return block, kinds.count("linear_attention") * (conv + ssm)
+
+
+@pytest.mark.parametrize("arch,prefill_tp,decode_tp", [
+    ("llama", 2, 1), ("llama", 1, 2), ("qwen3_next", 2, 1), ("qwen3_next", 1, 2),
+    ("deepseek_v3", 2, 1), ("deepseek_v3", 1, 2),
+])
+def test_tensor_parallel_resharded(arch, prefill_tp, decode_tp, tmp_path):
+    """A prefill engine of one tp size hands over to a decode engine of another (llama:
+    2 KV heads, one per rank at tp 2; qwen3_next: its Gated DeltaNet states' conv channels
+    and value heads split too; deepseek_v3: MLA latents, the same on every rank, read from
+    one): each decode rank reads its heads and state rows from the peer ranks that hold
+    them, into place. Greedy output equals a colocated tp 1 engine's,
+    and the transports move each missing block's bytes once and each recurrent state's
+    rows once, whatever the sizes: the pulled blocks times one block over every attention
+    layer and KV head, plus one whole state per linear layer and request (MLA pages once
+    per decode rank: every rank holds them whole)."""
+    path = str(make_tiny_model(tmp_path / arch, arch))
+    colocated = LLM(path, **KW)
+    reference = [list(o.outputs[0].token_ids) for o in colocated.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)]
+    colocated.engine.shutdown()
+    block_bytes, state_bytes = _whole_bytes(AutoConfig.from_pretrained(path), decode_tp)
+
+    def tp(n: int) -> dict:
+        return dict(tensor_parallel_size=n, distributed_executor_backend="mp") if n > 1 else {}
+
+    prefill = LLM(path, kv_role="prefill", kv_transport="mooncake", **KW, **tp(prefill_tp)).engine
+    decode = LLM(path, kv_role="decode", kv_transport="mooncake", **KW, **tp(decode_tp)).engine
+    try:
+        assert len(prefill.handover.endpoint().ranks) == prefill_tp
+        assert _handover(prefill, decode, "a") == reference
+        stats = decode.handover.stats()
+        assert stats.received == 3 and stats.failed == 0 and stats.blocks_skipped == 0
+        num_blocks = sum(-(-len(p) // BS) for p in PROMPTS)
+        expected = num_blocks * block_bytes + len(PROMPTS) * state_bytes
+        assert stats.transport_bytes == stats.bytes_moved == expected
     finally:
         prefill.shutdown()
         decode.shutdown()

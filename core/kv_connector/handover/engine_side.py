@@ -77,10 +77,15 @@ def model_digest(hf_config) -> str:
 
 
 def layout_digest(groups, ranks: list[RankEndpoint]) -> str:
-    """The KV layout's identity: groups (kind, window, layers, state) and page bytes."""
-    described = [(g.kind.value, g.sliding_window, len(g.layers), repr(g.state), g.state_pages)
-                 for g in groups]
-    pages = [(r.geometry.page_bytes, r.geometry.num_slots, r.geometry.halves) for r in ranks]
+    """The KV layout's identity whatever the tensor parallel size: groups (kind, window,
+    layers), slots, and how each group's pages split (`PageShard` less this rank's part:
+    the model's heads, their bytes, the rows). What is laid out per tp size (recurrent
+    states, page bytes) is left out: it follows from the model and the tp size, both
+    checked on their own."""
+    described = [(g.kind.value, g.sliding_window, len(g.layers)) for g in groups]
+    first = ranks[0]
+    pages = (first.geometry.num_slots, first.geometry.halves,
+             [(s.kind, s.rows, s.head_bytes, s.total_heads) for s in first.shards])
     return hashlib.sha256(repr((described, pages)).encode()).hexdigest()[:16]
 
 

@@ -183,13 +183,14 @@ class HandoverScheduler:
         rid = request.request_id
         for alloc, table in zip(kv.allocators, tables, strict=True):
             alloc.take_hits(request, table)
-        pairs, skipped = [], 0
+        pairs, groups, skipped = [], [], 0
         num_blocks = -(-offer.num_tokens // kv.block_size)
         for g, alloc in enumerate(kv.allocators):
             remote = offer.block_ids[g]
             if isinstance(alloc, RecurrentStateAllocator):
                 slot = alloc.allocate_slot(request)
                 pairs += zip(remote, (b.block_id for b in slot), strict=True)
+                groups += [g] * len(slot)
                 continue
             alloc.allocate(request, offer.num_tokens)
             local = alloc.req_to_blocks[rid]
@@ -198,8 +199,9 @@ class HandoverScheduler:
                     skipped += 1
                 else:
                     pairs.append((remote[j], local[j].block_id))
+                    groups.append(g)
         request.num_computed_tokens = 0
-        job = PullJob(rid, offer.engine_id, pairs, self.pull_deadline_s)
+        job = PullJob(rid, offer.engine_id, pairs, self.pull_deadline_s, groups)
         self._pending[rid] = _Pending(request, job, skipped)
         return True
 

@@ -6,7 +6,8 @@ block, our block) pair the rank reads that block id's page in every arena slot, 
 peer rank of the same index, in one background read per job; `report()` polls them.
 
 Tensor parallel: every rank pulls its own shard (rank r of the decode engine reads rank r
-of the prefill engine), and a pull ends on every rank at once: the ranks agree through
+of the prefill engine; with another tp size there, the peer ranks that hold its heads,
+reshard.py), and a pull ends on every rank at once: the ranks agree through
 the TP group's communicator on which jobs are done (all of them done), failed (any of
 them failed or timed out) or still running, so the scheduler's report (the output rank's)
 speaks for every rank.
@@ -20,11 +21,14 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.kv_connector.handover.reshard import ReshardPlan
+from tokenmill.platforms.interfaces import RecurrentStateSpec
 from tokenmill.platforms.kv_handover import (
     ArenaGeometry,
     EngineEndpoint,
     HandoverReport,
     HandoverStepMeta,
+    PageShard,
     PullJob,
     PullResult,
     RankEndpoint,
@@ -39,11 +43,22 @@ _RUNNING, _DONE, _FAILED = 0, 1, -1
 @dataclass(slots=True)
 class _Pull:
     job: PullJob
-    handle: object | None
+    handles: list[object]  # one read per peer rank it reads from
     started: float
     num_bytes: int
     error: str = ""
-    done: bool = False  # the read completed here (polled once: a handle is done once)
+    done: bool = False  # every read completed here (polled once: a handle is done once)
+    pending: list[object] | None = None  # the handles not yet seen done
+
+    def __post_init__(self) -> None:
+        self.pending = list(self.handles)
+
+
+@dataclass(slots=True)
+class _Peer:
+    endpoint: EngineEndpoint
+    ids: dict[int, str]  # peer rank -> the transport's id for it, once connected
+    plan: ReshardPlan | None  # None: the same tp size, rank r reads rank r
 
 
 class HandoverWorker:
@@ -52,19 +67,27 @@ class HandoverWorker:
 
     def __init__(
         self, transport: KVTransport, buffer: torch.Tensor, geometry: ArenaGeometry,
-        rank: int = 0, communicator=None,
+        rank: int = 0, communicator=None, shards: list[PageShard] | None = None,
+        states: list[RecurrentStateSpec | None] | None = None,
     ) -> None:
         self.transport = transport
         self.geometry = geometry
         self.rank = rank
         self.communicator = communicator
+        self.shards = shards or []  # per KV group, how this rank holds its pages
+        self.states = states or []  # per KV group, the model's whole recurrent state, if any
         self.base = buffer.data_ptr()
         transport.register(self.base, buffer.numel() * buffer.element_size())
-        self._peers: dict[str, tuple[str, RankEndpoint]] = {}  # engine id -> (peer id, rank)
+        self._peers: dict[str, _Peer] = {}  # by engine id
         self._pulls: list[_Pull] = []  # in the order the steps sent them (same on every rank)
 
+    @property
+    def tp_size(self) -> int:
+        return 1 if self.communicator is None else self.communicator.world_size
+
     def endpoint(self) -> RankEndpoint:
-        return RankEndpoint(self.transport.descriptor(), self.base, self.geometry)
+        return RankEndpoint(self.transport.descriptor(), self.base, self.geometry,
+                            self.shards)
 
     def apply(self, meta: HandoverStepMeta) -> None:
         """Connect to new peers, then start the step's pulls (they run in the background
@@ -75,16 +98,34 @@ class HandoverWorker:
             self._start(job)
 
     def _connect(self, peer: EngineEndpoint) -> None:
+        """Know `peer`; its ranks are connected on their first read. Raises ValueError when
+        its pages cannot be resharded into ours (the handshake refused it already)."""
         if peer.engine_id in self._peers:
             return
-        if self.rank >= len(peer.ranks):
-            raise ValueError(f"peer {peer.engine_id} has {len(peer.ranks)} ranks; rank "
-                             f"{self.rank} has none to pull from")
-        remote = peer.ranks[self.rank]
-        self._peers[peer.engine_id] = (self.transport.connect(remote.descriptor), remote)
+        if len(peer.ranks) == self.tp_size:
+            plan = None
+        else:
+            plan = ReshardPlan(self.rank, self.base, self.geometry, self.shards, peer.ranks,
+                               self.states, self.tp_size)
+            logger.info("handover: rank %d reshards %s's %d ranks into our %d", self.rank,
+                        peer.engine_id, len(peer.ranks), self.tp_size)
+        self._peers[peer.engine_id] = _Peer(peer, {}, plan)
+
+    def _peer_id(self, peer: _Peer, rank: int) -> str:
+        if rank not in peer.ids:
+            peer.ids[rank] = self.transport.connect(peer.endpoint.ranks[rank].descriptor)
+        return peer.ids[rank]
+
+    def reads(self, job: PullJob) -> dict[int, list[Region]]:
+        """Per peer rank, the (local, remote, length) regions `job` reads from it."""
+        peer = self._peers[job.engine_id]
+        if peer.plan is not None:
+            return peer.plan.regions(job)
+        return {self.rank: self.regions(job, peer.endpoint.ranks[self.rank])}
 
     def regions(self, job: PullJob, remote: RankEndpoint) -> list[Region]:
-        """(local, remote, length) of every part of every block of `job`."""
+        """(local, remote, length) of every part of every block of `job`, from a peer rank
+        that lays out its pages as ours (the same tp size)."""
         mine, theirs = self.geometry, remote.geometry
         if (mine.page_bytes, mine.num_slots, mine.halves) != (
                 theirs.page_bytes, theirs.num_slots, theirs.halves):
@@ -99,15 +140,20 @@ class HandoverWorker:
 
     def _start(self, job: PullJob) -> None:
         now = time.monotonic()
+        handles: list[object] = []
         try:
-            peer_id, remote = self._peers[job.engine_id]
-            regions = self.regions(job, remote)
-            handle = self.transport.start_read(peer_id, regions)
-            self._pulls.append(_Pull(job, handle, now, sum(r[2] for r in regions)))
+            reads = self.reads(job)
+            peer = self._peers[job.engine_id]
+            for rank, regions in reads.items():
+                handles.append(self.transport.start_read(self._peer_id(peer, rank), regions))
+            num_bytes = sum(r[2] for regions in reads.values() for r in regions)
+            self._pulls.append(_Pull(job, handles, now, num_bytes))
         except (KeyError, ValueError, TransportError) as exc:
             logger.warning("handover %s: the pull from %s could not start: %s",
                            job.request_id, job.engine_id, exc)
-            self._pulls.append(_Pull(job, None, now, 0, f"could not start: {exc}"))
+            for handle in handles:
+                self.transport.cancel(handle)
+            self._pulls.append(_Pull(job, [], now, 0, f"could not start: {exc}"))
 
     @property
     def num_in_flight(self) -> int:
@@ -133,14 +179,16 @@ class HandoverWorker:
         if pull.done:
             return _DONE
         try:
-            if self.transport.poll(pull.handle):
+            pull.pending = [h for h in pull.pending if not self.transport.poll(h)]
+            if not pull.pending:
                 pull.done = True
                 return _DONE
         except TransportError as exc:
             pull.error = str(exc)
+            self._cancel(pull)
             return _FAILED
         if time.monotonic() - pull.started > pull.job.deadline_s:
-            self.transport.cancel(pull.handle)
+            self._cancel(pull)
             pull.error = f"no answer within {pull.job.deadline_s:.1f} s"
             return _FAILED
         return _RUNNING
@@ -173,7 +221,7 @@ class HandoverWorker:
         for (pull, state), n in zip(ended, nbytes, strict=True):
             if state == _FAILED and not pull.error:
                 if not pull.done:
-                    self.transport.cancel(pull.handle)  # another rank failed: ours is moot
+                    self._cancel(pull)  # another rank failed: ours is moot
                 pull.error = "failed on another rank"
             if state == _FAILED:
                 logger.warning("handover %s: the pull from %s failed: %s",
@@ -184,19 +232,28 @@ class HandoverWorker:
         self._pulls = [p for p in self._pulls if id(p) not in done]
         return out
 
+    def _cancel(self, pull: _Pull) -> None:
+        """Give up the reads of `pull` still running (once)."""
+        for handle in pull.pending:
+            self.transport.cancel(handle)
+        pull.pending = []
+
     def close(self) -> None:
         for pull in self._pulls:
-            if pull.handle is not None and not pull.done and not pull.error:
-                self.transport.cancel(pull.handle)
+            if not pull.done and not pull.error:
+                self._cancel(pull)
         self._pulls.clear()
         self.transport.close()
 
 
 def make_handover_worker(transport_name: str, engine_id: str, rank: int, arena,
-                         device: str, parallel_state) -> HandoverWorker:
+                         device: str, parallel_state, shards: list[PageShard],
+                         states: list[RecurrentStateSpec | None]) -> HandoverWorker:
     """A rank's handover worker over the core runner's `arena` (core/kv/arena.py), its
     transport named `{engine_id}-r{rank}`; with tensor parallel, its ranks agree through
-    the TP group's communicator."""
+    the TP group's communicator. `shards`: how it holds each KV group's pages
+    (`reshard.page_shards`); `states`: each group's whole recurrent state spec (None:
+    attention), from which a peer rank's state layout follows."""
     from tokenmill.kv_connector.handover.transports import make_transport
     from tokenmill.platforms.kv_transport import TransportContext
 
@@ -205,4 +262,5 @@ def make_handover_worker(transport_name: str, engine_id: str, rank: int, arena,
     transport = make_transport(transport_name, TransportContext(f"{engine_id}-r{rank}",
                                                                 device=device))
     tp = parallel_state.group("tp")
-    return HandoverWorker(transport, arena.buffer, geometry, rank, tp.communicator)
+    return HandoverWorker(transport, arena.buffer, geometry, rank, tp.communicator, shards,
+                          states)

@@ -65,12 +65,12 @@ from tokenmill.platforms.ops.linear_attention import GatedDeltaInputs, gated_del
 def qwen3_next_specs(hf_config: Any, dtype: torch.dtype, block_size: int) -> list[AttentionSpec]:
     """One spec per layer: LINEAR (gated delta state) or FULL."""
     c = hf_config
-    conv_dim = 2 * c.linear_num_key_heads * c.linear_key_head_dim + (
-        c.linear_num_value_heads * c.linear_value_head_dim
-    )
+    key_dim = c.linear_num_key_heads * c.linear_key_head_dim
+    value_dim = c.linear_num_value_heads * c.linear_value_head_dim
     state = gated_delta_state_spec(
-        conv_dim, c.linear_conv_kernel_dim, c.linear_num_value_heads, c.linear_key_head_dim,
-        c.linear_value_head_dim, dtype,
+        2 * key_dim + value_dim, c.linear_conv_kernel_dim, c.linear_num_value_heads,
+        c.linear_key_head_dim, c.linear_value_head_dim, dtype,
+        conv_parts=(key_dim, key_dim, value_dim),  # tensor parallel splits q, k, v apart
     )
     specs = []
     for i, layer_type in enumerate(c.layer_types):
