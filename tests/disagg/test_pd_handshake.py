@@ -29,19 +29,25 @@ def test_each_mismatch_is_named(field, other):
     assert problem.startswith(f"{field}: {other!r} on b, {BASE[field]!r} here")
 
 
+def _offer(prefill):
+    """Prefill a 13-token prompt for handover: (prompt, params, the offer it ends with)."""
+    prompt = list(range(5, 18))
+    params = SamplingParams(temperature=0, max_tokens=4)
+    prefill.add_request("p", prompt, params, handover_out=True)
+    offer = None
+    while prefill.has_unfinished_requests():
+        for out in prefill.step():
+            offer = out.kv_offer or offer
+    return prompt, params, offer
+
+
 def test_a_decode_engine_refuses_another_block_size(tmp_path):
     path = str(make_tiny_model(tmp_path / "llama", "llama"))
     kw = dict(dtype="float32", num_kv_blocks=64, kv_transport="mooncake")
     prefill = LLM(path, kv_role="prefill", block_size=4, **kw).engine
     decode = LLM(path, kv_role="decode", block_size=8, **kw).engine
     try:
-        prompt = list(range(5, 18))
-        params = SamplingParams(temperature=0, max_tokens=4)
-        prefill.add_request("p", prompt, params, handover_out=True)
-        offer = None
-        while prefill.has_unfinished_requests():
-            for out in prefill.step():
-                offer = out.kv_offer or offer
+        prompt, params, offer = _offer(prefill)
         with pytest.raises(ValueError, match=r"cannot hand its KV over to .*block_size: 4 on "
                                              r"prefill-\w+, 8 here"):
             decode.add_request("d", prompt, params,
@@ -65,13 +71,7 @@ def test_a_state_that_cannot_reshard_is_refused_naming_tp_and_the_group(tmp_path
                   distributed_executor_backend="mp", **kw).engine
     decode = LLM(path, kv_role="decode", **kw).engine
     try:
-        prompt = list(range(5, 18))
-        params = SamplingParams(temperature=0, max_tokens=4)
-        prefill.add_request("p", prompt, params, handover_out=True)
-        offer = None
-        while prefill.has_unfinished_requests():
-            for out in prefill.step():
-                offer = out.kv_offer or offer
+        prompt, params, offer = _offer(prefill)
         with pytest.raises(ValueError, match=r"tensor_parallel_size: 2 on prefill-\w+, 1 here: "
                                              r"KV group \d+ keeps pages laid out for one tensor "
                                              r"parallel size") as refused:
