@@ -151,6 +151,10 @@ def merge(slices: list[dict]) -> dict:
 def pool_tokens(url: str) -> int:
     """The tokens the server's device pool holds (its KV bytes per token depend on the
     dtype the platform chose: bf16 where the CPU has native bf16, else fp32)."""
+    async def probe():  # the gauge comes with a step's stats: run one
+        async with httpx.AsyncClient(timeout=600) as client:
+            await one(client, url, [7, 8, 9])
+    asyncio.run(probe())
     return int(scrape(url)["tokenmill:kv_blocks_usable"]) * BLOCK_SIZE
 
 
