@@ -205,8 +205,14 @@ def test_quantization_is_resolved_against_the_checkpoint(tmp_path):
         resolve_quantization(gguf_file, plain, "awq")
     with pytest.raises(ValueError, match="'gguf' does not fit .* quantized as 'none'"):
         resolve_quantization(hf_dir, plain, "gguf")
-    with pytest.raises(ValueError, match="quantization 'awq' .* is not supported yet"):
-        resolve_quantization(hf_dir, awq, None)
+    assert resolve_quantization(hf_dir, awq, None) == "awq"
+    assert resolve_quantization(hf_dir, awq, "none") == "none"  # dequantized at load
+    with pytest.raises(ValueError, match="'gptq' does not fit .* quantized as 'awq'; pass "
+                                         "--quantization awq or none"):
+        resolve_quantization(hf_dir, awq, "gptq")
+    other = LlamaConfig(quantization_config={"quant_method": "compressed-tensors"})
+    with pytest.raises(ValueError, match="quantization 'compressed-tensors' .* is not supported"):
+        resolve_quantization(hf_dir, other, None)
     with pytest.raises(ValueError, match="'int2' is not one of"):
         resolve_quantization(hf_dir, plain, "int2")
 
