@@ -14,12 +14,13 @@ import dataclasses
 import pytest
 import torch
 
-from tokenmill.kv_connector.handover.reshard import ReshardPlan, rank_state
+from tokenmill.kv_connector.handover.reshard import ReshardPlan, page_shards, rank_state
 from tokenmill.model.families.bamba import FAMILY as BAMBA
 from tokenmill.model.families.kimi_linear import FAMILY as KIMI_LINEAR
 from tokenmill.model.family import shrink_config
 from tokenmill.model.mamba2 import _shares
 from tokenmill.model.parallel import head_shards
+from tokenmill.platforms.interfaces import AttentionKind, AttentionSpec, RecurrentStateSpec
 from tokenmill.platforms.kit.kv_state import read_states, write_states
 from tokenmill.platforms.kv_handover import (
     ArenaGeometry,
@@ -308,3 +309,27 @@ def test_mamba2_with_fewer_groups_than_ranks_is_refused_by_the_model():
     with pytest.raises(ValueError, match="tensor_parallel_size=2 does not divide the "
                                          "model's Mamba2 groups 1"):
         BAMBA.local_config(config, 2)
+
+
+def test_a_state_that_does_not_split_is_fixed_and_says_why(caplog):
+    """page_shards marks a LINEAR group "fixed", naming the variant and tp, where the
+    state declares no runs, or where this rank's state is not their split (a backend's
+    own layout); the handshake then refuses another tp size for it."""
+    def linear(state):
+        return AttentionSpec(AttentionKind.LINEAR, 8, 2, 8, torch.float32, 4, state=state)
+
+    spec = mamba2_state_spec(_mamba2_dims(2), torch.float32)
+    bare = RecurrentStateSpec("mamba2", tuple(dataclasses.replace(t, parts=())
+                                              for t in spec.tensors))
+    caplog.set_level("INFO", logger="tokenmill.kv_connector.handover.reshard")
+    [shard] = page_shards([0], [linear(bare)], [linear(rank_state(spec, 2))], None, 2, 0, 64)
+    assert shard.kind == "fixed"
+    assert "a mamba2 state whose tensor parallel runs are not declared or do not split " \
+           "over 2 ranks" in caplog.text
+    other = rank_state(kda_state_spec(2, 16, 4, torch.float32), 2)
+    [shard] = page_shards([0], [linear(spec)], [linear(other)], None, 2, 0, 64)
+    assert shard.kind == "fixed"
+    assert "a kda state laid out otherwise than its declared runs split over 2 ranks" \
+        in caplog.text
+    [shard] = page_shards([0], [linear(spec)], [linear(rank_state(spec, 2))], None, 2, 1, 64)
+    assert shard == PageShard("state")
