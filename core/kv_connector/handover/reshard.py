@@ -6,7 +6,8 @@ Every rank describes, per KV group, how its pages split over ranks (`PageShard`)
 multi-head page half is [block_size, heads, head_size] with this rank's heads only, an MLA
 page is the same on every rank, a recurrent state ("state") packs this rank's rows of each
 state tensor, whose runs (`StateTensorSpec.parts`: q, k, v conv channels, value heads)
-split evenly over the ranks; a state whose family declares no runs is "fixed" (only a peer
+split evenly over the ranks (Gated DeltaNet, Mamba2, KDA declare them); a state whose
+family declares no runs, or whose rank layout is not their split, is "fixed" (only a peer
 of the same size reads it). A decode rank reads, for each of its heads or state rows, the
 first peer rank that holds it (one source, so every byte is moved once whatever the
 sizes), and a replicated page from one peer rank. Both sides derive a rank's state layout
@@ -68,9 +69,15 @@ def _shard(whole: AttentionSpec, local: AttentionSpec, backend, tp: int, rank: i
     if local.kind == AttentionKind.MLA:
         return PageShard("replicated"), ""
     if local.kind == AttentionKind.LINEAR:
-        if whole.state is not None and rank_state(whole.state, tp) == local.state:
+        split = rank_state(whole.state, tp) if whole.state is not None else None
+        if split is not None and split == local.state:
             return PageShard("state"), ""
-        return PageShard("fixed"), "a recurrent state whose tensor parallel runs are not declared"
+        variant = local.state.variant if local.state is not None else "recurrent"
+        if split is None:
+            return PageShard("fixed"), (f"a {variant} state whose tensor parallel runs are "
+                                        f"not declared or do not split over {tp} ranks")
+        return PageShard("fixed"), (f"a {variant} state laid out otherwise than its declared "
+                                    f"runs split over {tp} ranks")
     if local.kind not in (AttentionKind.FULL, AttentionKind.SLIDING_WINDOW):
         return PageShard("fixed"), f"attention kind {local.kind.value!r}"
     if backend is not None and tuple(backend.kv_cache_shape(local, 1)) != kv_cache_shape(local, 1):
