@@ -45,9 +45,6 @@ from tokenmill.platforms.interfaces import (
     AttentionSpec,
 )
 from tokenmill.platforms.ops import Ops
-from tokenmill.platforms.ops.quant import (
-    prepack_quantized_linear as reference_prepack_quantized_linear,
-)
 
 logger = logging.getLogger(__name__)
 
@@ -362,18 +359,11 @@ class CausalLM(nn.Module):
         """Hand every loaded matmul weight to its scheme's `prepack` (the platform's
         `prepack_linear`: once, after `load_weights`), so that a platform can keep weights
         in its fastest layout."""
-        quantized = set()
+        # a quantized layer on a platform without a kernel for its scheme logs there
+        # (tokenmill.platforms.ops.quant.ReferenceQuantizedLinear)
         for module in self.modules():
             if isinstance(module, Linear):
                 module.prepack(self.ops)
-                if isinstance(module.scheme, QuantizedWeights):
-                    quantized.add(module.scheme.quant.format)
-        if quantized and self.ops.prepack_quantized_linear is reference_prepack_quantized_linear:
-            logger.warning(
-                "the platform brings no quantized-linear kernel (plugin API 1.8 "
-                "prepack_quantized_linear): %s weights run through the core's reference, which "
-                "dequantizes them on every call; serve with --quantization none to dequantize "
-                "once at load", ", ".join(sorted(quantized)))
         if self.lm_head is not None:
             self._logits_fn = self.lm_head
         elif self.model.embed_tokens is not None:  # tied: the embedding doubles as the head
