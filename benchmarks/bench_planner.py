@@ -305,11 +305,10 @@ def main() -> None:
         from tokenmill.planner.calibrate import calibrate
 
         calibration, where = calibrate("cpu", (1, 2, 4), quick=args.quick_calibration,
-                                       progress=sys.stderr)
+                                       progress=sys.stderr, dtype="bfloat16")
         print(f"calibrated: {where}")
     else:
-        stored = cal_io.default_path(load_platform("cpu").hardware_spec().name)
-        calibration = cal_io.load(stored) if stored.is_file() else cal_io.Calibration()
+        calibration = cal_io.stored(load_platform("cpu").hardware_spec().name, "bfloat16")
     print(f"calibration: {calibration.device} ({'measured' if calibration.calibrated else 'defaults'})")
     print(f"workload: ISL {args.isl}, OSL {args.osl}, {args.clients} clients, "
           f"{args.requests} requests\n")
