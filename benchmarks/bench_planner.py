@@ -20,7 +20,8 @@ gated attention + MoE, Bamba: Mamba2 + attention).
 1P1D (qwen3): `tokenmill router` in front of one
 `serve --kv-role prefill` and one `serve --kv-role decode` server, the same closed loop as
 streamed completions over loopback (so it also pays HTTP and the router, which the
-in-process engines do not).
+in-process engines do not). dpN: one `serve -dp N` over the same loop, since `LLM`
+steps its in-process replicas in turn and the planner predicts replicas that run at once.
 
 Usage: python benchmarks/bench_planner.py [--calibrate] [--cases default,qwen3,qwen3_next,bamba]
        [--isl 256] [--osl 32] [--clients 4] [--requests 8] [--only default:tp1,qwen3:tp2]
@@ -170,9 +171,13 @@ def measure(path: str, mix, isl: int, osl: int, clients: int, requests: int) -> 
             "throughput": window[2] / (window[1] - window[0])}
 
 
-def measure_pd(path: str, isl: int, osl: int, clients: int, requests: int) -> dict:
-    """The same closed loop through `tokenmill router` in front of one `serve --kv-role
-    prefill` and one `--kv-role decode` server (streamed completions over loopback)."""
+def measure_served(path: str, isl: int, osl: int, clients: int, requests: int,
+                   dp: int = 1) -> dict:
+    """The same closed loop over HTTP (streamed completions over loopback): `dp` 1, through
+    `tokenmill router` in front of one `serve --kv-role prefill` and one `--kv-role decode`
+    server (1P1D); `dp` > 1, one `serve -dp N`, whose replicas are engine processes that
+    step in parallel (`LLM(data_parallel_size=N)` steps its in-process replicas in turn,
+    which is not the deployment the planner predicts)."""
     import threading
 
     import openai
@@ -184,14 +189,18 @@ def measure_pd(path: str, isl: int, osl: int, clients: int, requests: int) -> di
              "--max-num-seqs", str(max(clients, 8)),  # P/D needs the prefix cache (no hits here)
              "--log-level", "warning"]
     logs = Path(tempfile.mkdtemp())
-    procs = [Proc(["serve", path, "--kv-role", role, *flags], logs / f"{role}.log")
-             for role in ("prefill", "decode")]
+    if dp > 1:
+        procs = [Proc(["serve", path, "-dp", str(dp), *flags], logs / "dp.log")]
+    else:
+        procs = [Proc(["serve", path, "--kv-role", role, *flags], logs / f"{role}.log")
+                 for role in ("prefill", "decode")]
     try:
         for p in procs:
             p.wait_ready(900)
-        procs.append(Proc(["router", "--prefill", procs[0].url, "--decode", procs[1].url,
-                           "--log-level", "warning"], logs / "router.log"))
-        procs[-1].wait_ready(300)
+        if dp == 1:
+            procs.append(Proc(["router", "--prefill", procs[0].url, "--decode", procs[1].url,
+                               "--log-level", "warning"], logs / "router.log"))
+            procs[-1].wait_ready(300)
         client = openai.OpenAI(base_url=procs[-1].url + "/v1", api_key="unused", max_retries=0,
                                timeout=3600)
         lock, sent, times = threading.Lock(), [0], []
@@ -305,11 +314,10 @@ def main() -> None:
         from tokenmill.planner.calibrate import calibrate
 
         calibration, where = calibrate("cpu", (1, 2, 4), quick=args.quick_calibration,
-                                       progress=sys.stderr)
+                                       progress=sys.stderr, dtype="bfloat16")
         print(f"calibrated: {where}")
     else:
-        stored = cal_io.default_path(load_platform("cpu").hardware_spec().name)
-        calibration = cal_io.load(stored) if stored.is_file() else cal_io.Calibration()
+        calibration = cal_io.stored(load_platform("cpu").hardware_spec().name, "bfloat16")
     print(f"calibration: {calibration.device} ({'measured' if calibration.calibrated else 'defaults'})")
     print(f"workload: ISL {args.isl}, OSL {args.osl}, {args.clients} clients, "
           f"{args.requests} requests\n")
@@ -325,13 +333,17 @@ def main() -> None:
                 continue
             if label == "1P1D":
                 p = predict_pd(path, args.isl, args.osl, args.clients, calibration)
-                runs = [measure_pd(path, args.isl, args.osl, args.clients, args.requests)
+                runs = [measure_served(path, args.isl, args.osl, args.clients, args.requests)
                         for _ in range(args.repeats)]
             else:
                 mix = mix_of(label)
                 p = predict(path, mix, args.isl, args.osl, args.clients, calibration)
-                runs = [measure(path, mix, args.isl, args.osl, args.clients, args.requests)
-                        for _ in range(args.repeats)]
+                if mix.dp > 1 and mix.devices == mix.dp:  # served: replicas step in parallel
+                    runs = [measure_served(path, args.isl, args.osl, args.clients, args.requests,
+                                           dp=mix.dp) for _ in range(args.repeats)]
+                else:
+                    runs = [measure(path, mix, args.isl, args.osl, args.clients, args.requests)
+                            for _ in range(args.repeats)]
             m = max(runs, key=lambda r: r["throughput"])  # the run least slowed by other work
             predicted[label], measured[label] = p["throughput"], m["throughput"]
             errs = [p[k] / m[k] - 1 for k in ("ttft", "tpot", "throughput")]

@@ -105,15 +105,15 @@ def test_tensor_parallel_two_to_two_hybrid(tmp_path):
         decode.shutdown()
 
 
-def _whole_bytes(config, decode_tp: int) -> tuple[int, int]:
+def _whole_bytes(config) -> tuple[int, int]:
     """(bytes of one KV block over every attention layer and KV head, bytes of one
     request's recurrent states over every linear layer), float32, from the model's config
-    alone, as the `decode_tp` ranks of the decode engine hold them (an MLA page is whole
-    on every rank: each reads its own copy)."""
+    alone: each byte once, whatever the tp sizes (an MLA page, whole on every decode
+    rank, is read by rank 0 and broadcast to the others over the TP group)."""
     kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
     if getattr(config, "kv_lora_rank", None):  # MLA: one latent row per token and layer
         row = config.kv_lora_rank + config.qk_rope_head_dim
-        block = decode_tp * kinds.count("full_attention") * BS * row * 4
+        block = kinds.count("full_attention") * BS * row * 4
     else:
         head_size = (getattr(config, "head_dim", None)
                      or config.hidden_size // config.num_attention_heads)
@@ -151,14 +151,14 @@ def test_tensor_parallel_resharded(arch, prefill_tp, decode_tp, tmp_path):
     them, into place. Greedy output equals a colocated tp 1 engine's,
     and the transports move each missing block's bytes once and each recurrent state's
     rows once, whatever the sizes: the pulled blocks times one block over every attention
-    layer and KV head, plus one whole state per linear layer and request (MLA pages once
-    per decode rank: every rank holds them whole)."""
+    layer and KV head, plus one whole state per linear layer and request (MLA pages once:
+    decode rank 0 reads them and broadcasts them to the others)."""
     path = str(make_tiny_model(tmp_path / arch, arch))
     colocated = LLM(path, **KW)
     reference = [list(o.outputs[0].token_ids) for o in colocated.generate(
         [{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)]
     colocated.engine.shutdown()
-    block_bytes, state_bytes = _whole_bytes(AutoConfig.from_pretrained(path), decode_tp)
+    block_bytes, state_bytes = _whole_bytes(AutoConfig.from_pretrained(path))
 
     def tp(n: int) -> dict:
         return dict(tensor_parallel_size=n, distributed_executor_backend="mp") if n > 1 else {}

@@ -88,11 +88,29 @@ def test_replicated_pages_are_read_from_one_rank():
     geometry = ArenaGeometry(BLOCKS, 64, SLOTS, 1)
     peer = [RankEndpoint(b"", 1 << 20, geometry, [PageShard("replicated")]),
             RankEndpoint(b"", 2 << 20, geometry, [PageShard("replicated")])]
+    job = PullJob("r", "peer", [(2, 1)], 5.0, [0])
     plan = ReshardPlan(0, 4 << 20, geometry, [PageShard("replicated")], peer)
-    reads = plan.regions(PullJob("r", "peer", [(2, 1)], 5.0, [0]))
+    reads = plan.regions(job)
     assert list(reads) == [0]
     assert reads[0] == [((4 << 20) + s * BLOCKS * 64 + 64, (1 << 20) + s * BLOCKS * 64 + 128, 64)
                         for s in range(SLOTS)]
+    assert plan.shared_blocks(job) == []  # tp 1 here: nothing to share
+
+
+def test_replicated_pages_are_read_once_by_rank_0_and_shared():
+    """tp 1 -> tp 2: our rank 0 reads an MLA page from the peer, rank 1 reads none; both
+    name the block rank 0 then broadcasts over the TP group (worker_side.py)."""
+    geometry = ArenaGeometry(BLOCKS, 64, SLOTS, 2)
+    peer = [RankEndpoint(b"", 1 << 20, geometry, [PageShard("replicated")])]
+    job = PullJob("r", "peer", [(2, 1)], 5.0, [0])
+    plans = [ReshardPlan(r, (4 + r) << 20, geometry, [PageShard("replicated")], peer, tp=2)
+             for r in (0, 1)]
+    assert plans[0].regions(job) == {0: [
+        ((4 << 20) + s * BLOCKS * 64 + h * BLOCKS * 32 + 32,
+         (1 << 20) + s * BLOCKS * 64 + h * BLOCKS * 32 + 64, 32)
+        for s in range(SLOTS) for h in range(2)]}
+    assert plans[1].regions(job) == {}
+    assert [p.shared_blocks(job) for p in plans] == [[1], [1]]
 
 
 def _endpoint(name: str, tp: int, shards: list[list[PageShard]]) -> EngineEndpoint:

@@ -197,8 +197,13 @@ def head_segments(mine: PageShard, peers: Sequence[PageShard]) -> list[Segment]:
 
 
 class ReshardPlan:
-    """How this rank (`rank`, holding `shards`, arena `geometry` at `base`) reads a peer of
-    another tensor parallel size (`peer`: its ranks in order)."""
+    """How this rank (`rank` of `tp`, holding `shards`, arena `geometry` at `base`) reads a
+    peer of another tensor parallel size (`peer`: its ranks in order).
+
+    A replicated page (MLA latents), which every one of our ranks holds whole, is read
+    once, by our rank 0, from the peer's rank 0; `shared_blocks` names the blocks whose
+    pages our rank 0 then broadcasts over the TP group (worker_side.py), so the transport
+    moves each of them once whatever the sizes."""
 
     def __init__(self, rank: int, base: int, geometry: ArenaGeometry, shards: list[PageShard],
                  peer: list[RankEndpoint], states: list[RecurrentStateSpec | None] | None = None,
@@ -207,15 +212,16 @@ class ReshardPlan:
         if (geometry.num_slots, geometry.halves) != (theirs.num_slots, theirs.halves):
             raise ValueError(f"peer arena {theirs} does not lay out its slots like ours {geometry}")
         self.base, self.geometry, self.shards, self.peer = base, geometry, shards, peer
+        self.rank, self.tp = rank, tp
         # per group: the runs of our heads and their peer ranks, or the one peer rank a
-        # replicated page is read from (spread over the peer's ranks)
+        # replicated page is read from (none on our ranks but 0: it shares them)
         self.sources: list[list[Segment]] = []
         for g, mine in enumerate(shards):
             peers = [r.shards[g] for r in peer]
             if mine.kind == "heads":
                 self.sources.append(head_segments(mine, peers))
             elif mine.kind == "replicated":
-                self.sources.append([Segment(rank % len(peer), 0, 0, 0)])
+                self.sources.append([Segment(0, 0, 0, 0)] if rank == 0 else [])
             else:
                 self.sources.append([])  # refused at the handshake; a pull of it fails
         # per group: a recurrent state's spans (`state_spans`), else None
@@ -242,6 +248,8 @@ class ReshardPlan:
                 pages[0].append(local_block)
                 pages[1].append(remote_block)
                 continue
+            if mine.kind == "replicated" and self.rank != 0:
+                continue  # rank 0 reads it and shares it (`shared_blocks`)
             if not self.sources[g]:
                 raise ValueError(f"KV group {g} ({mine.kind}) cannot be resharded")
             for seg in self.sources[g]:
@@ -264,6 +272,15 @@ class ReshardPlan:
             for q, regions in reads.items():
                 out.setdefault(q, []).extend(regions)
         return out
+
+
+    def shared_blocks(self, job: PullJob) -> list[int]:
+        """Our blocks of `job` whose pages every one of our ranks holds whole (replicated
+        groups): rank 0 reads them, then broadcasts them over the TP group. Empty at tp 1."""
+        if self.tp == 1:
+            return []
+        return [local for (_, local), g in zip(job.pairs, job.groups, strict=True)
+                if 0 <= g < len(self.shards) and self.shards[g].kind == "replicated"]
 
 
 def _head_rows(dst: int, src: int, mine: PageShard, theirs: PageShard,
