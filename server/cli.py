@@ -287,7 +287,7 @@ def _add_serve_parser(sub) -> None:
                    choices=["auto", "bfloat16", "bf16", "float32", "fp32", "float16", "fp16"])
     p.add_argument("--quantization", "-q", default=None,
                    choices=["none", "gguf", "awq", "gptq", "fp8"],
-                   help="how the weights are held (vLLM's names): gguf, awq, gptq keep the "
+                   help="how the weights are held (vLLM's names): gguf, awq, gptq, fp8 keep the "
                         "checkpoint's quantized layers quantized, none dequantizes them "
                         "to --dtype; "
                         "default: what the checkpoint is (docs/quantization.md)")

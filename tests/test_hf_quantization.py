@@ -1,13 +1,17 @@
 """HF quantized checkpoints kept quantized (tokenmill.model.hf_quant): a tiny random llama
-quantized and packed here in AWQ's and GPTQ's safetensors layouts, loaded by tokenmill's
-loader from its directory (format detected from config.json), logits against transformers
-run on the same weights dequantized by the format's own formula, per group size.
+quantized and packed here in AWQ's, GPTQ's and FP8's safetensors layouts, loaded by
+tokenmill's loader from its directory (format detected from config.json), logits against
+transformers run on the same weights dequantized by the format's own formula, per group
+size (per tensor and per 128x128 block for FP8).
 
 The packers below are written from the formats as AutoAWQ (WQLinear_GEMM: `qweight`
 [in, out / 8], nibble k of a word holding output column (0, 2, 4, 6, 1, 3, 5, 7)[k] of its
 8; `qzeros` likewise; w = (q - z) s) and AutoGPTQ / GPTQModel (`qweight` [in / 8, out],
 nibble k holding input row 8j + k; `qzeros` [in / group, out / 8] in order, storing
-z - 1 in the "gptq" (v1) checkpoint format; `g_idx` = i // group) save them."""
+z - 1 in the "gptq" (v1) checkpoint format; `g_idx` = i // group) save them; FP8 as vLLM's
+per-tensor checkpoints (`weight` float8_e4m3fn, `weight_scale` a float32 scalar, a static
+`input_scale`) and DeepSeek-V3's (`weight_scale_inv` [ceil(out / 128), ceil(in / 128)],
+`weight_block_size: [128, 128]`) store them, w = weight * scale of its block."""
 
 from __future__ import annotations
 
@@ -174,3 +178,154 @@ def test_what_is_not_read_is_refused_naming_it(tmp_path):
                                   "version": "gemv"}
     with pytest.raises(ValueError, match="AWQ checkpoint version 'gemv' is not read"):
         quant_schemes(str(tmp_path), config, "awq", torch.float32)
+
+
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def _fp8_llama() -> LlamaForCausalLM:
+    """Sizes that are not multiples of 128 (hidden 320, k/v 64 rows, intermediate 448), so
+    the block scales have partial blocks at the edges."""
+    config = LlamaConfig(hidden_size=320, intermediate_size=448, num_hidden_layers=2,
+                         num_attention_heads=5, num_key_value_heads=1, vocab_size=256,
+                         max_position_embeddings=64, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+def _fp8_quantize(weight: torch.Tensor, block: tuple[int, int] | None):
+    """(float8_e4m3fn codes, float32 scales: [] per tensor, else one per block)."""
+    out, n = weight.shape
+    if block is None:
+        scale = weight.abs().amax() / FP8_MAX
+        return (weight / scale).to(torch.float8_e4m3fn), scale.float()
+    r, c = block
+    padded = torch.zeros(-(-out // r) * r, -(-n // c) * c)
+    padded[:out, :n] = weight
+    tiles = padded.reshape(padded.shape[0] // r, r, padded.shape[1] // c, c)
+    scale = (tiles.abs().amax((1, 3)) / FP8_MAX).clamp(min=1e-12)
+    full = scale.repeat_interleave(r, 0).repeat_interleave(c, 1)[:out, :n]
+    return (weight / full).to(torch.float8_e4m3fn), scale.float()
+
+
+def _fp8_checkpoint(tmp_path, block: tuple[int, int] | None):
+    hf = _fp8_llama()
+    tensors = {}
+    for name, tensor in hf.state_dict().items():
+        prefix = name.removesuffix(".weight")
+        if not prefix.endswith(LINEARS):
+            tensors[name] = tensor.clone()
+            continue
+        codes, scale = _fp8_quantize(tensor, block)
+        if block is None:
+            dense = codes.float() * scale
+            tensors[f"{prefix}.weight_scale"] = scale
+            tensors[f"{prefix}.input_scale"] = torch.tensor(0.05)  # static activations
+        else:
+            r, c = block
+            full = scale.repeat_interleave(r, 0).repeat_interleave(c, 1)
+            dense = codes.float() * full[: tensor.shape[0], : tensor.shape[1]]
+            tensors[f"{prefix}.weight_scale_inv"] = scale
+        tensor.copy_(dense)
+        tensors[name] = codes
+    config = {"quant_method": "fp8", "activation_scheme": "static" if block is None
+              else "dynamic"}
+    if block is not None:
+        config.update(fmt="e4m3", weight_block_size=list(block))
+    hf.config.quantization_config = config
+    hf.config.save_pretrained(tmp_path)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    return hf
+
+
+@pytest.mark.parametrize("block", [None, (128, 128)], ids=["per_tensor", "block_128x128"])
+def test_fp8_tiny_model_matches_transformers_on_the_dequantized_weights(tmp_path, block):
+    hf = _fp8_checkpoint(tmp_path, block)
+    detected, model = _load(tmp_path)
+    assert detected == "fp8"
+    quantized = [m for m in model.modules()
+                 if isinstance(m, Linear) and isinstance(m.scheme, QuantizedWeights)]
+    assert len(quantized) == 8
+    assert all(m.weight_codes.dtype == torch.float8_e4m3fn for m in quantized)
+    got, want = _logits(model, hf)
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=0)
+
+
+def test_fp8_scales_that_do_not_fit_are_refused(tmp_path):
+    _fp8_checkpoint(tmp_path, (128, 128))
+    config = AutoConfig.from_pretrained(str(tmp_path))
+    config.quantization_config = {**config.quantization_config, "weight_block_size": [64, 64]}
+    weights = checkpoint_weights(str(tmp_path), config, quantization="fp8")
+    with pytest.raises(ValueError, match=r"down_proj: weight_scale_inv of shape \(3, 4\) does "
+                                         r"not fit 320x448 weights in 64x64 blocks: expected "
+                                         r"\(5, 7\)"):
+        dict(weights)
+
+
+@pytest.mark.parametrize("quantization", [None, "none"], ids=["unset", "none"])
+def test_deepseek_v3_fp8_blocks_match_transformers(tmp_path, quantization, caplog):
+    """DeepSeek-V3's own layout (a tiny one: MLA projections, dense and expert MLPs all in
+    128x128-block FP8, one tensor per expert), against transformers on the same weights
+    dequantized. Unset, the projections stay FP8 but the routed experts (quantized MoE is
+    not built yet) and kv_b_proj (MLA reads it as a tensor) are dequantized at load,
+    logged; `none` dequantizes every weight."""
+    from safetensors.torch import load_file
+    from test_deepseek_v3 import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    from tokenmill.platforms.ops.mla import ReferenceMLABackend
+
+    config = tiny_config(300)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.15)
+    dense_dir, fp8_dir = tmp_path / "dense", tmp_path / "fp8"
+    model.save_pretrained(dense_dir)
+    dense, quantized = load_file(str(dense_dir / "model.safetensors")), {}
+    for name, tensor in dense.items():
+        if not (name.endswith("_proj.weight") or name.endswith("_mqa.weight")):
+            quantized[name] = tensor
+            continue
+        codes, scale = _fp8_quantize(tensor, (128, 128))
+        full = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)
+        dense[name] = codes.float() * full[: tensor.shape[0], : tensor.shape[1]]
+        quantized[name], quantized[name.replace(".weight", ".weight_scale_inv")] = codes, scale
+    assert sum(".experts." in n for n in quantized if n.endswith("_scale_inv")) == 2 * 8 * 3
+    save_file(dense, str(dense_dir / "model.safetensors"), metadata={"format": "pt"})
+    model.config.quantization_config = {"quant_method": "fp8", "fmt": "e4m3",
+                                        "activation_scheme": "dynamic",
+                                        "weight_block_size": [128, 128]}
+    model.config.save_pretrained(fp8_dir)
+    save_file(quantized, str(fp8_dir / "model.safetensors"))
+    hf = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.float32,
+                                              attn_implementation="eager").eval()
+    hf_config = AutoConfig.from_pretrained(str(fp8_dir))
+    method = resolve_quantization(str(fp8_dir), hf_config, quantization)
+    with caplog.at_level("INFO"):
+        ours = build_model(
+            hf_config, checkpoint_weights(str(fp8_dir), hf_config, quantization=method),
+            dtype=torch.float32, device="cpu", ops=load_platform("cpu").ops,
+            attention_backend=ReferenceMLABackend(), block_size=4,
+            schemes=quant_schemes(str(fp8_dir), hf_config, method, torch.float32))
+    kept = [m for m in ours.modules()
+            if isinstance(m, Linear) and isinstance(m.scheme, QuantizedWeights)]
+    logged = [r for r in caplog.records if "dequantized at load into layers built dense"
+              in r.getMessage()]
+    # unset: the routed experts (2 layers x 8 x 3) and MLA's kv_b_proj (read as a tensor)
+    count = 48 + 3 if quantization is None else 72
+    assert len(logged) == 1 and f"{count} quantized checkpoint weights" in logged[0].getMessage()
+    if quantization is None:
+        assert method == "fp8" and len(kept) > 0 and logged[0].levelname == "WARNING"
+        assert all(m.weight_codes.dtype == torch.float8_e4m3fn for m in kept)
+    else:
+        assert method == "none" and not kept and logged[0].levelname == "INFO"
+    tokens = torch.randint(3, 300, (11,), generator=torch.Generator().manual_seed(2)).tolist()
+    harness = PagedHarness(ours, ReferenceMLABackend())
+    seq = harness.add(tokens)
+    got = harness.run([[(seq, 6)], [(seq, 5)]])[id(seq)]
+    with torch.no_grad():
+        want = hf(torch.tensor([tokens])).logits[0]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)

@@ -36,7 +36,7 @@ class EngineArgs(BaseModel):
     dtype: DType = "auto"
     quantization: Literal["none", "gguf", "awq", "gptq", "fp8"] | None = Field(
         None,
-        description="how the weights are held (vLLM's names): gguf, awq, gptq keep the "
+        description="how the weights are held (vLLM's names): gguf, awq, gptq, fp8 keep the "
         "checkpoint's quantized layers quantized; none dequantizes them to dtype; None: "
         "what the checkpoint is (docs/quantization.md)",
     )

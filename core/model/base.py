@@ -384,6 +384,7 @@ class CausalLM(nn.Module):
         modules = dict(self.named_modules())
         expected = self._expected_shards(params, modules)
         loaded: set[tuple[str, int | None]] = set()
+        dequantized: list[str] = []  # quantized checkpoint weights of layers built dense
         for hf_name, tensor in weights:
             if hf_name.endswith("rotary_emb.inv_freq"):
                 continue  # recomputed from the config
@@ -397,6 +398,7 @@ class CausalLM(nn.Module):
                     loaded.update(kept)
                     continue
                 tensor = tensor.dense()  # a layer built dense
+                dequantized.append(hf_name)
             if is_kv_scale(hf_name):  # a quantized KV cache's scale, not a parameter
                 if load_kv_scale(modules, hf_name, tensor):
                     self.checkpoint_kv_scales.append(hf_name)
@@ -427,12 +429,27 @@ class CausalLM(nn.Module):
                 else:
                     module.load_shard(param_name, shard, converted)
                 loaded.add((name, shard))
+        self._log_dequantized(dequantized, modules)
         missing = sorted(self._hf_name(n, s) for n, s in expected - loaded)
         if missing:
             shown = ", ".join(missing[:8]) + (
                 f", ... ({len(missing)} in all)" if len(missing) > 8 else ""
             )
             raise KeyError(f"checkpoint is missing weights: {shown}")
+
+    @staticmethod
+    def _log_dequantized(names: list[str], modules: dict[str, nn.Module]) -> None:
+        """Say which quantized checkpoint weights went into dense layers: a warning when
+        other layers run quantized (a fallback: MoE experts, mixed fused parts), info
+        when the whole model is dense (`--quantization none` asked for it)."""
+        if not names:
+            return
+        kept = any(isinstance(getattr(m, "scheme", None), QuantizedWeights)
+                   for m in modules.values())
+        logger.log(logging.WARNING if kept else logging.INFO,
+                   "%d quantized checkpoint weights dequantized at load into layers built "
+                   "dense (%s%s)", len(names), ", ".join(names[:3]),
+                   ", ..." if len(names) > 3 else "")
 
     def _load_quantized(
         self, hf_name: str, tensor: QuantizedCheckpointTensor, modules: dict[str, nn.Module]
