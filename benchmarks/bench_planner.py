@@ -4,8 +4,13 @@ runs on this machine, beside what the engine does with it.
 Each case starts an `LLM` with the mix (cpu plugin, bf16, the platform's step settings:
 2048-token budget, 512-token prompt chunks), runs a closed loop of C clients, each sending
 ISL-token prompts for OSL greedy tokens (no prefix caching) until R requests finished (twice;
-the faster run counts), and times every request (TTFT: added -> first token; TPOT: the mean gap after it; throughput:
-output tokens / wall time). The planner predicts the same mix for the same workload on
+the faster run counts), and times every request (TTFT: added -> first token; TPOT: the mean gap
+after it; throughput: output tokens / wall time while every client is busy). The clients start
+staggered, client k after k x OSL / C engine steps (over HTTP: k / C of a request's time), so
+that, as with arrivals at random times, a prompt lands beside the others' decodes instead of
+every client's prompt in one step for ever (a lock-step loop of equal requests measures
+TPOT as a bare decode step and TTFT as a step of C prompts, which the planner does not
+predict); the first request of each client (its ramp) is left out of the means. The planner predicts the same mix for the same workload on
 the cluster `1x4xcpu` with the calibration stored by `tokenmill plan --calibrate`
 (`--calibrate` measures it first, in the same run). Models: the default SmolLM2-135M
 GGUF (9 query heads: no tp 2), and random "small" models of the hybrid families built
@@ -15,7 +20,8 @@ gated attention + MoE, Bamba: Mamba2 + attention).
 1P1D (qwen3): `tokenmill router` in front of one
 `serve --kv-role prefill` and one `serve --kv-role decode` server, the same closed loop as
 streamed completions over loopback (so it also pays HTTP and the router, which the
-in-process engines do not).
+in-process engines do not). dpN: one `serve -dp N` over the same loop, since `LLM`
+steps its in-process replicas in turn and the planner predicts replicas that run at once.
 
 Usage: python benchmarks/bench_planner.py [--calibrate] [--cases default,qwen3,qwen3_next,bamba]
        [--isl 256] [--osl 32] [--clients 4] [--requests 8] [--only default:tp1,qwen3:tp2]
@@ -121,6 +127,8 @@ def measure(path: str, mix, isl: int, osl: int, clients: int, requests: int) -> 
         warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         llm.generate({"prompt_token_ids": list(range(10, 10 + isl))}, warm, use_tqdm=False)
         sent, added, first, done, counts = 0, {}, {}, {}, {}
+        ramp = {f"r{k}" for k in range(clients)}  # each client's first request
+        window = [None, None, 0]  # all clients busy: start, end, tokens made in it
 
         def submit() -> None:
             nonlocal sent
@@ -129,33 +137,47 @@ def measure(path: str, mix, isl: int, osl: int, clients: int, requests: int) -> 
             added[rid] = time.perf_counter()
             engine.add_request(rid, prompt, params)
             sent += 1
+            if sent == min(clients, requests):
+                window[0] = added[rid]
 
-        start = time.perf_counter()
-        for _ in range(min(clients, requests)):
-            submit()
-        while engine.has_unfinished_requests():
+        steps, gap = 0, max(1, osl // clients)  # client k starts after k x gap steps
+        submit()
+        while engine.has_unfinished_requests() or sent < min(clients, requests):
+            if sent < min(clients, requests) and steps >= sent * gap:
+                submit()
+            made = 0
             for out in engine.step():
                 now = time.perf_counter()
                 n = len(out.outputs[0].token_ids)
                 if n and out.request_id not in first:
                     first[out.request_id] = now
+                made += n - counts.get(out.request_id, 0)
                 counts[out.request_id] = n
                 if out.finished:
                     done[out.request_id] = now
                     if sent < requests:
                         submit()
-        wall = time.perf_counter() - start
+                    elif window[1] is None:
+                        window[1] = now  # a client goes idle: the drain begins
+            steps += 1
+            if window[0] is not None and window[1] is None:
+                window[2] += made
     finally:
         engine.shutdown()
-    ttft = [first[r] - added[r] for r in done]
-    tpot = [(done[r] - first[r]) / (counts[r] - 1) for r in done if counts[r] > 1]
+    steady = [r for r in done if r not in ramp] or list(done)
+    ttft = [first[r] - added[r] for r in steady]
+    tpot = [(done[r] - first[r]) / (counts[r] - 1) for r in steady if counts[r] > 1]
     return {"ttft": statistics.mean(ttft), "tpot": statistics.mean(tpot),
-            "throughput": sum(counts.values()) / wall}
+            "throughput": window[2] / (window[1] - window[0])}
 
 
-def measure_pd(path: str, isl: int, osl: int, clients: int, requests: int) -> dict:
-    """The same closed loop through `tokenmill router` in front of one `serve --kv-role
-    prefill` and one `--kv-role decode` server (streamed completions over loopback)."""
+def measure_served(path: str, isl: int, osl: int, clients: int, requests: int,
+                   dp: int = 1) -> dict:
+    """The same closed loop over HTTP (streamed completions over loopback): `dp` 1, through
+    `tokenmill router` in front of one `serve --kv-role prefill` and one `--kv-role decode`
+    server (1P1D); `dp` > 1, one `serve -dp N`, whose replicas are engine processes that
+    step in parallel (`LLM(data_parallel_size=N)` steps its in-process replicas in turn,
+    which is not the deployment the planner predicts)."""
     import threading
 
     import openai
@@ -167,20 +189,24 @@ def measure_pd(path: str, isl: int, osl: int, clients: int, requests: int) -> di
              "--max-num-seqs", str(max(clients, 8)),  # P/D needs the prefix cache (no hits here)
              "--log-level", "warning"]
     logs = Path(tempfile.mkdtemp())
-    procs = [Proc(["serve", path, "--kv-role", role, *flags], logs / f"{role}.log")
-             for role in ("prefill", "decode")]
+    if dp > 1:
+        procs = [Proc(["serve", path, "-dp", str(dp), *flags], logs / "dp.log")]
+    else:
+        procs = [Proc(["serve", path, "--kv-role", role, *flags], logs / f"{role}.log")
+                 for role in ("prefill", "decode")]
     try:
         for p in procs:
             p.wait_ready(900)
-        procs.append(Proc(["router", "--prefill", procs[0].url, "--decode", procs[1].url,
-                           "--log-level", "warning"], logs / "router.log"))
-        procs[-1].wait_ready(300)
+        if dp == 1:
+            procs.append(Proc(["router", "--prefill", procs[0].url, "--decode", procs[1].url,
+                               "--log-level", "warning"], logs / "router.log"))
+            procs[-1].wait_ready(300)
         client = openai.OpenAI(base_url=procs[-1].url + "/v1", api_key="unused", max_retries=0,
                                timeout=3600)
         lock, sent, times = threading.Lock(), [0], []
         vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
 
-        def one(i: int) -> None:  # the in-process loop's prompts (ids inside the vocabulary)
+        def one(i: int, k: int, ramp: bool = True) -> None:  # the in-process loop's prompts
             prompt = [(7 + 31 * i + 13 * j) % (vocab - 20) + 10 for j in range(isl)]
             t0, first = time.perf_counter(), None
             for chunk in client.completions.create(model="m", prompt=prompt, max_tokens=osl,
@@ -188,32 +214,43 @@ def measure_pd(path: str, isl: int, osl: int, clients: int, requests: int) -> di
                                                    extra_body={"ignore_eos": True}):
                 if chunk.choices and first is None:
                     first = time.perf_counter()
-            times.append((t0, first, time.perf_counter()))
+            times.append((t0, first, time.perf_counter(), k, ramp))
 
-        def loop() -> None:
+        def loop(k: int) -> None:
+            time.sleep(k * alone / clients)  # staggered starts, as in `measure`
+            ramp = True
             while True:
                 with lock:
                     if sent[0] >= requests:
                         return
                     sent[0] += 1
                     i = sent[0]
-                one(i)
+                one(i, k, ramp)
+                ramp = False
 
-        one(0)  # warm both servers
+        one(requests + 1, -1)  # warm both servers, then time one request alone (other
+        one(requests + 2, -1)  # prompts than the loop's: the prefix cache is on)
+        alone = times[-1][2] - times[-1][0]
         times.clear()
-        start = time.perf_counter()
-        threads = [threading.Thread(target=loop) for _ in range(clients)]
+        threads = [threading.Thread(target=loop, args=(k,)) for k in range(clients)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        wall = time.perf_counter() - start
     finally:
         for p in procs:
             p.stop()
-    return {"ttft": statistics.mean(f - t0 for t0, f, _ in times),
-            "tpot": statistics.mean((d - f) / (osl - 1) for _, f, d in times),
-            "throughput": len(times) * osl / wall}
+    # every client busy: from the last client's start until the first client goes idle
+    start = max(t0 for t0, _, _, _, ramp in times if ramp)
+    end = min(max(d for *_, d, k2, _ in times if k2 == k) for k in {k for *_, k, _ in times})
+    steady = [(t0, f, d) for t0, f, d, _, ramp in times if not ramp] or [
+        (t0, f, d) for t0, f, d, _, _ in times]
+    # output tokens made in the window: each stream's tokens spread over its decode time
+    made = sum(osl * max(0.0, min(d, end) - max(f, start)) / max(d - f, 1e-9)
+               for t0, f, d, _, _ in times)
+    return {"ttft": statistics.mean(f - t0 for t0, f, _ in steady),
+            "tpot": statistics.mean((d - f) / (osl - 1) for _, f, d in steady),
+            "throughput": made / (end - start)}
 
 
 def context(path: str, isl: int, osl: int, clients: int, calibration):
@@ -277,11 +314,10 @@ def main() -> None:
         from tokenmill.planner.calibrate import calibrate
 
         calibration, where = calibrate("cpu", (1, 2, 4), quick=args.quick_calibration,
-                                       progress=sys.stderr)
+                                       progress=sys.stderr, dtype="bfloat16")
         print(f"calibrated: {where}")
     else:
-        stored = cal_io.default_path(load_platform("cpu").hardware_spec().name)
-        calibration = cal_io.load(stored) if stored.is_file() else cal_io.Calibration()
+        calibration = cal_io.stored(load_platform("cpu").hardware_spec().name, "bfloat16")
     print(f"calibration: {calibration.device} ({'measured' if calibration.calibrated else 'defaults'})")
     print(f"workload: ISL {args.isl}, OSL {args.osl}, {args.clients} clients, "
           f"{args.requests} requests\n")
@@ -297,13 +333,17 @@ def main() -> None:
                 continue
             if label == "1P1D":
                 p = predict_pd(path, args.isl, args.osl, args.clients, calibration)
-                runs = [measure_pd(path, args.isl, args.osl, args.clients, args.requests)
+                runs = [measure_served(path, args.isl, args.osl, args.clients, args.requests)
                         for _ in range(args.repeats)]
             else:
                 mix = mix_of(label)
                 p = predict(path, mix, args.isl, args.osl, args.clients, calibration)
-                runs = [measure(path, mix, args.isl, args.osl, args.clients, args.requests)
-                        for _ in range(args.repeats)]
+                if mix.dp > 1 and mix.devices == mix.dp:  # served: replicas step in parallel
+                    runs = [measure_served(path, args.isl, args.osl, args.clients, args.requests,
+                                           dp=mix.dp) for _ in range(args.repeats)]
+                else:
+                    runs = [measure(path, mix, args.isl, args.osl, args.clients, args.requests)
+                            for _ in range(args.repeats)]
             m = max(runs, key=lambda r: r["throughput"])  # the run least slowed by other work
             predicted[label], measured[label] = p["throughput"], m["throughput"]
             errs = [p[k] / m[k] - 1 for k in ("ttft", "tpot", "throughput")]

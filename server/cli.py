@@ -287,8 +287,9 @@ def _add_serve_parser(sub) -> None:
                    choices=["auto", "bfloat16", "bf16", "float32", "fp32", "float16", "fp16"])
     p.add_argument("--quantization", "-q", default=None,
                    choices=["none", "gguf", "awq", "gptq", "fp8"],
-                   help="how the weights are held (vLLM's names): gguf keeps a GGUF file's "
-                        "quantized layers quantized, none dequantizes them to --dtype; "
+                   help="how the weights are held (vLLM's names): gguf, awq, gptq, fp8 keep the "
+                        "checkpoint's quantized layers quantized, none dequantizes them "
+                        "to --dtype; "
                         "default: what the checkpoint is (docs/quantization.md)")
     p.add_argument("--kv-cache-dtype", default=None,
                    choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],

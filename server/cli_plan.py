@@ -32,7 +32,9 @@ def add_parser(sub) -> None:
     p.add_argument("--top", type=int, default=10, help="candidates shown (table)")
     p.add_argument("--apply", action="store_true",
                    help="print the tokenmill serve (and router) command lines of the first")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="the model's dtype; --calibrate measures the kernels in it, and the "
+                        "plan uses the calibration stored for it (default bfloat16)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="the step's token budget assumed (default 8192; 2048 on cpu)")
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -74,7 +76,7 @@ def _run(args: argparse.Namespace) -> int:
         from tokenmill.planner.calibrate import calibrate
 
         ranks = tuple(int(n) for n in args.calibrate_ranks.split(","))
-        calibration, path = calibrate(args.platform, ranks, progress=sys.stderr)
+        calibration, path = calibrate(args.platform, ranks, progress=sys.stderr, dtype=args.dtype)
         print(f"calibration stored in {path}", file=sys.stderr)
         if args.cluster is None and args.workload is None:
             return 0
@@ -83,9 +85,8 @@ def _run(args: argparse.Namespace) -> int:
     cluster = parse_cluster(args.cluster)
     if args.calibration:
         calibration = cal_io.load(Path(args.calibration))
-    elif calibration is None:
-        stored = cal_io.default_path(cluster.device.name)
-        calibration = cal_io.load(stored) if stored.is_file() else cal_io.Calibration()
+    elif calibration is None:  # the kernels measured in the model's dtype, where stored
+        calibration = cal_io.stored(cluster.device.name, args.dtype)
     dtype = getattr(torch, args.dtype)
     model = model_shape(args.model, dtype)
     budget = args.max_num_batched_tokens or (2048 if cluster.shared_host else 8192)

@@ -5,6 +5,8 @@ the dequantized weights, the cpu plugin's int4 kernel (and that it runs), and
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import torch
@@ -19,6 +21,7 @@ from tokenmill.model.loader import build_model, resolve_quantization
 from tokenmill.model.quant import QuantizedCheckpointTensor, QuantizedWeights, scheme_chooser
 from tokenmill.platforms.ops import quant, resolve_ops
 from tokenmill.platforms.ops.reference import ReferenceAttentionBackend
+from tokenmill.platforms.registry import load_platform
 from tokenmill_cpu import ops as cpu_ops
 
 SIMPLE = ("Q4_0", "Q4_1", "Q8_0")  # the gguf package quantizes these itself
@@ -80,14 +83,16 @@ def _tiny_llama() -> LlamaForCausalLM:
     return LlamaForCausalLM(config).eval()
 
 
-def _quantized_checkpoint(hf: LlamaForCausalLM, type_name: str):
-    """(our checkpoint: every projection and the head kept quantized, plan) and, in `hf`,
-    the same weights dequantized: transformers' reference."""
+def _quantized_checkpoint(hf: LlamaForCausalLM, type_name: str | Callable[[str], str]):
+    """(our checkpoint: every projection and the head kept quantized, in `type_name` or
+    the type it gives a weight name, plan) and, in `hf`, the same weights dequantized:
+    transformers' reference."""
     weights, plan = [], {}
     for name, tensor in hf.state_dict().items():
         if tensor.dim() == 2 and "embed" not in name:
-            raw = _raw(type_name, tensor.numpy(), seed=len(weights))
-            kept = _kept(type_name, raw, tensor.shape[1])
+            kind = type_name if isinstance(type_name, str) else type_name(name)
+            raw = _raw(kind, tensor.numpy(), seed=len(weights))
+            kept = _kept(kind, raw, tensor.shape[1])
             tensor.copy_(kept.dense())
             weights.append((name, kept))
             module = name.removesuffix(".weight")
@@ -122,23 +127,46 @@ def test_tiny_model_per_format_matches_transformers_on_the_dequantized_weights(t
     torch.testing.assert_close(got, want, atol=2e-4, rtol=0)
 
 
-@pytest.mark.parametrize("platform_ops", ["reference", "cpu"])
-def test_a_platform_without_a_quantized_kernel_is_named_in_the_log(platform_ops, caplog):
-    """A quantized model on ops with no prepack_quantized_linear of their own (the
-    triton plugins today) says so once at load; the cpu plugin's Q4_0 path does not."""
+def _fallback_warnings(records, platform: str) -> list[str]:
+    return [r.getMessage() for r in records if r.levelname == "WARNING"
+            and f"{platform} has no quantized-linear kernel" in r.getMessage()]
+
+
+def test_a_platform_without_a_quantized_kernel_logs_each_scheme_once(caplog):
+    """Ops that do not override prepack_quantized_linear (the triton plugins today;
+    tests/triton/quant_fallback_cases.py loads them) run the reference: one warning per
+    scheme naming the platform, however many layers share it."""
     hf = _tiny_llama()
-    weights, plan = _quantized_checkpoint(hf, "Q4_0")
-    overrides = ({} if platform_ops == "reference"
-                 else {"prepack_quantized_linear": cpu_ops.prepack_quantized_linear})
+    weights, plan = _quantized_checkpoint(hf, lambda name: "Q8_0" if "mlp" in name else "Q4_0")
+    ops = resolve_ops({}, source="platform plugin 'bare'")
     with caplog.at_level("WARNING"):
-        build_model(hf.config, weights, dtype=torch.float32, device="cpu",
-                    ops=resolve_ops(overrides), attention_backend=ReferenceAttentionBackend(),
-                    block_size=4, schemes=scheme_chooser(plan, torch.float32))
-    named = [r for r in caplog.records if "no quantized-linear kernel" in r.getMessage()]
-    if platform_ops == "reference":
-        assert len(named) == 1 and "Q4_0" in named[0].getMessage()
+        for _ in range(2):  # a second model on the same ops: logged already
+            build_model(hf.config, weights, dtype=torch.float32, device="cpu", ops=ops,
+                        attention_backend=ReferenceAttentionBackend(), block_size=4,
+                        schemes=scheme_chooser(plan, torch.float32))
+    named = _fallback_warnings(caplog.records, "platform plugin 'bare'")
+    assert len(named) == 2, named
+    assert any("gguf Q4_0 weights" in m for m in named) and any("gguf Q8_0 weights" in m for m in named)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0"])
+def test_the_cpu_platform_logs_its_fallback_once_and_its_int4_path_not_at_all(type_name, caplog):
+    """The cpu plugin as the registry loads it: Q4_0 on ATen's int4 kernel, no warning;
+    Q8_0 (no kernel) on the reference, one warning for its 9 layers."""
+    hf = _tiny_llama()
+    weights, plan = _quantized_checkpoint(hf, type_name)
+    ops = load_platform("cpu").ops
+    with caplog.at_level("WARNING"):
+        model = build_model(hf.config, weights, dtype=torch.float32, device="cpu", ops=ops,
+                            attention_backend=ReferenceAttentionBackend(), block_size=4,
+                            schemes=scheme_chooser(plan, torch.float32))
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    fast = [isinstance(m._apply_packed, cpu_ops.Int4PackedLinear) for m in layers]
+    named = _fallback_warnings(caplog.records, "platform plugin 'cpu'")
+    if type_name == "Q4_0":
+        assert all(fast) and not named, named
     else:
-        assert not named
+        assert not any(fast) and len(named) == 1 and "gguf Q8_0 weights (8 bits, group 32)" in named[0]
 
 
 def test_cpu_int4_kernel_matches_the_reference_in_bfloat16():
@@ -161,7 +189,8 @@ def test_cpu_fallback_is_logged(caplog):
     with caplog.at_level("WARNING"):
         fn = cpu_ops.prepack_quantized_linear(weight, None)
     assert not isinstance(fn, cpu_ops.Int4PackedLinear)
-    assert "Q6_K" in caplog.text and "no fast kernel" in caplog.text
+    assert _fallback_warnings(caplog.records, "platform plugin 'cpu'")
+    assert "gguf Q6_K weights (6 bits, group 16)" in caplog.text
 
 
 def test_quantization_is_resolved_against_the_checkpoint(tmp_path):
@@ -176,8 +205,14 @@ def test_quantization_is_resolved_against_the_checkpoint(tmp_path):
         resolve_quantization(gguf_file, plain, "awq")
     with pytest.raises(ValueError, match="'gguf' does not fit .* quantized as 'none'"):
         resolve_quantization(hf_dir, plain, "gguf")
-    with pytest.raises(ValueError, match="quantization 'awq' .* is not supported yet"):
-        resolve_quantization(hf_dir, awq, None)
+    assert resolve_quantization(hf_dir, awq, None) == "awq"
+    assert resolve_quantization(hf_dir, awq, "none") == "none"  # dequantized at load
+    with pytest.raises(ValueError, match="'gptq' does not fit .* quantized as 'awq'; pass "
+                                         "--quantization awq or none"):
+        resolve_quantization(hf_dir, awq, "gptq")
+    other = LlamaConfig(quantization_config={"quant_method": "compressed-tensors"})
+    with pytest.raises(ValueError, match="quantization 'compressed-tensors' .* is not supported"):
+        resolve_quantization(hf_dir, other, None)
     with pytest.raises(ValueError, match="'int2' is not one of"):
         resolve_quantization(hf_dir, plain, "int2")
 

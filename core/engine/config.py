@@ -36,9 +36,9 @@ class EngineArgs(BaseModel):
     dtype: DType = "auto"
     quantization: Literal["none", "gguf", "awq", "gptq", "fp8"] | None = Field(
         None,
-        description="how the weights are held (vLLM's names): gguf keeps a GGUF file's "
-        "quantized layers quantized; none dequantizes them to dtype; None: what the "
-        "checkpoint is (docs/quantization.md)",
+        description="how the weights are held (vLLM's names): gguf, awq, gptq, fp8 keep the "
+        "checkpoint's quantized layers quantized; none dequantizes them to dtype; None: "
+        "what the checkpoint is (docs/quantization.md)",
     )
     platform: str | None = None
     max_model_len: int | None = Field(None, ge=1)

@@ -45,9 +45,6 @@ from tokenmill.platforms.interfaces import (
     AttentionSpec,
 )
 from tokenmill.platforms.ops import Ops
-from tokenmill.platforms.ops.quant import (
-    prepack_quantized_linear as reference_prepack_quantized_linear,
-)
 
 logger = logging.getLogger(__name__)
 
@@ -362,18 +359,11 @@ class CausalLM(nn.Module):
         """Hand every loaded matmul weight to its scheme's `prepack` (the platform's
         `prepack_linear`: once, after `load_weights`), so that a platform can keep weights
         in its fastest layout."""
-        quantized = set()
+        # a quantized layer on a platform without a kernel for its scheme logs there
+        # (tokenmill.platforms.ops.quant.ReferenceQuantizedLinear)
         for module in self.modules():
             if isinstance(module, Linear):
                 module.prepack(self.ops)
-                if isinstance(module.scheme, QuantizedWeights):
-                    quantized.add(module.scheme.quant.format)
-        if quantized and self.ops.prepack_quantized_linear is reference_prepack_quantized_linear:
-            logger.warning(
-                "the platform brings no quantized-linear kernel (plugin API 1.8 "
-                "prepack_quantized_linear): %s weights run through the core's reference, which "
-                "dequantizes them on every call; serve with --quantization none to dequantize "
-                "once at load", ", ".join(sorted(quantized)))
         if self.lm_head is not None:
             self._logits_fn = self.lm_head
         elif self.model.embed_tokens is not None:  # tied: the embedding doubles as the head
@@ -394,6 +384,7 @@ class CausalLM(nn.Module):
         modules = dict(self.named_modules())
         expected = self._expected_shards(params, modules)
         loaded: set[tuple[str, int | None]] = set()
+        dequantized: list[str] = []  # quantized checkpoint weights of layers built dense
         for hf_name, tensor in weights:
             if hf_name.endswith("rotary_emb.inv_freq"):
                 continue  # recomputed from the config
@@ -407,6 +398,7 @@ class CausalLM(nn.Module):
                     loaded.update(kept)
                     continue
                 tensor = tensor.dense()  # a layer built dense
+                dequantized.append(hf_name)
             if is_kv_scale(hf_name):  # a quantized KV cache's scale, not a parameter
                 if load_kv_scale(modules, hf_name, tensor):
                     self.checkpoint_kv_scales.append(hf_name)
@@ -437,12 +429,27 @@ class CausalLM(nn.Module):
                 else:
                     module.load_shard(param_name, shard, converted)
                 loaded.add((name, shard))
+        self._log_dequantized(dequantized, modules)
         missing = sorted(self._hf_name(n, s) for n, s in expected - loaded)
         if missing:
             shown = ", ".join(missing[:8]) + (
                 f", ... ({len(missing)} in all)" if len(missing) > 8 else ""
             )
             raise KeyError(f"checkpoint is missing weights: {shown}")
+
+    @staticmethod
+    def _log_dequantized(names: list[str], modules: dict[str, nn.Module]) -> None:
+        """Say which quantized checkpoint weights went into dense layers: a warning when
+        other layers run quantized (a fallback: MoE experts, mixed fused parts), info
+        when the whole model is dense (`--quantization none` asked for it)."""
+        if not names:
+            return
+        kept = any(isinstance(getattr(m, "scheme", None), QuantizedWeights)
+                   for m in modules.values())
+        logger.log(logging.WARNING if kept else logging.INFO,
+                   "%d quantized checkpoint weights dequantized at load into layers built "
+                   "dense (%s%s)", len(names), ", ".join(names[:3]),
+                   ", ..." if len(names) > 3 else "")
 
     def _load_quantized(
         self, hf_name: str, tensor: QuantizedCheckpointTensor, modules: dict[str, nn.Module]

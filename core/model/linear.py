@@ -316,11 +316,15 @@ class LayerBuilder:
     def column(
         self, prefix: str, in_features: int, out_features: int | Sequence[int], bias: bool, *,
         shards: ShardRule | list[ShardRule] | None = None, gather: bool = False,
+        dense: bool = False,
     ) -> Linear:
         """Output rows split over the TP ranks. `out_features`: this rank's rows (a list:
         one size per fused part). `shards`: the checkpoint rows this rank holds (default
         part i's rows [rank n_i, (rank + 1) n_i)). `gather`: under sequence parallel the
-        input arrives as this rank's token slice and is all-gathered first."""
+        input arrives as this rank's token slice and is all-gathered first. `dense`: the
+        module reads `weight` as a tensor (MLA's up-projections), so it is built dense
+        in `dtype` whatever `schemes` says (a quantized checkpoint weight is dequantized
+        at load)."""
         rank = self.tp.rank_in_group
         if shards is None:
             sizes = [out_features] if isinstance(out_features, int) else list(out_features)
@@ -328,10 +332,11 @@ class LayerBuilder:
             shards = parts[0] if isinstance(out_features, int) else parts
         rules = self.rules({"weight": shards, "bias": shards})
         gathered = self.sp if gather else None
+        scheme = DenseWeights(self.dtype) if dense else self.scheme(prefix)
         if isinstance(out_features, int):
-            return Linear(in_features, out_features, bias, self.scheme(prefix),
+            return Linear(in_features, out_features, bias, scheme,
                           shard_rules=rules, gather=gathered)
-        return MergedLinear(in_features, out_features, bias, self.scheme(prefix),
+        return MergedLinear(in_features, out_features, bias, scheme,
                             shard_rules=rules, gather=gathered)
 
     def row(

@@ -22,6 +22,7 @@ from torch import nn
 
 from tokenmill.distributed.parallel_state import ParallelState
 from tokenmill.model.gguf_quant import GGUFCheckpoint, ParameterNames
+from tokenmill.model.hf_quant import HF_QUANT_METHODS, HFQuantizedCheckpoint
 from tokenmill.model.linear import SchemeChooser
 from tokenmill.model.quant import module_plan, scheme_chooser
 from tokenmill.model.registry import family_for
@@ -112,7 +113,7 @@ def load_model_info(model: str, *, tokenizer: str | None = None,
 
 QUANTIZATION_CHOICES = ("none", *QUANT_METHODS)
 # what the core's loaders keep quantized today (docs/quantization.md)
-SUPPORTED_QUANTIZATION = ("none", "gguf")
+SUPPORTED_QUANTIZATION = ("none", "gguf", *HF_QUANT_METHODS)
 
 
 def detected_quantization(model_path: str, hf_config: Any) -> str:
@@ -129,8 +130,8 @@ def detected_quantization(model_path: str, hf_config: Any) -> str:
 def resolve_quantization(model_path: str, hf_config: Any, requested: str | None) -> str:
     """`--quantization` against the checkpoint: None takes what the checkpoint is (a GGUF
     file dequantized: see below);
-    "none" dequantizes (GGUF only: an HF quantized checkpoint has no float weights);
-    a method the checkpoint is not in, or one the loaders cannot keep yet, is a
+    "none" dequantizes at load (a GGUF file, or an HF checkpoint in a format the loaders
+    read); a method the checkpoint is not in, or one the loaders cannot keep yet, is a
     ValueError naming it."""
     detected = detected_quantization(model_path, hf_config)
     if requested is not None and requested not in QUANTIZATION_CHOICES:
@@ -143,13 +144,14 @@ def resolve_quantization(model_path: str, hf_config: Any, requested: str | None)
                     "(--quantization gguf keeps it quantized)", model_path)
         return "none"
     method = detected if requested is None else requested
-    if method == "none" and detected in ("none", "gguf"):
+    if method == "none" and detected in SUPPORTED_QUANTIZATION:
         return "none"
     if method != detected:
         raise ValueError(
             f"quantization {method!r} does not fit {model_path}, which is quantized as "
             f"{detected!r}; pass --quantization {detected}"
-            + (" or none" if detected == "gguf" else "") + " (or leave it unset)")
+            + (" or none" if detected in SUPPORTED_QUANTIZATION else "")
+            + " (or leave it unset)")
     if method not in SUPPORTED_QUANTIZATION:
         raise ValueError(f"quantization {method!r} ({model_path}) is not supported yet; "
                          f"supported: {SUPPORTED_QUANTIZATION} (docs/quantization.md)")
@@ -164,8 +166,13 @@ def quant_schemes(
     (every layer dense) for "none"."""
     if quantization == "none":
         return None
-    checkpoint = GGUFCheckpoint(model_path, hf_config)
-    names = [e.hf_name for e in checkpoint.entries]
+    if quantization == "gguf":
+        checkpoint = GGUFCheckpoint(model_path, hf_config)
+        names = [e.hf_name for e in checkpoint.entries]
+    else:
+        checkpoint = HFQuantizedCheckpoint(_safetensors_files(Path(model_path)), hf_config,
+                                           quantization)
+        names = checkpoint.names()
     plan = module_plan(checkpoint.schemes(), names, family_for(hf_config).model._map_name)
     logger.info("%s: %d layers kept quantized (%s)", model_path, len(plan),
                 sorted({s.format for s in plan.values()}))
@@ -179,8 +186,10 @@ def checkpoint_weights(
     """(HF name, tensor) of every checkpoint tensor of `model_path` (as resolved by
     `load_model_info`), one at a time for safetensors; GGUF tensors are dequantized to
     float32, or with `quantization="gguf"` the quantized ones kept as
-    `QuantizedCheckpointTensor`. `keep`: only the names it accepts (a pipeline stage's);
-    safetensors skips the others unread."""
+    `QuantizedCheckpointTensor`; an AWQ / GPTQ directory's quantized layers come as
+    `QuantizedCheckpointTensor` whatever `quantization` is (a layer built dense
+    dequantizes it). `keep`: only the names it accepts (a pipeline stage's); safetensors
+    skips the others unread."""
     path = Path(model_path)
     if path.suffix == ".gguf" and quantization == "gguf":
         tensors = GGUFCheckpoint(path, hf_config).tensors()
@@ -188,6 +197,9 @@ def checkpoint_weights(
     if path.suffix == ".gguf":
         weights = _gguf_weights(path, hf_config)
         return weights if keep is None else ((n, t) for n, t in weights if keep(n))
+    method = detected_quantization(model_path, hf_config)
+    if method in HF_QUANT_METHODS:
+        return HFQuantizedCheckpoint(_safetensors_files(path), hf_config, method).tensors(keep)
     return _safetensors_weights(path, keep)
 
 
@@ -304,12 +316,8 @@ def _hf_config(path: Path) -> Any:
     return AutoConfig.from_pretrained(str(path))
 
 
-def _safetensors_weights(
-    path: Path, keep: Callable[[str], bool] | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every tensor in the directory's safetensors files, one file at a time."""
-    from safetensors import safe_open
-
+def _safetensors_files(path: Path) -> list[Path]:
+    """The directory's safetensors files (its index's shards, or model.safetensors)."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
@@ -324,6 +332,16 @@ def _safetensors_weights(
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
         raise FileNotFoundError(f"{index} names shard files that do not exist: {missing}")
+    return files
+
+
+def _safetensors_weights(
+    path: Path, keep: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor in the directory's safetensors files, one file at a time."""
+    from safetensors import safe_open
+
+    files = _safetensors_files(path)
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for file in files:

@@ -93,9 +93,9 @@ class MLAAttention(nn.Module):
         )
         # transformers builds these norms with its default eps (1e-6), not rms_norm_eps
         self.kv_a_layernorm = RMSNorm(dims.kv_lora_rank, 1e-6, ops, dtype)
-        self.kv_b_proj = build.column(
+        self.kv_b_proj = build.column(  # dense: up_projections reads its weight
             f"{prefix}.kv_b_proj", dims.kv_lora_rank,
-            heads * (dims.qk_nope_head_dim + dims.v_head_dim), False,
+            heads * (dims.qk_nope_head_dim + dims.v_head_dim), False, dense=True,
         )
         self.o_proj = build.row(f"{prefix}.o_proj", heads * dims.v_head_dim, hidden, bias)
         self.rope_interleave = rope_interleave

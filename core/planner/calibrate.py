@@ -41,8 +41,13 @@ _WIDTHS = (8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 def calibrate(platform: str | None = None, ranks: tuple[int, ...] = (1, 2), quick: bool = False,
-              progress: TextIO | None = None, path: Path | None = None) -> tuple[Calibration, Path]:
-    """Measure, fit and store; returns the calibration and where it went."""
+              progress: TextIO | None = None, path: Path | None = None,
+              dtype: str | None = None) -> tuple[Calibration, Path]:
+    """Measure, fit and store; returns the calibration and where it went. `dtype`: the
+    kernels' (None: the platform's default); stored per device and dtype, since a device
+    may run one dtype's kernels several times slower than another's."""
+    import torch
+
     from tokenmill.planner.kernel_bench import all_points
     from tokenmill.platforms.registry import load_platform
 
@@ -52,11 +57,13 @@ def calibrate(platform: str | None = None, ranks: tuple[int, ...] = (1, 2), quic
 
     active = load_platform(platform)
     spec = active.hardware_spec()
-    dtype = str(active.platform.default_dtype).removeprefix("torch.")
+    dtype = dtype or str(active.platform.default_dtype).removeprefix("torch.")
+    if not isinstance(getattr(torch, dtype, None), torch.dtype):
+        raise ValueError(f"calibration dtype {dtype!r} is not a torch dtype")
     peak = spec.peak_flops.get(dtype) or max(spec.peak_flops.values())
     shared = active.platform.device_type == "cpu"
     say(f"kernels on {spec.name} ({active.name}, {dtype})")
-    local = [_point_dict(p) for p in all_points(active, quick)]
+    local = [_point_dict(p) for p in all_points(active, quick, getattr(torch, dtype))]
     width = fit_width([p for p in local if p["op"] == "gemm"], peak)
     efficiency = fit_efficiency(local, peak, spec.memory_bandwidth, width)
     measured: dict = {"points": {"1": local}}
@@ -64,7 +71,7 @@ def calibrate(platform: str | None = None, ranks: tuple[int, ...] = (1, 2), quic
     collectives: dict[int, dict[str, LinkFit]] = {}
     for n in sorted(r for r in ranks if r > 1):
         say(f"a group of {n} ranks: collectives" + (" and kernels side by side" if shared else ""))
-        group = run_group(n, active.name, quick, kernels=shared)
+        group = run_group(n, active.name, quick, kernels=shared, dtype=dtype)
         collectives[n] = fit_collectives(group["collectives"], n)
         measured[f"collectives_{n}"] = group["collectives"]
         if shared:
@@ -76,8 +83,8 @@ def calibrate(platform: str | None = None, ranks: tuple[int, ...] = (1, 2), quic
                       per_ranks=per_ranks, collectives=collectives, gemm_width=width,
                       measured=measured, fitted_to=Peaks.of(spec, dtype))
     say("host overhead of engine steps (tiny llama, 2 and 8 layers)")
-    cal = replace(cal, **measure_overheads(active.name, cal, 2 in ranks))
-    target = path or default_path(spec.name)
+    cal = replace(cal, **measure_overheads(active.name, cal, 2 in ranks, dtype))
+    target = path or default_path(spec.name, dtype)
     return cal, save(cal, target)
 
 
@@ -156,7 +163,8 @@ def fit_collectives(timings: dict[str, dict[str, float]], n: int) -> dict[str, L
     return fits
 
 
-def run_group(n: int, platform: str, quick: bool, kernels: bool = True) -> dict:
+def run_group(n: int, platform: str, quick: bool, kernels: bool = True,
+              dtype: str | None = None) -> dict:
     """Run `group_bench` on n ranks (processes of their own) and return rank 0's results
     (`kernels`: also the kernels, every rank at once)."""
     from tokenmill.distributed.rendezvous import free_loopback_init_method
@@ -168,7 +176,7 @@ def run_group(n: int, platform: str, quick: bool, kernels: bool = True) -> dict:
             cmd = [sys.executable, "-m", "tokenmill.planner.group_bench", "--rank", str(rank),
                    "--world", str(n), "--init-method", init, "--platform", platform,
                    "--out", str(Path(tmp) / f"{rank}.json")] + (["--quick"] if quick else []) + (
-                       [] if kernels else ["--no-kernels"])
+                       [] if kernels else ["--no-kernels"]) + (["--dtype", dtype] if dtype else [])
             procs.append(subprocess.Popen(cmd))
         codes = [p.wait(timeout=3600) for p in procs]
         if any(codes):
@@ -176,20 +184,22 @@ def run_group(n: int, platform: str, quick: bool, kernels: bool = True) -> dict:
         return json.loads((Path(tmp) / "0.json").read_text())
 
 
-def measure_overheads(platform: str, cal: Calibration, with_ranks: bool) -> dict[str, float]:
+def measure_overheads(platform: str, cal: Calibration, with_ranks: bool,
+                      dtype: str = "float32") -> dict[str, float]:
     """step_overhead_s, layer_overhead_s and rank_overhead_s from decode steps of tiny
     llamas through the engine, less what the model predicts for their kernels and
     collectives."""
     from tokenmill.planner.engine_probe import decode_step_seconds
 
     with tempfile.TemporaryDirectory() as tmp:
-        two = decode_step_seconds(Path(tmp), platform, layers=2)
-        eight = decode_step_seconds(Path(tmp), platform, layers=8)
+        two = decode_step_seconds(Path(tmp), platform, layers=2, dtype=dtype)
+        eight = decode_step_seconds(Path(tmp), platform, layers=8, dtype=dtype)
         per_layer = max((eight - two) / 6, 0.0)
         step = max(two - 2 * per_layer, 1e-5)
         rank = cal.rank_overhead_s
         if with_ranks:
-            tp2 = decode_step_seconds(Path(tmp), platform, layers=2, tensor_parallel=2)
+            tp2 = decode_step_seconds(Path(tmp), platform, layers=2, tensor_parallel=2,
+                                      dtype=dtype)
             fit = cal.collective_fit("all_reduce", 2)
             reduces = (2 * 2 + 1) * 2 * (fit.latency if fit else 0.0)  # tiny payloads
             rank = max(tp2 - two - reduces, 0.0)

@@ -34,12 +34,12 @@ def tiny_llama(root: Path, layers: int) -> Path:
 
 
 def decode_step_seconds(root: Path, platform: str, layers: int, tensor_parallel: int = 1,
-                        steps: int = 24) -> float:
+                        steps: int = 24, dtype: str = "float32") -> float:
     """Seconds of one decode step of one sequence (after its prefill): the 20th percentile
     of `steps` steps, so other work on a shared machine inflates it little."""
     from tokenmill import LLM, SamplingParams
 
-    llm = LLM(str(tiny_llama(root, layers)), platform=platform, dtype="float32",
+    llm = LLM(str(tiny_llama(root, layers)), platform=platform, dtype=dtype,
               tensor_parallel_size=tensor_parallel, num_kv_blocks=64,
               enable_prefix_caching=False)
     try:

@@ -59,6 +59,7 @@ def main() -> None:
     parser.add_argument("--platform", default=None)
     parser.add_argument("--out", required=True)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--dtype", default=None, help="the kernels' dtype (default: the platform's)")
     parser.add_argument("--no-kernels", action="store_true",
                         help="collectives only (a host whose ranks do not share devices)")
     args = parser.parse_args()
@@ -84,7 +85,8 @@ def main() -> None:
     points = [] if args.no_kernels else [
         {"name": p.name, "op": p.cost.op, "flops": p.cost.flops, "bytes": p.cost.bytes,
          "inner": p.cost.inner, "outer": p.cost.outer, "seconds": p.seconds}
-        for p in all_points(active, quick=args.quick)]
+        for p in all_points(active, quick=args.quick,
+                            dtype=getattr(torch, args.dtype) if args.dtype else None)]
     comm.barrier()
     Path(args.out).write_text(json.dumps({"rank": args.rank, "world": args.world,
                                           "collectives": collectives, "points": points}))

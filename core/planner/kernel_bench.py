@@ -260,10 +260,10 @@ def _mamba2(dtype):
     return spec, inputs, dims.num_heads, dims.state_size, dims.head_dim
 
 
-def all_points(active, quick: bool = False) -> list[Measured]:
-    """Every kernel class the platform runs, at the platform's default dtype."""
+def all_points(active, quick: bool = False, dtype: torch.dtype | None = None) -> list[Measured]:
+    """Every kernel class the platform runs, in `dtype` (None: the platform's default)."""
     platform = active.platform
-    dtype, device = platform.default_dtype, platform.device
+    dtype, device = dtype or platform.default_dtype, platform.device
     caps = platform.capabilities
     points = gemm_points(active, dtype, device, quick)
     points += moe_points(active, dtype, device, quick) + norm_points(active, dtype, device, quick)

@@ -148,7 +148,10 @@ def _colocated_point(ctx: Context, mix: Mix, batch: int) -> _Point | None:
         return None
     micro = cdiv(batch, pp)
     alone = _step(ctx, mix, micro, 0)
-    mixed = _step(ctx, mix, micro, chunk)
+    # On a shared host a stage computing a prompt chunk runs beside stages that decode
+    # (a small share of the cores): it gets the host's share of one stage's ranks.
+    busy = mix.devices // pp if ctx.cluster.shared_host and pp > 1 else None
+    mixed = _step(ctx, mix, micro, chunk, busy=busy)
     share = needed / chunk
     cycle = pp * ((1 - share) * alone.seconds + share * mixed.seconds)
     others = min(1.0, share * (batch - 1) / batch * wl.osl / max(wl.osl - 1, 1))

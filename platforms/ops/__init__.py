@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from tokenmill.platforms.interfaces import OP_NAMES
 from tokenmill.platforms.ops import reference
+from tokenmill.platforms.ops.quant import ReferenceQuantizedLinear
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +30,9 @@ def resolve_ops(overrides: Mapping[str, Callable] | None = None, source: str = "
     """Reference ops with `overrides` (op name -> function) replacing them by name.
 
     An unknown op name is an error naming the op and `source`, so a plugin typo cannot
-    silently fall back to the reference.
+    silently fall back to the reference. Without a `prepack_quantized_linear` of the
+    platform's own, the reference's is wrapped to log, once per scheme, that `source`
+    runs quantized layers through it (`ReferenceQuantizedLinear`).
     """
     overrides = dict(overrides or {})
     unknown = set(overrides) - OP_NAMES
@@ -37,5 +40,6 @@ def resolve_ops(overrides: Mapping[str, Callable] | None = None, source: str = "
         raise ValueError(
             f"{source} overrides unknown ops {sorted(unknown)}; known ops are {sorted(OP_NAMES)}"
         )
-    table = {**reference.REFERENCE_OPS, **overrides}
+    fallback = {"prepack_quantized_linear": ReferenceQuantizedLinear(source)}
+    table = {**reference.REFERENCE_OPS, **fallback, **overrides}
     return Ops(**{name: table[name] for name in Ops.__slots__})

@@ -155,12 +155,14 @@ def kda_state_spec(
     num_heads: int, head_dim: int, conv_kernel: int, conv_dtype: torch.dtype
 ) -> RecurrentStateSpec:
     """The state of one KDA layer: the conv's last K - 1 inputs [3 H d, K - 1] in the
-    model dtype, and the delta-rule state [H, d, d] in float32."""
+    model dtype, and the delta-rule state [H, d, d] in float32. Tensor parallel runs
+    (`StateTensorSpec.parts`): the conv's q, k and v channels, the state's heads."""
+    size = num_heads * head_dim
     return RecurrentStateSpec(
         "kda",
         (
-            StateTensorSpec("conv", (3 * num_heads * head_dim, conv_kernel - 1), conv_dtype),
-            StateTensorSpec("ssm", (num_heads, head_dim, head_dim), torch.float32),
+            StateTensorSpec("conv", (3 * size, conv_kernel - 1), conv_dtype, (size,) * 3),
+            StateTensorSpec("ssm", (num_heads, head_dim, head_dim), torch.float32, (num_heads,)),
         ),
     )
 

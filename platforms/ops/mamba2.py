@@ -313,12 +313,16 @@ class Mamba2Inputs:
 def mamba2_state_spec(dims: Mamba2Dims, dtype: torch.dtype) -> RecurrentStateSpec:
     """A Mamba2 layer's per-sequence state: the convolution's last K - 1 inputs
     [conv_dim, K - 1] in the model dtype, and the SSM state [H, P, N] in float32 (as
-    transformers keeps it: a bf16 state would round every step's small update away)."""
+    transformers keeps it: a bf16 state would round every step's small update away).
+    Tensor parallel runs (`StateTensorSpec.parts`): the conv's x, B and C channels, the
+    SSM state's heads (a rank keeps its heads with the B/C groups they read)."""
+    bc = dims.num_groups * dims.state_size
     return RecurrentStateSpec(
         "mamba2",
         (
-            StateTensorSpec("conv", dims.conv_state_shape(), dtype),
-            StateTensorSpec("ssm", dims.ssm_state_shape(), torch.float32),
+            StateTensorSpec("conv", dims.conv_state_shape(), dtype,
+                            (dims.intermediate_size, bc, bc)),
+            StateTensorSpec("ssm", dims.ssm_state_shape(), torch.float32, (dims.num_heads,)),
         ),
     )
 

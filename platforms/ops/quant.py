@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 QUANT_METHODS = ("gguf", "awq", "gptq", "fp8")
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -144,3 +147,34 @@ def prepack_quantized_linear(
     codes as they are and dequantizes on every call (exact, slow). Does not modify
     `weight` or `bias`."""
     return functools.partial(quantized_linear, weight=weight, bias=bias)
+
+
+class ReferenceQuantizedLinear:
+    """`prepack_quantized_linear` of a platform that runs the reference instead of a
+    kernel of its own (every scheme when it overrides nothing, the ones its kernel does
+    not take otherwise): the reference, with one warning per scheme naming `platform`
+    and the scheme, so the slow path (dequantized on every call) is never silent.
+
+    `resolve_ops` puts one in for a platform that does not override the op; a plugin
+    whose kernel covers some schemes calls one for the rest, e.g.
+    `fallback = ReferenceQuantizedLinear("platform plugin 'cpu'")`, then
+    `return fallback(weight, bias)`."""
+
+    def __init__(self, platform: str) -> None:
+        self.platform = platform
+        self.logged: set[QuantScheme] = set()  # the schemes warned about
+
+    def __call__(
+        self, weight: QuantizedWeight, bias: torch.Tensor | None
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        scheme = weight.scheme
+        if scheme not in self.logged:
+            self.logged.add(scheme)
+            shape = (f"block {scheme.fp8_block}" if scheme.is_fp8
+                     else f"{scheme.bits} bits, group {scheme.group_size}")
+            logger.warning(
+                "%s has no quantized-linear kernel for %s %s weights (%s): the core's "
+                "reference runs them, dequantizing on every call; serve with "
+                "--quantization none to dequantize once at load", self.platform,
+                scheme.method, scheme.format, shape)
+        return prepack_quantized_linear(weight, bias)

@@ -105,46 +105,60 @@ def test_tensor_parallel_two_to_two_hybrid(tmp_path):
         decode.shutdown()
 
 
-def _whole_bytes(config, decode_tp: int) -> tuple[int, int]:
+def _whole_bytes(config) -> tuple[int, int]:
     """(bytes of one KV block over every attention layer and KV head, bytes of one
     request's recurrent states over every linear layer), float32, from the model's config
-    alone, as the `decode_tp` ranks of the decode engine hold them (an MLA page is whole
-    on every rank: each reads its own copy)."""
+    alone: each byte once, whatever the tp sizes (an MLA page, whole on every decode
+    rank, is read by rank 0 and broadcast to the others over the TP group)."""
+    kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
     if getattr(config, "kv_lora_rank", None):  # MLA: one latent row per token and layer
         row = config.kv_lora_rank + config.qk_rope_head_dim
-        return decode_tp * config.num_hidden_layers * BS * row * 4, 0
-    head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    block = kinds.count("full_attention") * 2 * BS * config.num_key_value_heads * head_size * 4
+        block = kinds.count("full_attention") * BS * row * 4
+    else:
+        head_size = (getattr(config, "head_dim", None)
+                     or config.hidden_size // config.num_attention_heads)
+        block = kinds.count("full_attention") * 2 * BS * config.num_key_value_heads * head_size * 4
     if "linear_attention" not in kinds:
         return block, 0
-    key_dim = config.linear_num_key_heads * config.linear_key_head_dim
-    value_dim = config.linear_num_value_heads * config.linear_value_head_dim
-    conv = (2 * key_dim + value_dim) * (config.linear_conv_kernel_dim - 1) * 4
-    ssm = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
+    if hasattr(config, "mamba_n_heads"):  # Mamba2: conv over x, B, C; SSM [H, P, N]
+        inner = config.mamba_n_heads * config.mamba_d_head
+        bc = config.mamba_n_groups * config.mamba_d_state
+        conv = (inner + 2 * bc) * (config.mamba_d_conv - 1) * 4
+        ssm = inner * config.mamba_d_state * 4
+    elif hasattr(config, "linear_num_heads"):  # KDA: conv over q, k, v; state [H, d, d]
+        size = config.linear_num_heads * config.linear_head_dim
+        conv = 3 * size * (config.linear_conv_kernel_dim - 1) * 4
+        ssm = size * config.linear_head_dim * 4
+    else:  # Gated DeltaNet: conv over q, k, v; state [Hv, dk, dv]
+        key_dim = config.linear_num_key_heads * config.linear_key_head_dim
+        value_dim = config.linear_num_value_heads * config.linear_value_head_dim
+        conv = (2 * key_dim + value_dim) * (config.linear_conv_kernel_dim - 1) * 4
+        ssm = value_dim * config.linear_key_head_dim * 4
     return block, kinds.count("linear_attention") * (conv + ssm)
 
 
 @pytest.mark.parametrize("arch,prefill_tp,decode_tp", [
     ("llama", 2, 1), ("llama", 1, 2), ("qwen3_next", 2, 1), ("qwen3_next", 1, 2),
-    ("deepseek_v3", 2, 1), ("deepseek_v3", 1, 2),
+    ("deepseek_v3", 2, 1), ("deepseek_v3", 1, 2), ("bamba", 2, 1), ("kimi_linear", 1, 2),
 ])
 def test_tensor_parallel_resharded(arch, prefill_tp, decode_tp, tmp_path):
     """A prefill engine of one tp size hands over to a decode engine of another (llama:
     2 KV heads, one per rank at tp 2; qwen3_next: its Gated DeltaNet states' conv channels
     and value heads split too; deepseek_v3: MLA latents, the same on every rank, read from
-    one): each decode rank reads its heads and state rows from the peer ranks that hold
+    one; bamba: Mamba2 states, the conv's x, B, C channels and the SSM heads split, one
+    B/C group per rank; kimi_linear: KDA states, q, k, v conv channels and heads, with MLA
+    latents): each decode rank reads its heads and state rows from the peer ranks that hold
     them, into place. Greedy output equals a colocated tp 1 engine's,
     and the transports move each missing block's bytes once and each recurrent state's
     rows once, whatever the sizes: the pulled blocks times one block over every attention
-    layer and KV head, plus one whole state per linear layer and request (MLA pages once
-    per decode rank: every rank holds them whole)."""
+    layer and KV head, plus one whole state per linear layer and request (MLA pages once:
+    decode rank 0 reads them and broadcasts them to the others)."""
     path = str(make_tiny_model(tmp_path / arch, arch))
     colocated = LLM(path, **KW)
     reference = [list(o.outputs[0].token_ids) for o in colocated.generate(
         [{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)]
     colocated.engine.shutdown()
-    block_bytes, state_bytes = _whole_bytes(AutoConfig.from_pretrained(path), decode_tp)
+    block_bytes, state_bytes = _whole_bytes(AutoConfig.from_pretrained(path))
 
     def tp(n: int) -> dict:
         return dict(tensor_parallel_size=n, distributed_executor_backend="mp") if n > 1 else {}

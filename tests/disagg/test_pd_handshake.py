@@ -57,28 +57,3 @@ def test_a_decode_engine_refuses_another_block_size(tmp_path):
     finally:
         prefill.shutdown()
         decode.shutdown()
-
-
-@pytest.mark.long  # a tp 2 engine's worker processes
-def test_a_state_that_cannot_reshard_is_refused_naming_tp_and_the_group(tmp_path):
-    """bamba's Mamba2 states declare no tensor parallel runs (`StateTensorSpec.parts`):
-    a tp 2 prefill engine's cannot be read by a tp 1 decode engine, which says so (its
-    attention pages alone would reshard)."""
-    path = str(make_tiny_model(tmp_path / "bamba", "bamba"))
-    kw = dict(dtype="float32", num_kv_blocks=256, kv_transport="mooncake", block_size=4,
-              max_num_batched_tokens=32)
-    prefill = LLM(path, kv_role="prefill", tensor_parallel_size=2,
-                  distributed_executor_backend="mp", **kw).engine
-    decode = LLM(path, kv_role="decode", **kw).engine
-    try:
-        prompt, params, offer = _offer(prefill)
-        with pytest.raises(ValueError, match=r"tensor_parallel_size: 2 on prefill-\w+, 1 here: "
-                                             r"KV group \d+ keeps pages laid out for one tensor "
-                                             r"parallel size") as refused:
-            decode.add_request("d", prompt, params,
-                               handover_in=HandoverIn(offer, prefill.handover.endpoint()))
-        assert "layout:" not in str(refused.value)  # the layout matches once tp is out
-        assert not decode.has_unfinished_requests()
-    finally:
-        prefill.shutdown()
-        decode.shutdown()

@@ -206,3 +206,54 @@ def parse_spec_of_h200() -> HardwareSpec:
     from tokenmill.planner.cluster import parse_cluster
 
     return parse_cluster("1x8xH200").device
+
+
+def test_calibrations_are_stored_and_found_per_dtype(tmp_path, monkeypatch, caplog):
+    """A calibration is stored per device and kernel dtype, and the planner takes the one of
+    the model's dtype; with only another dtype's stored, it uses that one and warns naming
+    both dtypes and the command that measures the right one (a CPU without native bf16
+    runs bf16 GEMMs several times slower than fp32 ones: one dtype's efficiency is wrong
+    for the other)."""
+    from tokenmill.planner import calibration as cal_io
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    device = "AMD EPYC (2 cores)"
+    assert cal_io.default_path(device, "bfloat16").name == "AMD_EPYC__2_cores.bfloat16.json"
+    assert cal_io.default_path(device).name == "AMD_EPYC__2_cores.json"
+    assert not cal_io.stored(device, "bfloat16").calibrated  # nothing stored: the defaults
+
+    spec = HardwareSpec(name=device, peak_flops={"float32": PEAK, "bfloat16": PEAK},
+                        memory_bandwidth=BANDWIDTH, memory_bytes=1 << 34)
+    fp32 = Calibration(device=device, efficiency={"gemm": Efficiency(0.5, 0.6)},
+                       fitted_to=Peaks.of(spec, "float32"))
+    save(fp32, cal_io.default_path(device, "float32"))
+    with caplog.at_level(logging.WARNING, logger="tokenmill.planner.calibration"):
+        found = cal_io.stored(device, "bfloat16")
+    assert found.efficiency["gemm"].compute == 0.5
+    assert "measured with float32 kernels" in caplog.text
+    assert "--calibrate --dtype bfloat16" in caplog.text
+
+    bf16 = replace(fp32, efficiency={"gemm": Efficiency(0.07, 0.6)},
+                   fitted_to=Peaks.of(spec, "bfloat16"))
+    save(bf16, cal_io.default_path(device, "bfloat16"))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tokenmill.planner.calibration"):
+        assert cal_io.stored(device, "bfloat16").efficiency["gemm"].compute == 0.07
+        assert cal_io.stored(device, "float32").efficiency["gemm"].compute == 0.5
+    assert caplog.text == ""
+
+
+def test_kernel_points_are_measured_in_the_asked_dtype():
+    """`all_points(dtype=...)` times the kernels in that dtype (bytes per element in their
+    costs), not in the platform's default."""
+    import torch
+
+    from tokenmill.planner.kernel_bench import gemm_points
+    from tokenmill.platforms.registry import load_platform
+
+    active = load_platform("cpu")
+    assert active.platform.default_dtype == torch.float32
+    fp32 = gemm_points(active, torch.float32, active.platform.device, quick=True)
+    bf16 = gemm_points(active, torch.bfloat16, active.platform.device, quick=True)
+    by_name = {p.name: p for p in fp32}
+    assert bf16 and all(p.cost.bytes < by_name[p.name].cost.bytes for p in bf16)

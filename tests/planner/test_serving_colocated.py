@@ -48,3 +48,30 @@ def test_one_request_decodes_at_the_decode_step():
     assert p.tpot_s == pytest.approx(alone, rel=1e-12)
     assert p.tokens_per_s_per_device == pytest.approx(1 / (11 / 12 * alone + 1 / 12 * mixed),
                                                       rel=1e-12)
+
+
+def test_a_shared_hosts_pipeline_stage_computes_a_prompt_chunk_with_its_own_share():
+    """pp 2 on a shared host (two ranks on this machine's cores): the stage that carries a
+    prompt chunk runs beside a stage that only decodes, so the chunk step is priced at one
+    stage's share of the host (measured: pp2's TTFT 1.0-1.1x tp1's, where pricing it at
+    half the host predicted 2.1x). The decode-only steps keep both stages busy."""
+    from tokenmill.model.loader import default_model_path
+
+    model, cluster = model_shape(default_model_path()), parse_cluster("1x2xcpu")
+    cal = Calibration()
+    ctx = Context(model, cluster, cal, Workload(ISL, OSL, concurrency=2), SLO(),
+                  Limits(2048, 8, 512))
+    mix = Mix(pp=2)
+    p = predict_colocated(ctx, mix)
+    assert p.batch == 2
+    decoding = Seq(ISL + OSL // 2, 1, 1)  # one request per micro-batch
+    alone = step_time(model, mix, cluster, cal, (decoding,), 1).seconds
+    mixed = step_time(model, mix, cluster, cal, (decoding, Seq(0, ISL, 1)), 2, busy_ranks=1).seconds
+    both = step_time(model, mix, cluster, cal, (decoding, Seq(0, ISL, 1)), 2).seconds
+    assert mixed < both
+    share = 2 * ISL / OSL / ISL  # prompt tokens needed per step over the chunk (ISL)
+    service = (1 + 2 - 1) * mixed
+    cycle = 2 * ((1 - share) * alone + share * mixed)
+    assert p.ttft_s == pytest.approx(service * (1 + share / (2 * (1 - share))) + cycle / 2,
+                                     rel=1e-12)
+    assert p.tpot_s == pytest.approx(2 * (10 / 11 * alone + 1 / 11 * mixed), rel=1e-12)

@@ -6,7 +6,8 @@ Every rank describes, per KV group, how its pages split over ranks (`PageShard`)
 multi-head page half is [block_size, heads, head_size] with this rank's heads only, an MLA
 page is the same on every rank, a recurrent state ("state") packs this rank's rows of each
 state tensor, whose runs (`StateTensorSpec.parts`: q, k, v conv channels, value heads)
-split evenly over the ranks; a state whose family declares no runs is "fixed" (only a peer
+split evenly over the ranks (Gated DeltaNet, Mamba2, KDA declare them); a state whose
+family declares no runs, or whose rank layout is not their split, is "fixed" (only a peer
 of the same size reads it). A decode rank reads, for each of its heads or state rows, the
 first peer rank that holds it (one source, so every byte is moved once whatever the
 sizes), and a replicated page from one peer rank. Both sides derive a rank's state layout
@@ -68,9 +69,15 @@ def _shard(whole: AttentionSpec, local: AttentionSpec, backend, tp: int, rank: i
     if local.kind == AttentionKind.MLA:
         return PageShard("replicated"), ""
     if local.kind == AttentionKind.LINEAR:
-        if whole.state is not None and rank_state(whole.state, tp) == local.state:
+        split = rank_state(whole.state, tp) if whole.state is not None else None
+        if split is not None and split == local.state:
             return PageShard("state"), ""
-        return PageShard("fixed"), "a recurrent state whose tensor parallel runs are not declared"
+        variant = local.state.variant if local.state is not None else "recurrent"
+        if split is None:
+            return PageShard("fixed"), (f"a {variant} state whose tensor parallel runs are "
+                                        f"not declared or do not split over {tp} ranks")
+        return PageShard("fixed"), (f"a {variant} state laid out otherwise than its declared "
+                                    f"runs split over {tp} ranks")
     if local.kind not in (AttentionKind.FULL, AttentionKind.SLIDING_WINDOW):
         return PageShard("fixed"), f"attention kind {local.kind.value!r}"
     if backend is not None and tuple(backend.kv_cache_shape(local, 1)) != kv_cache_shape(local, 1):
@@ -190,8 +197,13 @@ def head_segments(mine: PageShard, peers: Sequence[PageShard]) -> list[Segment]:
 
 
 class ReshardPlan:
-    """How this rank (`rank`, holding `shards`, arena `geometry` at `base`) reads a peer of
-    another tensor parallel size (`peer`: its ranks in order)."""
+    """How this rank (`rank` of `tp`, holding `shards`, arena `geometry` at `base`) reads a
+    peer of another tensor parallel size (`peer`: its ranks in order).
+
+    A replicated page (MLA latents), which every one of our ranks holds whole, is read
+    once, by our rank 0, from the peer's rank 0; `shared_blocks` names the blocks whose
+    pages our rank 0 then broadcasts over the TP group (worker_side.py), so the transport
+    moves each of them once whatever the sizes."""
 
     def __init__(self, rank: int, base: int, geometry: ArenaGeometry, shards: list[PageShard],
                  peer: list[RankEndpoint], states: list[RecurrentStateSpec | None] | None = None,
@@ -200,15 +212,16 @@ class ReshardPlan:
         if (geometry.num_slots, geometry.halves) != (theirs.num_slots, theirs.halves):
             raise ValueError(f"peer arena {theirs} does not lay out its slots like ours {geometry}")
         self.base, self.geometry, self.shards, self.peer = base, geometry, shards, peer
+        self.rank, self.tp = rank, tp
         # per group: the runs of our heads and their peer ranks, or the one peer rank a
-        # replicated page is read from (spread over the peer's ranks)
+        # replicated page is read from (none on our ranks but 0: it shares them)
         self.sources: list[list[Segment]] = []
         for g, mine in enumerate(shards):
             peers = [r.shards[g] for r in peer]
             if mine.kind == "heads":
                 self.sources.append(head_segments(mine, peers))
             elif mine.kind == "replicated":
-                self.sources.append([Segment(rank % len(peer), 0, 0, 0)])
+                self.sources.append([Segment(0, 0, 0, 0)] if rank == 0 else [])
             else:
                 self.sources.append([])  # refused at the handshake; a pull of it fails
         # per group: a recurrent state's spans (`state_spans`), else None
@@ -235,6 +248,8 @@ class ReshardPlan:
                 pages[0].append(local_block)
                 pages[1].append(remote_block)
                 continue
+            if mine.kind == "replicated" and self.rank != 0:
+                continue  # rank 0 reads it and shares it (`shared_blocks`)
             if not self.sources[g]:
                 raise ValueError(f"KV group {g} ({mine.kind}) cannot be resharded")
             for seg in self.sources[g]:
@@ -257,6 +272,15 @@ class ReshardPlan:
             for q, regions in reads.items():
                 out.setdefault(q, []).extend(regions)
         return out
+
+
+    def shared_blocks(self, job: PullJob) -> list[int]:
+        """Our blocks of `job` whose pages every one of our ranks holds whole (replicated
+        groups): rank 0 reads them, then broadcasts them over the TP group. Empty at tp 1."""
+        if self.tp == 1:
+            return []
+        return [local for (_, local), g in zip(job.pairs, job.groups, strict=True)
+                if 0 <= g < len(self.shards) and self.shards[g].kind == "replicated"]
 
 
 def _head_rows(dst: int, src: int, mine: PageShard, theirs: PageShard,

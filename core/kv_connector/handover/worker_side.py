@@ -10,7 +10,8 @@ of the prefill engine; with another tp size there, the peer ranks that hold its 
 reshard.py), and a pull ends on every rank at once: the ranks agree through
 the TP group's communicator on which jobs are done (all of them done), failed (any of
 them failed or timed out) or still running, so the scheduler's report (the output rank's)
-speaks for every rank.
+speaks for every rank. With another tp size there, pages every rank holds whole (MLA) are
+read by rank 0 alone and broadcast to the others once the pull is agreed done.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ class HandoverWorker:
         self.shards = shards or []  # per KV group, how this rank holds its pages
         self.states = states or []  # per KV group, the model's whole recurrent state, if any
         self.base = buffer.data_ptr()
+        self.buffer = buffer.view(-1).view(torch.uint8)  # the arena's bytes, for sharing
         transport.register(self.base, buffer.numel() * buffer.element_size())
         self._peers: dict[str, _Peer] = {}  # by engine id
         self._pulls: list[_Pull] = []  # in the order the steps sent them (same on every rank)
@@ -210,6 +212,9 @@ class HandoverWorker:
         ended = [(p, s) for p, s in zip(self._pulls, agreed, strict=True) if s != _RUNNING]
         if not ended:
             return out
+        for pull, state in ended:
+            if state == _DONE:
+                self._share(pull.job)
         # the bytes of each pull, and what the transport counted, over every rank
         nbytes = [p.num_bytes if s == _DONE else 0 for p, s in ended]
         nbytes.append(self.transport.stats.bytes_read)
@@ -231,6 +236,23 @@ class HandoverWorker:
         done = {id(p) for p, _ in ended}
         self._pulls = [p for p in self._pulls if id(p) not in done]
         return out
+
+    def _share(self, job: PullJob) -> None:
+        """Broadcast from rank 0 the pages of `job` that every rank holds whole and rank 0
+        alone read (`ReshardPlan.shared_blocks`). Every rank runs this for the same jobs
+        in the same order (the ended pulls are agreed), so the collectives match."""
+        plan = self._peers[job.engine_id].plan
+        blocks = plan.shared_blocks(job) if plan is not None else []
+        if not blocks:
+            return
+        views = [self.buffer[addr - self.base:addr - self.base + n]
+                 for b in blocks for addr, n in self.geometry.regions(self.base, b)]
+        staged = torch.cat(views) if self.rank == 0 else torch.empty(
+            sum(v.numel() for v in views), dtype=torch.uint8, device=self.buffer.device)
+        staged = self.communicator.broadcast(staged, 0)
+        if self.rank != 0:
+            for view, part in zip(views, staged.split([v.numel() for v in views]), strict=True):
+                view.copy_(part)
 
     def _cancel(self, pull: _Pull) -> None:
         """Give up the reads of `pull` still running (once)."""

@@ -16,7 +16,11 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.platforms.ops import reference
-from tokenmill.platforms.ops.quant import QuantizedWeight, unpacked_codes
+from tokenmill.platforms.ops.quant import (
+    QuantizedWeight,
+    ReferenceQuantizedLinear,
+    unpacked_codes,
+)
 from tokenmill_cpu import kernels
 
 logger = logging.getLogger(__name__)
@@ -194,10 +198,12 @@ def int4_kernel_available() -> bool:
 
 
 def prepack_quantized_linear(
-    weight: QuantizedWeight, bias: torch.Tensor | None
+    weight: QuantizedWeight, bias: torch.Tensor | None,
+    fallback: ReferenceQuantizedLinear | None = None,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """4-bit integer schemes with a group the kernel takes run through ATen's CPU int4
-    weight-only matmul; anything else falls back to the core's reference (logged)."""
+    weight-only matmul; anything else goes to `fallback`, the core's reference that logs
+    once per scheme (the plugin passes one per platform; a new one when None)."""
     scheme = weight.scheme
     fast = (
         weight.codes.device.type == "cpu" and not scheme.is_fp8 and scheme.bits == 4
@@ -205,8 +211,5 @@ def prepack_quantized_linear(
     )
     if fast:
         return Int4PackedLinear(weight, bias)
-    logger.warning(
-        "tokenmill-cpu: %s weights (%d bits, group %d) have no fast kernel here; the "
-        "reference dequantizes them on every call", scheme.format, scheme.bits,
-        scheme.group_size)
-    return reference.prepack_quantized_linear(weight, bias)
+    fallback = fallback or ReferenceQuantizedLinear("platform plugin 'cpu'")
+    return fallback(weight, bias)

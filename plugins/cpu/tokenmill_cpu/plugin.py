@@ -8,6 +8,7 @@ are imported inside the hooks that need them, as a vendor plugin would import it
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import pluggy
@@ -120,6 +121,7 @@ def tokenmill_allocator(platform: Platform, purpose: AllocatorPurpose) -> Alloca
 def tokenmill_ops(platform: Platform) -> dict[str, Callable]:
     # Each override replaces several small ATen calls with fewer; at batch 1 the step is
     # dominated by per-op overhead besides the matmuls (see docs/benchmarks.md).
+    from tokenmill.platforms.ops.quant import ReferenceQuantizedLinear
     from tokenmill_cpu import ops
 
     overrides = {
@@ -132,7 +134,10 @@ def tokenmill_ops(platform: Platform) -> dict[str, Callable]:
     if ops.onednn_linear_available():
         overrides["prepack_linear"] = ops.prepack_linear
     if ops.int4_kernel_available():
-        overrides["prepack_quantized_linear"] = ops.prepack_quantized_linear
+        # schemes without a kernel: the reference, logged once per scheme
+        fallback = ReferenceQuantizedLinear("platform plugin 'cpu'")
+        overrides["prepack_quantized_linear"] = functools.partial(
+            ops.prepack_quantized_linear, fallback=fallback)
     return overrides
 
 
