@@ -36,7 +36,7 @@ from pathlib import Path
 import httpx
 
 CONTEXT, SUFFIX, OUTPUT, CONCURRENCY = 2000, 8, 16, 4
-KV_BYTES_PER_TOKEN = 23040  # SmolLM2-135M: 30 layers x 2 x 3 heads x 64 x bf16
+BLOCK_SIZE = 16  # the engine's default block size (the servers are started with it)
 
 
 def context(i: int) -> list[int]:
@@ -148,12 +148,40 @@ def merge(slices: list[dict]) -> dict:
             "max_ttft_s": max(s["max_ttft_s"] for s in slices)}
 
 
+def pool_tokens(url: str) -> int:
+    """The tokens the server's device pool holds (its KV bytes per token depend on the
+    dtype the platform chose: bf16 where the CPU has native bf16, else fp32)."""
+    async def probe():  # the gauge comes with a step's stats: run one
+        async with httpx.AsyncClient(timeout=600) as client:
+            await one(client, url, [7, 8, 9])
+    asyncio.run(probe())
+    return int(scrape(url)["tokenmill:kv_blocks_usable"]) * BLOCK_SIZE
+
+
+def check_concurrency(pool: int) -> None:
+    """The pool must hold the 4 clients' requests at once, as the issue's 2 GiB pool does
+    (4 x 2,024 tokens of ~93k): a pool that holds fewer makes the others queue for
+    admission whatever the tiers do, and the benchmark would measure that queue (the
+    profile of run 2's 2.75x point: 89% of its TTFT queued, 2.3 requests running)."""
+    need = CONCURRENCY * -(-(CONTEXT + SUFFIX + OUTPUT) // BLOCK_SIZE) * BLOCK_SIZE
+    if pool < need:
+        raise SystemExit(f"--pool-bytes gives a pool of {pool} tokens, which does not hold "
+                         f"{CONCURRENCY} requests of {CONTEXT + SUFFIX + OUTPUT} tokens at once "
+                         f"({need}); give it at least that much")
+
+
 def run_points(args, urls: dict[str, str]) -> dict[str, list[dict]]:
     """Both engines up at once; per point each is warmed, then the assessment period is cut
     into `--slices` slices that alternate between the engines (ABBA...), each slice with
     the same seeded choice of contexts for both, so both get the machine in the same
     stretches of time."""
     points: dict[str, list[dict]] = {name: [] for name in urls}
+    pools = {name: pool_tokens(url) for name, url in urls.items()}
+    if len(set(pools.values())) > 1:
+        raise SystemExit(f"the engines' pools differ: {pools}")
+    args.pool_tokens = next(iter(pools.values()))
+    print(f"device pool: {args.pool_tokens} tokens", flush=True)
+    check_concurrency(args.pool_tokens)
     have = 0
     for w in args.working_sets:
         n = max(2, w // CONTEXT)
@@ -174,6 +202,7 @@ def run_points(args, urls: dict[str, str]) -> dict[str, list[dict]]:
             after = scrape(url)
             point = merge(slices[name])
             point.update(working_set=n * CONTEXT, contexts=n,
+                         pool_tokens=args.pool_tokens,
                          ratio_to_pool=round(n * CONTEXT / args.pool_tokens, 2),
                          load_average=[round(x, 1) for x in loads],
                          tokens_loaded=delta(after, before[name],
@@ -219,9 +248,8 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     args.pool = parse_size(args.pool_bytes, "--pool-bytes")
-    args.pool_tokens = args.pool // KV_BYTES_PER_TOKEN
-    print(f"pool {args.pool_bytes} (~{args.pool_tokens} tokens), host {args.host_bytes}, "
-          f"load average {os.getloadavg()}", flush=True)
+    print(f"pool {args.pool_bytes}, host {args.host_bytes}, load average {os.getloadavg()}",
+          flush=True)
     result = {"args": {k: v for k, v in vars(args).items()}, "started": time.time(),
               **run(args), "load_average_end": os.getloadavg()}
     print("| working set (tokens, x pool) | " + " | ".join(

@@ -415,10 +415,27 @@ class KVConnectorWorker:
 
     # ---- reports ----------------------------------------------------------------------
     def _submit(self, fn, *args) -> None:
+        if logger.isEnabledFor(logging.DEBUG):  # tracing: each job's wait and run time
+            fn = self._traced(fn, time.perf_counter())
         future = self._pool.submit(fn, *args)
         with self._lock:
             self._in_flight.add(future)
         future.add_done_callback(self._finished)
+
+    @staticmethod
+    def _traced(fn, sent: float):
+        """`fn`, logging at DEBUG how long it waited on the thread and how long it ran
+        (`kv job <name> <request or blocks>: waited <ms> ran <ms>`)."""
+        def run(*args):
+            began = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                what = getattr(args[0], "request_id", None) if args else None
+                logger.debug("kv job %s %s: waited %.1f ms ran %.1f ms", fn.__name__.lstrip("_"),
+                             what if what is not None else len(args[0]) if args else "-",
+                             (began - sent) * 1e3, (time.perf_counter() - began) * 1e3)
+        return run
 
     def _finished(self, future: Future) -> None:
         self._done.put(future)  # queued before it stops counting as in flight (see drain)

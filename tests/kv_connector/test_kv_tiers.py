@@ -5,6 +5,7 @@ redis-server on loopback."""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -269,6 +270,37 @@ def test_worker_payload_round_trip_through_a_real_arena_layout(tmp_path, arena):
     assert (result.num_loaded, result.num_requested) == (1, 2)
     saver.close()
     loader.close()
+    stack.close()
+
+
+def test_worker_traces_each_job_at_debug(tmp_path, caplog):
+    """With DEBUG on, every job of the worker's thread logs how long it waited behind the
+    jobs sent before it and how long it ran (what the working-set TTFT profile reads,
+    benchmarks/profile_working_set_ttft.py); a load names its request."""
+    import logging
+
+    from tokenmill.kv_connector.worker import KVConnectorWorker
+    from tokenmill.platforms.kv_messages import BlockTransfer, LoadJob
+
+    host = HostMemoryTier(staging(), 8 * LAYOUT.object_bytes, LAYOUT.object_bytes)
+    stack = TierStack([host, DiskTier(tmp_path, 1 << 20)], CODEC)
+    caches = [torch.randn(2, 8, 4, 2, 8).to(torch.bfloat16) for _ in range(3)]
+    worker = KVConnectorWorker(stack, LAYOUT, staging())
+    worker.register_kv_caches(caches)
+    keys = [obj(i)[0] for i in range(2)]
+    with caplog.at_level(logging.DEBUG, logger="tokenmill.kv_connector.worker"):
+        worker.save([BlockTransfer(1, keys[0]), BlockTransfer(2, keys[1])])
+        worker.start_loads([LoadJob("req-7", [BlockTransfer(5, keys[0])])])
+        assert worker.drain().loads[0].num_loaded == 1
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kv job")]
+    assert len(lines) == 2, lines
+    assert re.fullmatch(r"kv job write 2: waited [0-9.]+ ms ran [0-9.]+ ms", lines[0])
+    assert re.fullmatch(r"kv job load req-7: waited [0-9.]+ ms ran [0-9.]+ ms", lines[1])
+    caplog.clear()
+    worker.start_loads([LoadJob("req-8", [BlockTransfer(6, keys[1])])])  # DEBUG off: silent
+    worker.drain()
+    assert not [r for r in caplog.records if r.getMessage().startswith("kv job")]
+    worker.close()
     stack.close()
 
 
