@@ -203,9 +203,9 @@ def measure_served(path: str, isl: int, osl: int, clients: int, requests: int,
         client = openai.OpenAI(base_url=procs[-1].url + "/v1", api_key="unused", max_retries=0,
                                timeout=3600)
         lock, sent, times = threading.Lock(), [0], []
-        from tokenmill.model.loader import _hf_config  # a directory or a GGUF file
+        from tokenmill.model.loader import load_model_info  # a directory or a GGUF file
 
-        vocab = _hf_config(Path(path)).vocab_size
+        vocab = load_model_info(path, load_tokenizer=False).hf_config.vocab_size
 
         def one(i: int, k: int, ramp: bool = True) -> None:  # the in-process loop's prompts
             prompt = [(7 + 31 * i + 13 * j) % (vocab - 20) + 10 for j in range(isl)]
