@@ -1,7 +1,7 @@
 """The Triton weight-only quantized GEMM (tokenmill_triton.quant) against the core's
-reference `quantized_linear`, per scheme it covers (GGUF Q4_0, Q4_1 and Q4_K from their
-raw blocks, AWQ and GPTQ int4 in groups of 32 / 64 / 128, FP8 e4m3 per tensor and in
-1 x 128 row blocks), at M = 1 and small odd shapes, in float32, float16 and bfloat16;
+reference `quantized_linear`, per scheme it covers (GGUF Q4_0, Q4_1, Q4_K, Q6_K and Q8_0
+from their raw blocks, AWQ and GPTQ int4 in groups of 32 / 64 / 128, FP8 e4m3 per tensor
+and in 1 x 128 row blocks), at M = 1 and small odd shapes, in float32, float16 and bfloat16;
 and the nvidia / rocm ops as the registry loads them: the fast path where it covers the
 scheme, with no fallback warning, the reference logged once per scheme elsewhere.
 Run by test_triton_quant.py in a fresh process with TRITON_INTERPRET=1 (no GPU here);
@@ -23,6 +23,7 @@ from tokenmill_triton.configs import KernelConfigs, interpreter_mode
 from tokenmill_triton.quant import TritonQuantizedLinear
 
 DEVICE = "cpu" if interpreter_mode() else "cuda"
+K_QUANTS = {"Q4_K": (144, [(0, 2), (2, 4)]), "Q6_K": (210, [(208, 210)])}  # block bytes, f16 d
 # the interpreter's bf16 tl.dot is wrong: bf16 tiles upcast there, as the plugins do
 CONFIGS = KernelConfigs(upcast_bf16_dot=interpreter_mode())
 # the conformance suite's linear bounds (tokenmill_conformance.suite.t1.test_ops)
@@ -41,20 +42,24 @@ def _device(weight: quant.QuantizedWeight) -> quant.QuantizedWeight:
 
 
 def _gguf(type_name: str, n: int, k: int, seed: int) -> quant.QuantizedWeight:
-    """A GGUF weight from its raw blocks (gguf quantizes Q4_0 / Q4_1; Q4_K's blocks are
-    random bytes with small float16 super-block scales), decoded by the loader's reader."""
+    """A GGUF weight from its raw blocks (gguf quantizes Q4_0 / Q4_1 / Q8_0; the K-quants'
+    blocks are random bytes with small float16 super-block scales), decoded by the
+    loader's reader."""
     rng = np.random.default_rng(seed)
-    if type_name == "Q4_K":
-        raw = rng.integers(0, 256, (n * (k // 256), 144), dtype=np.uint8)
-        for lo, hi in ((0, 2), (2, 4)):  # d and dmin
+    if type_name in K_QUANTS:
+        size, scale_bytes = K_QUANTS[type_name]
+        raw = rng.integers(0, 256, (n * (k // 256), size), dtype=np.uint8)
+        for lo, hi in scale_bytes:
             raw[:, lo:hi] = rng.uniform(2e-4, 1e-3, (raw.shape[0], 1)).astype(np.float16).view(np.uint8)
         raw = raw.reshape(n, -1)
     else:
         dense = rng.standard_normal((n, k)).astype(np.float32) * 0.1
         raw = quantize(dense, getattr(GGMLQuantizationType, type_name))
     codes, scales, offsets = decode_blocks(type_name, raw, k)
+    codes = torch.from_numpy(np.ascontiguousarray(codes))
+    scheme = GGUF_SCHEMES[type_name]
     return quant.QuantizedWeight(
-        GGUF_SCHEMES[type_name], quant.pack_int4(torch.from_numpy(np.ascontiguousarray(codes))),
+        scheme, quant.pack_int4(codes) if scheme.bits == 4 else codes,
         torch.from_numpy(scales.astype(np.float32)), torch.from_numpy(offsets.astype(np.float32)),
         k, n)
 
@@ -95,8 +100,8 @@ def _check(weight: quant.QuantizedWeight, m: int, dtype: torch.dtype, seed: int)
     torch.testing.assert_close(got.cpu(), want, **TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q4_K"])
-def test_gguf_int4_matches_the_reference(type_name):
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q8_0"])
+def test_gguf_matches_the_reference(type_name):
     for seed, (m, n, k, dtype) in enumerate(CASES):
         _check(_gguf(type_name, n, k, seed), m, dtype, seed)
 
@@ -145,15 +150,13 @@ def _fallback_warnings(records, platform: str) -> list[str]:
 @pytest.mark.parametrize("platform", ["nvidia", "rocm"])
 def test_the_plugins_run_covered_schemes_on_the_kernel_and_log_the_rest_once(platform, caplog):
     prepack = load_platform(platform).ops.prepack_quantized_linear
-    covered = [_gguf("Q4_0", 24, 256, 0), _gguf("Q4_1", 24, 256, 1), _gguf("Q4_K", 24, 256, 2),
-               _zero_point_int4("awq", 128, 24, 256, 3), _fp8(128, 24, 256, 4), _fp8(None, 24, 99, 5)]
-    rng = np.random.default_rng(6)
-    raw = quantize(rng.standard_normal((24, 256)).astype(np.float32), GGMLQuantizationType.Q8_0)
-    codes, scales, offsets = decode_blocks("Q8_0", raw, 256)
-    q8_0 = quant.QuantizedWeight(GGUF_SCHEMES["Q8_0"], torch.from_numpy(np.ascontiguousarray(codes)),
-                                 torch.from_numpy(scales.astype(np.float32)),
-                                 torch.from_numpy(offsets.astype(np.float32)), 256, 24)
-    group_8 = _zero_point_int4("gptq", 8, 24, 256, 7)  # no tl.dot-sized step fits a group of 8
+    covered = [_gguf(name, 24, 256, seed) for seed, name in enumerate(GGUF_SCHEMES)]
+    covered += [_zero_point_int4("awq", 128, 24, 256, 5), _fp8(128, 24, 256, 6),
+                _fp8(None, 24, 99, 7)]
+    square = _fp8(128, 24, 256, 8)  # 128 x 128 blocks as such: the reader never stores them
+    scheme = quant.QuantScheme("fp8", "fp8_e4m3", 8, zero_points=False, fp8_block=(128, 128))
+    square = quant.QuantizedWeight(scheme, square.codes, square.scales[:1], None, 256, 24)
+    group_8 = _zero_point_int4("gptq", 8, 24, 256, 9)  # no tl.dot-sized step fits a group of 8
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(8))
     with caplog.at_level(logging.WARNING):
         for weight in covered:
@@ -161,14 +164,14 @@ def test_the_plugins_run_covered_schemes_on_the_kernel_and_log_the_rest_once(pla
             assert isinstance(layer, TritonQuantizedLinear), weight.scheme
         assert not _fallback_warnings(caplog.records, platform), caplog.text
         for _ in range(2):  # a second layer of the same scheme: logged already
-            for weight in (q8_0, group_8):
+            for weight in (square, group_8):
                 layer = prepack(_device(weight), None)
                 assert not isinstance(layer, TritonQuantizedLinear)
                 torch.testing.assert_close(layer(x.to(DEVICE)).cpu(),
                                            quant.quantized_linear(x, weight, None), atol=0, rtol=0)
     named = _fallback_warnings(caplog.records, platform)
     assert len(named) == 2, named
-    assert any("gguf Q8_0 weights (8 bits, group 32)" in m for m in named)
+    assert any("fp8 fp8_e4m3 weights (block (128, 128))" in m for m in named)
     assert any("gptq int4 weights (4 bits, group 8)" in m for m in named)
 
 

@@ -11,8 +11,9 @@ per kernel:
 - Gated DeltaNet, KDA and Mamba2: the conv, the chunked scan and the recurrence per dtype
   at production head dims (128; Mamba2 head 64, state 128);
 - MoE: the grouped GEMMs with and without biases, both activations, per dtype;
-- the weight-only quantized GEMM: int4 in groups of 128 and FP8 e4m3 in 1 x 128 blocks,
-  decode (16-row tiles) and prefill tiles, per dtype;
+- the weight-only quantized GEMM: int4 in groups of 128, 8-bit codes in groups of 32
+  (Q8_0) and FP8 e4m3 in 1 x 128 blocks, decode (16-row tiles) and prefill tiles, per
+  dtype;
 - the elementwise ops per dtype at hidden 4096.
 
 The tensors are CPU tensors: under `aot.compiling_for` no kernel runs, each launch only
@@ -138,12 +139,16 @@ def _moe(configs: KernelConfigs, dtype, biased: bool) -> None:
                 "swiglu_oai" if biased else "silu", configs=configs)
 
 
-def _quant(configs: KernelConfigs, dtype, fp8: bool) -> None:
+def _quant(configs: KernelConfigs, dtype, form: str) -> None:
     from tokenmill.platforms.ops import quant
     from tokenmill_triton.quant import TritonQuantizedLinear
 
     out, hidden = 4096, 4096
-    if fp8:
+    if form == "q8_0 g32":
+        weight = quant.QuantizedWeight(
+            quant.QuantScheme("gguf", "Q8_0", 8, 32), torch.zeros(out, hidden, dtype=torch.uint8),
+            torch.ones(out, hidden // 32), torch.zeros(out, hidden // 32), hidden, out)
+    elif form == "fp8 1x128":
         scheme = quant.QuantScheme("fp8", "fp8_e4m3", 8, zero_points=False, fp8_block=(1, 128))
         weight = quant.QuantizedWeight(
             scheme, torch.zeros(out, hidden, dtype=torch.float8_e4m3fn),
@@ -198,8 +203,8 @@ def launch_cases(configs: KernelConfigs) -> dict[str, Callable[[], None]]:
         for biased in (False, True):
             cases[f"moe {_name(dtype)}{' biased swiglu_oai' if biased else ' silu'}"] = (
                 functools.partial(_moe, configs, dtype, biased))
-        for fp8 in (False, True):
-            cases[f"quant {'fp8 1x128' if fp8 else 'int4 g128'} {_name(dtype)}"] = (
-                functools.partial(_quant, configs, dtype, fp8))
+        for form in ("int4 g128", "q8_0 g32", "fp8 1x128"):
+            cases[f"quant {form} {_name(dtype)}"] = functools.partial(_quant, configs, dtype,
+                                                                      form)
         cases[f"elementwise {_name(dtype)}"] = functools.partial(_elementwise, configs, dtype)
     return cases

@@ -1,9 +1,12 @@
 """Weight-only quantized GEMMs on Triton: y = x @ dequantize(W).T + b, the weight
 dequantized tile by tile in registers, never as a whole matrix.
 
-Two weight formats, one kernel (`WEIGHT_FORMAT`):
+Three weight formats, one kernel (`WEIGHT_FORMAT`):
 - int4 in groups (the contract's storage: GGUF Q4_0, Q4_1, Q4_K, AWQ and GPTQ int4):
-  w = q * scale + offset per group of `group_size` input columns, q in [0, 16);
+  w = q * scale + offset per group of `group_size` input columns, q in [0, 16), two codes
+  a byte;
+- 6- and 8-bit integer codes in groups, one a byte (GGUF Q6_K in groups of 16, Q8_0 in
+  groups of 32): the same w = q * scale + offset;
 - FP8 e4m3 in row blocks of (1, c) columns (per tensor: one block per row; DeepSeek-V3's
   128 x 128 blocks, which the loader stores as 1 x 128): w = fp8(q) * scale. The codes
   are read as bytes and decoded from their bits in the kernel (sign, 4 exponent bits
@@ -19,8 +22,8 @@ to x's dtype as the reference does (`dequantize(weight, x.dtype)`), and accumula
 
 Prepack repacks once, input-major, so a tile's loads run along the output columns:
 codes uint8 [in / 2, out] (int4: byte j of column o holds inputs 2j, 2j + 1 in its low and
-high nibble, the contract's pairing) or [in, out] (FP8 bytes); scales and offsets float32
-[groups, out].
+high nibble, the contract's pairing) or [in, out] (6- and 8-bit codes, FP8 bytes); scales
+and offsets float32 [groups, out].
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from tokenmill_triton.rounding import exact_bf16_casts, to_dtype
 
 logger = logging.getLogger(__name__)
 
-INT4, FP8_E4M3 = 0, 1
+INT4, FP8_E4M3, BYTE_INT = 0, 1, 2  # WEIGHT_FORMAT: packed int4, FP8 e4m3, one code a byte
 MIN_BLOCK_K = 16  # tl.dot's smallest inner dimension
 ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -63,7 +66,7 @@ def _wq_gemm_kernel(
     x_ptr, codes_ptr, scales_ptr, offsets_ptr, bias_ptr, y_ptr,
     m, n, k,
     stride_xm, stride_ym,
-    WEIGHT_FORMAT: tl.constexpr,  # INT4 or FP8_E4M3
+    WEIGHT_FORMAT: tl.constexpr,  # INT4, FP8_E4M3 or BYTE_INT
     GROUP: tl.constexpr,  # input columns per scale; BLOCK_K divides it, or it spans k
     HAS_OFFSETS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -97,7 +100,10 @@ def _wq_gemm_kernel(
         else:
             byte = tl.load(codes_ptr + ks.to(tl.int64)[:, None] * n + cols[None, :],
                            mask=tile_ok, other=0)
-            q = _e4m3_to_float32(byte)
+            if WEIGHT_FORMAT == 1:
+                q = _e4m3_to_float32(byte)
+            else:
+                q = byte.to(tl.float32)
         group = k0 // GROUP  # the whole step lies in this group
         scale = tl.load(scales_ptr + group * n + cols, mask=col_ok, other=0.0)
         w = q * scale[None, :]
@@ -131,19 +137,17 @@ def _block_k(group: int, in_features: int, block_k: int) -> int | None:
 
 
 def kernel_format(weight: QuantizedWeight, block_k: int) -> tuple[int, int] | None:
-    """(WEIGHT_FORMAT, BLOCK_K) when the kernel takes `weight`'s scheme, else None: int4
-    in groups a power of two of at least 16 divides (GGUF's 32, AWQ / GPTQ 32/64/128, one
-    group per row), FP8 e4m3 in blocks of one row."""
+    """(WEIGHT_FORMAT, BLOCK_K) when the kernel takes `weight`'s scheme, else None: 4-,
+    6- and 8-bit integer codes in groups a power of two of at least 16 divides (GGUF's 16
+    and 32, AWQ / GPTQ 32/64/128, one group per row), FP8 e4m3 in blocks of one row."""
     scheme = weight.scheme
     if scheme.is_fp8:
         rows, cols = scheme.fp8_block
         if rows != 1 or weight.codes.dtype != torch.float8_e4m3fn:
             return None
         fmt, group = FP8_E4M3, cols
-    elif scheme.bits == 4:
-        fmt, group = INT4, scheme.group_size
     else:
-        return None
+        fmt, group = (INT4 if scheme.bits == 4 else BYTE_INT), scheme.group_size
     size = _block_k(group, weight.in_features, block_k)
     return None if size is None else (fmt, size)
 
@@ -169,7 +173,7 @@ class TritonQuantizedLinear:
         else:
             self.group = scheme.group_size
             codes = weight.codes
-        self.codes = codes.t().contiguous()  # [in / 2 or in, out]
+        self.codes = codes.t().contiguous()  # [in / 2, out] for int4, else [in, out]
         self.scales = weight.scales.float().t().contiguous()  # [groups, out]
         self.offsets = (None if weight.offsets is None
                         else weight.offsets.float().t().contiguous())
@@ -216,9 +220,10 @@ def prepack_quantized_linear(
     weight: QuantizedWeight, bias: torch.Tensor | None, *,
     configs: KernelConfigs, fallback: ReferenceQuantizedLinear,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The core's op of that name: int4 in groups and FP8 e4m3 in row blocks on
-    `_wq_gemm_kernel` (`kernel_format` says which); any other scheme (Q8_0, Q6_K) goes to
-    `fallback`, the core's reference, which logs once per scheme."""
+    """The core's op of that name: integer codes in groups and FP8 e4m3 in row blocks on
+    `_wq_gemm_kernel` (`kernel_format` says which); any other scheme (a group no power of
+    two >= 16 divides, FP8 blocks of several rows) goes to `fallback`, the core's
+    reference, which logs once per scheme."""
     if kernel_format(weight, configs.quant.block_k) is not None:
         return TritonQuantizedLinear(weight, bias, configs)
     return fallback(weight, bias)
