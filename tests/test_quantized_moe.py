@@ -33,7 +33,7 @@ from tokenmill_cpu import ops as cpu_ops
 NUM_EXPERTS, MOE_INTER, HIDDEN = 4, 128, 256
 
 
-def _tiny_moe(arch: str):
+def _tiny_moe(arch: str, mlp_only_layers: list[int] | None = None):
     """hidden 256, experts of 128 (so groups of 32 / 64 / 128 divide both projections)."""
     common = dict(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=64, num_experts_per_tok=2, vocab_size=256,
@@ -42,7 +42,8 @@ def _tiny_moe(arch: str):
     if arch == "qwen3_moe":  # layer 1 keeps a dense MLP, quantized as a linear
         config = Qwen3MoeConfig(intermediate_size=256, moe_intermediate_size=MOE_INTER,
                                 num_experts=NUM_EXPERTS, decoder_sparse_step=1,
-                                mlp_only_layers=[1], norm_topk_prob=True, **common)
+                                mlp_only_layers=[1] if mlp_only_layers is None
+                                else mlp_only_layers, norm_topk_prob=True, **common)
         return Qwen3MoeForCausalLM(config).eval()
     config = MixtralConfig(intermediate_size=MOE_INTER, num_local_experts=NUM_EXPERTS, **common)
     return MixtralForCausalLM(config).eval()
@@ -175,3 +176,80 @@ def test_quantized_experts_refuse_expert_parallel():
         FusedMoE(hidden_size=64, intermediate_size=32, num_experts=4, top_k=2,
                  routing="softmax_topk", renormalize=True, activation="silu",
                  router_bias=False, expert_bias=False, build=build, prefix="model.layers.0.mlp")
+
+
+def _gguf_moe(path, type_name: str, experts_type: str):
+    """A GGUF file of a tiny Qwen3-MoE (every layer sparse: llama.cpp's qwen3moe has no
+    dense layer) whose projections are in `type_name` and stacked experts (`ffn_*_exps`,
+    llama.cpp's layout) in `experts_type`, quantized by the gguf package (F32: float);
+    the HF model gets the same weights dequantized by gguf."""
+    from gguf import GGMLQuantizationType, GGUFWriter, dequantize, quantize
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        get_gguf_hf_weights_map,
+    )
+
+    from tokenmill.model.gguf_quant import ParameterNames
+
+    hf = _tiny_moe("qwen3_moe", mlp_only_layers=[])
+    state = hf.state_dict()
+    processor = TENSOR_PROCESSORS["qwen3moe"](config=hf.config.to_dict())
+    name_map = get_gguf_hf_weights_map(ParameterNames(hf.config, list(state)), processor)
+    writer = GGUFWriter(str(path), "qwen3moe")
+    for gguf_name, hf_name in name_map.items():
+        tensor = state[hf_name]
+        if gguf_name.endswith("_exps"):  # [E, 2I, H] gate then up, or [E, H, I]
+            proj = gguf_name.rpartition("_")[0].rpartition("_")[2]
+            tensor = {"gate": tensor[:, :MOE_INTER], "up": tensor[:, MOE_INTER:]}.get(
+                proj, tensor)
+            gguf_name += ".weight"
+            if experts_type == "F32":
+                writer.add_tensor(gguf_name, tensor.numpy().copy())
+                continue
+        elif not gguf_name.endswith(("attn_q.weight", "attn_k.weight", "attn_v.weight",
+                                     "attn_output.weight", "output.weight")):
+            writer.add_tensor(gguf_name, tensor.numpy().copy())
+            continue
+        kind = getattr(GGMLQuantizationType,
+                       experts_type if gguf_name.endswith("_exps.weight") else type_name)
+        raw = quantize(tensor.numpy(), kind)
+        tensor.copy_(torch.from_numpy(dequantize(raw, kind)))
+        writer.add_tensor(gguf_name, raw, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return hf
+
+
+@pytest.mark.parametrize("type_name, experts_type",
+                         [("Q4_0", "Q4_0"), ("Q8_0", "Q8_0"), ("Q4_0", "F32")])
+def test_gguf_stacked_experts_stay_quantized(tmp_path, caplog, type_name, experts_type):
+    """llama.cpp's 3-D `ffn_*_exps` tensors read expert by expert into QuantizedExperts:
+    Q4_0 on the cpu int4 kernel, Q8_0 on the reference (logged); float experts (F32)
+    into the dense experts, expert by expert too."""
+    from tokenmill.model.loader import build_model, checkpoint_weights, quant_schemes
+    from tokenmill.platforms.ops.reference import ReferenceAttentionBackend
+
+    path = tmp_path / "moe.gguf"
+    hf = _gguf_moe(path, type_name, experts_type)
+    with caplog.at_level("INFO"):
+        model = build_model(
+            hf.config, checkpoint_weights(str(path), hf.config, quantization="gguf"),
+            dtype=torch.float32, device="cpu", ops=load_platform("cpu").ops,
+            attention_backend=ReferenceAttentionBackend(), block_size=4,
+            schemes=quant_schemes(str(path), hf.config, "gguf", torch.float32))
+    moes = _moes(model)
+    assert len(moes) == 2
+    if experts_type == "F32":
+        assert all(isinstance(m.scheme, DenseWeights) for m in moes)
+    else:
+        assert all(isinstance(m.scheme, QuantizedExperts) for m in moes)
+        assert all(m.w13_codes.dtype == torch.uint8
+                   and "w13" not in dict(m.named_parameters()) for m in moes)
+        linears = [f for m in moes for pair in m._apply_packed.linears for f in pair]
+        if experts_type == "Q4_0":
+            assert all(isinstance(f, cpu_ops.Int4PackedLinear) for f in linears)
+    assert _dequantized_logs(caplog) == []
+    got, want = _logits(model, hf)
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=0)
