@@ -4,7 +4,8 @@ run as Q4_1 (`quantization="gguf"`) against the same file dequantized
 
     python benchmarks/bench_quantization.py ppl [--tokens 50000] [--dtype bfloat16]
     python benchmarks/bench_quantization.py ops
-    python benchmarks/bench_quantization.py decode [--llama-python /work/peers/llama-venv/bin/python]
+    python benchmarks/bench_quantization.py decode [--none-dtypes auto float32 bfloat16]
+        [--llama-python ../peers/llamacpp/bin/python]
 
 `ppl`: perplexity over a fixed sample of text that ships with Python (the stdlib's own
 sources, `*.py` of the stdlib folder in sorted order, concatenated until `--tokens`
@@ -12,7 +13,12 @@ tokens), in windows of `--window` tokens scored with prompt logprobs, and the gr
 agreement (the share of positions whose argmax token is the same in both runs).
 `ops`: one matmul of each of SmolLM2's shapes at batch 1 and 64, bf16 dense (the cpu
 plugin's prepack_linear) against the int4 kernel. `decode`: output tokens/s at batch 1
-(tokenmill gguf, tokenmill bf16, llama.cpp) and at batch 64 (tokenmill gguf, bf16).
+(tokenmill gguf, tokenmill none, llama.cpp) and at batch 64 (tokenmill gguf, none), the
+gguf path in the platform's dtype ('auto'), the none path once per `--none-dtypes` (each
+row is named with the dtype the engine resolved: on a CPU without native bf16 the cpu
+plugin's 'auto' is float32). llama.cpp is llama-cpp-python in the venv that
+`benchmarks/serving/prepare_peers.sh llamacpp` makes; a missing one is said, not skipped
+silently.
 Everything of one mode runs in one process, one after another: compare the ratios, and
 note the machine's load (`uptime`), which the script prints.
 """
@@ -114,11 +120,14 @@ def run_ops(args) -> dict:
     return rows
 
 
-def _tokenmill_decode(method: str, batch: int, new_tokens: int) -> float:
-    """Output tokens/s of decode: (time for new_tokens) - (time for 1), batch prompts."""
+def _tokenmill_decode(method: str, batch: int, new_tokens: int,
+                      dtype: str = "auto") -> tuple[float, str]:
+    """(output tokens/s of decode: (time for new_tokens) - (time for 1), batch prompts;
+    the dtype the engine resolved `dtype` to)."""
     from tokenmill import LLM, SamplingParams
 
-    llm = LLM(quantization=method, enable_prefix_caching=False)
+    llm = LLM(quantization=method, dtype=dtype, enable_prefix_caching=False)
+    resolved = str(llm.engine.dtype).removeprefix("torch.")
     prompts = [f"Write a short story about robot number {i}." for i in range(batch)]
 
     def timed(n: int) -> float:
@@ -130,7 +139,7 @@ def _tokenmill_decode(method: str, batch: int, new_tokens: int) -> float:
     timed(2)  # warm-up
     rate = batch * (new_tokens - 1) / (timed(new_tokens) - timed(1))
     llm.engine.shutdown()
-    return rate
+    return rate, resolved
 
 
 LLAMA_CODE = """
@@ -157,8 +166,15 @@ def run_decode(args) -> dict:
 
     threads = torch.get_num_threads()
     rates = {}
-    for method in ("gguf", "none"):
-        rates[f"tokenmill {method} batch 1"] = _tokenmill_decode(method, 1, args.new_tokens)
+
+    def tokenmill_rows(batch: int) -> None:
+        rate, dtype = _tokenmill_decode("gguf", batch, args.new_tokens)
+        rates[f"tokenmill gguf ({dtype} activations) batch {batch}"] = rate
+        for wanted in args.none_dtypes:
+            rate, dtype = _tokenmill_decode("none", batch, args.new_tokens, wanted)
+            rates[f"tokenmill none ({dtype}, asked {wanted}) batch {batch}"] = rate
+
+    tokenmill_rows(1)
     if Path(args.llama_python).exists():
         out = subprocess.run([args.llama_python, "-c", LLAMA_CODE, default_model_path(),
                               str(threads), str(args.new_tokens)], capture_output=True, text=True)
@@ -166,8 +182,10 @@ def run_decode(args) -> dict:
             rates["llama.cpp batch 1"] = float(out.stdout.strip().splitlines()[-1])
         else:
             print(f"llama.cpp failed: {out.stderr[-2000:]}", file=sys.stderr)
-    for method in ("gguf", "none"):
-        rates[f"tokenmill {method} batch 64"] = _tokenmill_decode(method, 64, args.new_tokens)
+    else:
+        print(f"llama.cpp row left out: {args.llama_python} missing "
+              "(benchmarks/serving/prepare_peers.sh llamacpp)", file=sys.stderr)
+    tokenmill_rows(64)
     rates["threads"] = threads
     return rates
 
@@ -179,7 +197,12 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--new-tokens", type=int, default=33)
-    parser.add_argument("--llama-python", default="/work/peers/llama-venv/bin/python")
+    parser.add_argument("--none-dtypes", nargs="+", default=["auto"],
+                        choices=["auto", "float32", "bfloat16"],
+                        help="decode: the dtypes the none (dequantized) path runs in, a row each")
+    parser.add_argument("--llama-python", default=str(
+        Path(os.environ.get("PEERS_DIR", Path(__file__).resolve().parents[2] / "peers"))
+        / "llamacpp" / "bin" / "python"))
     args = parser.parse_args()
     os.environ.setdefault("TOKENMILL_LOG_LEVEL", "WARNING")
     before = _uptime()
