@@ -3,18 +3,23 @@ run as Q4_1 (`quantization="gguf"`) against the same file dequantized
 (`quantization="none"`), and against llama.cpp on the same file and threads.
 
     python benchmarks/bench_quantization.py ppl [--tokens 50000] [--dtype bfloat16]
-    python benchmarks/bench_quantization.py ops
-    python benchmarks/bench_quantization.py decode [--none-dtypes auto float32 bfloat16]
+        [--gguf-dtype bfloat16] [--none-dtype float32]
+    python benchmarks/bench_quantization.py ops [--dtype float32]
+    python benchmarks/bench_quantization.py decode [--gguf-dtypes auto bfloat16]
+        [--none-dtypes auto float32 bfloat16]
         [--llama-python ../peers/llamacpp/bin/python]
 
 `ppl`: perplexity over a fixed sample of text that ships with Python (the stdlib's own
 sources, `*.py` of the stdlib folder in sorted order, concatenated until `--tokens`
 tokens), in windows of `--window` tokens scored with prompt logprobs, and the greedy
-agreement (the share of positions whose argmax token is the same in both runs).
-`ops`: one matmul of each of SmolLM2's shapes at batch 1 and 64, bf16 dense (the cpu
-plugin's prepack_linear) against the int4 kernel. `decode`: output tokens/s at batch 1
+agreement (the share of positions whose argmax token is the same in both runs); each
+path in `--dtype` unless `--gguf-dtype` / `--none-dtype` say otherwise (ATen's int4 kernel
+is fast only with bf16 activations on a CPU without AVX-512: `ops --dtype float32`),
+the none path first, each path's figures printed to stderr when it finishes.
+`ops`: one matmul of each of SmolLM2's shapes at batch 1 and 64, dense in `--dtype` (the
+cpu plugin's prepack_linear) against the int4 kernel with activations in `--dtype`. `decode`: output tokens/s at batch 1
 (tokenmill gguf, tokenmill none, llama.cpp) and at batch 64 (tokenmill gguf, none), the
-gguf path in the platform's dtype ('auto'), the none path once per `--none-dtypes` (each
+gguf path once per `--gguf-dtypes`, the none path once per `--none-dtypes` (each
 row is named with the dtype the engine resolved: on a CPU without native bf16 the cpu
 plugin's 'auto' is float32). llama.cpp is llama-cpp-python in the venv that
 `benchmarks/serving/prepare_peers.sh llamacpp` makes; a missing one is said, not skipped
@@ -68,8 +73,9 @@ def run_ppl(args) -> dict:
     from tokenmill import LLM
 
     results, argmaxes = {}, {}
-    for method in ("gguf", "none"):
-        llm = LLM(quantization=method, dtype=args.dtype, max_num_batched_tokens=args.window,
+    dtypes = {"gguf": args.gguf_dtype or args.dtype, "none": args.none_dtype or args.dtype}
+    for method in ("none", "gguf"):
+        llm = LLM(quantization=method, dtype=dtypes[method], max_num_batched_tokens=args.window,
                   enable_prefix_caching=False)
         ids = stdlib_sample(llm.get_tokenizer(), args.tokens)
         windows = [ids[i:i + args.window] for i in range(0, len(ids), args.window)]
@@ -77,7 +83,9 @@ def run_ppl(args) -> dict:
         nll, argmaxes[method] = score(llm, windows)
         n = len(argmaxes[method])
         results[method] = {"ppl": math.exp(nll / n), "positions": n,
-                           "seconds": time.perf_counter() - start}
+                           "seconds": time.perf_counter() - start,
+                           "dtype": str(llm.engine.dtype).removeprefix("torch.")}
+        print(f"{method}: {results[method]}", file=sys.stderr, flush=True)
         llm.engine.shutdown()
         del llm
     same = sum(a == b for a, b in zip(argmaxes["gguf"], argmaxes["none"]))
@@ -101,6 +109,9 @@ def run_ops(args) -> dict:
     from tokenmill.platforms.ops import quant
     from tokenmill_cpu import ops
 
+    if args.dtype not in ("float32", "bfloat16"):
+        raise SystemExit(f"ops --dtype {args.dtype!r}: use float32 or bfloat16")
+    dtype = getattr(torch, args.dtype)
     shapes = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
     g = torch.Generator().manual_seed(0)
     rows = {}
@@ -109,14 +120,15 @@ def run_ops(args) -> dict:
         scales = torch.rand(n, k // 32, generator=g) * 0.01
         weight = quant.QuantizedWeight(quant.QuantScheme("gguf", "Q4_1", 4, 32),
                                        quant.pack_int4(codes), scales, -8 * scales, k, n)
-        dense = ops.prepack_linear(quant.dequantize(weight, torch.bfloat16), None)
+        dense = ops.prepack_linear(quant.dequantize(weight, dtype), None)
         int4 = ops.prepack_quantized_linear(weight, None)
         for m in (1, 64):
-            x = torch.randn(m, k, generator=g).bfloat16()
+            x = torch.randn(m, k, generator=g).to(dtype)
             reps = 200 if m == 1 else 20
             t_dense, t_int4 = _bench(dense, x, reps), _bench(int4, x, reps)
             rows[f"{name} {n}x{k} batch {m}"] = {
-                "bf16_us": t_dense * 1e6, "int4_us": t_int4 * 1e6, "speedup": t_dense / t_int4}
+                "dtype": args.dtype, "dense_us": t_dense * 1e6, "int4_us": t_int4 * 1e6,
+                "speedup": t_dense / t_int4}
     return rows
 
 
@@ -168,8 +180,9 @@ def run_decode(args) -> dict:
     rates = {}
 
     def tokenmill_rows(batch: int) -> None:
-        rate, dtype = _tokenmill_decode("gguf", batch, args.new_tokens)
-        rates[f"tokenmill gguf ({dtype} activations) batch {batch}"] = rate
+        for wanted in args.gguf_dtypes:
+            rate, dtype = _tokenmill_decode("gguf", batch, args.new_tokens, wanted)
+            rates[f"tokenmill gguf ({dtype} activations, asked {wanted}) batch {batch}"] = rate
         for wanted in args.none_dtypes:
             rate, dtype = _tokenmill_decode("none", batch, args.new_tokens, wanted)
             rates[f"tokenmill none ({dtype}, asked {wanted}) batch {batch}"] = rate
@@ -197,6 +210,13 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--new-tokens", type=int, default=33)
+    parser.add_argument("--gguf-dtype", choices=["auto", "float32", "bfloat16"],
+                        help="ppl: the gguf path's dtype (default: --dtype)")
+    parser.add_argument("--none-dtype", choices=["auto", "float32", "bfloat16"],
+                        help="ppl: the none path's dtype (default: --dtype)")
+    parser.add_argument("--gguf-dtypes", nargs="+", default=["auto"],
+                        choices=["auto", "float32", "bfloat16"],
+                        help="decode: the dtypes the gguf path runs in, a row each")
     parser.add_argument("--none-dtypes", nargs="+", default=["auto"],
                         choices=["auto", "float32", "bfloat16"],
                         help="decode: the dtypes the none (dequantized) path runs in, a row each")
