@@ -5,6 +5,7 @@ run as Q4_1 (`quantization="gguf"`) against the same file dequantized
     python benchmarks/bench_quantization.py ppl [--tokens 50000] [--dtype bfloat16]
         [--gguf-dtype bfloat16] [--none-dtype float32]
     python benchmarks/bench_quantization.py ops [--dtype float32]
+    python benchmarks/bench_quantization.py moe [--experts 128]
     python benchmarks/bench_quantization.py decode [--gguf-dtypes auto bfloat16]
         [--none-dtypes auto float32 bfloat16]
         [--llama-python ../peers/llamacpp/bin/python]
@@ -17,13 +18,17 @@ path in `--dtype` unless `--gguf-dtype` / `--none-dtype` say otherwise (ATen's i
 is fast only with bf16 activations on a CPU without AVX-512: `ops --dtype float32`),
 the none path first, each path's figures printed to stderr when it finishes.
 `ops`: one matmul of each of SmolLM2's shapes at batch 1 and 64, dense in `--dtype` (the
-cpu plugin's prepack_linear) against the int4 kernel with activations in `--dtype`. `decode`: output tokens/s at batch 1
-(tokenmill gguf, tokenmill none, llama.cpp) and at batch 64 (tokenmill gguf, none), the
-gguf path once per `--gguf-dtypes`, the none path once per `--none-dtypes` (each
-row is named with the dtype the engine resolved: on a CPU without native bf16 the cpu
+cpu plugin's prepack_linear) against the int4 kernel with activations in `--dtype`.
+`decode`: output tokens/s at batch 1 (tokenmill gguf, tokenmill none, llama.cpp) and at
+batch 64 (tokenmill gguf, none), the gguf path once per `--gguf-dtypes`, the none path
+once per `--none-dtypes` (each row is named with the dtype the engine resolved: on a CPU without native bf16 the cpu
 plugin's 'auto' is float32). llama.cpp is llama-cpp-python in the venv that
 `benchmarks/serving/prepare_peers.sh llamacpp` makes; a missing one is said, not skipped
 silently.
+`moe`: one MoE layer of Qwen3-30B-A3B's expert shapes (hidden 2048, experts of 768, top
+8 of `--experts`), its experts as int4 codes in groups of 32 (`QuantizedExperts`, the
+cpu int4 kernel per expert) against the same weights dense in bf16 (the platform's op
+`moe_experts`), at batch 1 and 16.
 Everything of one mode runs in one process, one after another: compare the ratios, and
 note the machine's load (`uptime`), which the script prints.
 """
@@ -132,6 +137,60 @@ def run_ops(args) -> dict:
     return rows
 
 
+def run_moe(args) -> dict:
+    import torch
+
+    from tokenmill.model.linear import DenseWeights, LayerBuilder
+    from tokenmill.model.moe import FusedMoE
+    from tokenmill.model.quant import QuantizedExperts
+    from tokenmill.platforms.ops import quant
+    from tokenmill.platforms.registry import load_platform
+
+    hidden, inter, experts, top_k = 2048, 768, args.experts, 8
+    ops = load_platform("cpu").ops
+    scheme = quant.QuantScheme("gguf", "Q4_0", 4, 32)
+    g = torch.Generator().manual_seed(0)
+
+    def layer(weights) -> FusedMoE:
+        dense = DenseWeights(torch.bfloat16)  # the router
+        build = LayerBuilder(ops=ops, dtype=torch.bfloat16,
+                             schemes=lambda prefix: weights if prefix == "mlp" else dense)
+        return FusedMoE(hidden_size=hidden, intermediate_size=inter, num_experts=experts,
+                        top_k=top_k, routing="softmax_topk", renormalize=True,
+                        activation="silu", router_bias=False, expert_bias=False,
+                        build=build, prefix="mlp")
+
+    quantized = layer(QuantizedExperts(scheme, scheme, torch.bfloat16))
+    dense = layer(DenseWeights(torch.bfloat16))
+    router = torch.randn(experts, hidden, generator=g) * 0.02
+    for name, (out, n) in (("w13", (2 * inter, hidden)), ("w2", (hidden, inter))):
+        codes = torch.randint(0, 16, (experts, out, n), generator=g, dtype=torch.uint8)
+        scales = torch.rand(experts, out, n // 32, generator=g) * 0.01
+        getattr(quantized, f"{name}_codes").data.copy_(quant.pack_int4(codes))
+        getattr(quantized, f"{name}_scales").data.copy_(scales)
+        getattr(quantized, f"{name}_offsets").data.copy_(-8 * scales)
+        getattr(dense, name).data.copy_(((codes.float() - 8) * scales.repeat_interleave(
+            32, -1)).bfloat16())
+    rows = {}
+    for moe in (quantized, dense):
+        moe.router.weight.data.copy_(router.bfloat16())
+        moe.prepack(ops)
+        moe.router.prepack(ops)
+    for m in (1, 16):
+        x = torch.randn(m, hidden, generator=g).bfloat16()
+        reps = 50 if m == 1 else 10
+        with torch.inference_mode():
+            t_dense, t_int4 = _bench(dense, x, reps), _bench(quantized, x, reps)
+        rows[f"batch {m}"] = {"bf16_ms": t_dense * 1e3, "int4_ms": t_int4 * 1e3,
+                              "speedup": t_dense / t_int4}
+    rows["expert_bytes"] = {
+        "bf16": sum(p.numel() * p.element_size() for n, p in dense.named_parameters()
+                    if n.startswith("w")),
+        "int4": sum(p.numel() * p.element_size() for n, p in quantized.named_parameters()
+                    if n.startswith("w"))}
+    return rows
+
+
 def _tokenmill_decode(method: str, batch: int, new_tokens: int,
                       dtype: str = "auto") -> tuple[float, str]:
     """(output tokens/s of decode: (time for new_tokens) - (time for 1), batch prompts;
@@ -205,7 +264,8 @@ def run_decode(args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=["ppl", "ops", "decode"])
+    parser.add_argument("mode", choices=["ppl", "ops", "decode", "moe"])
+    parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=50_000)
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument("--dtype", default="bfloat16")
@@ -226,7 +286,8 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("TOKENMILL_LOG_LEVEL", "WARNING")
     before = _uptime()
-    result = {"ppl": run_ppl, "ops": run_ops, "decode": run_decode}[args.mode](args)
+    result = {"ppl": run_ppl, "ops": run_ops, "decode": run_decode,
+              "moe": run_moe}[args.mode](args)
     print(json.dumps({"mode": args.mode, "uptime_before": before, "uptime_after": _uptime(),
                       "result": result}, indent=2))
 

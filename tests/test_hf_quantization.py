@@ -29,7 +29,8 @@ from tokenmill.model.loader import (
     quant_schemes,
     resolve_quantization,
 )
-from tokenmill.model.quant import QuantizedWeights
+from tokenmill.model.moe import FusedMoE
+from tokenmill.model.quant import QuantizedExperts, QuantizedWeights
 from tokenmill.platforms.ops.reference import ReferenceAttentionBackend
 from tokenmill.platforms.registry import load_platform
 from tokenmill_cpu import ops as cpu_ops
@@ -266,9 +267,9 @@ def test_fp8_scales_that_do_not_fit_are_refused(tmp_path):
 def test_deepseek_v3_fp8_blocks_match_transformers(tmp_path, quantization, caplog):
     """DeepSeek-V3's own layout (a tiny one: MLA projections, dense and expert MLPs all in
     128x128-block FP8, one tensor per expert), against transformers on the same weights
-    dequantized. Unset, the projections stay FP8 but the routed experts (quantized MoE is
-    not built yet) and kv_b_proj (MLA reads it as a tensor) are dequantized at load,
-    logged; `none` dequantizes every weight."""
+    dequantized. Unset, the projections and the routed experts stay FP8, only kv_b_proj
+    (MLA reads it as a tensor) is dequantized at load, logged; `none` dequantizes every
+    weight."""
     from safetensors.torch import load_file
     from test_deepseek_v3 import tiny_config
     from transformers import AutoModelForCausalLM
@@ -314,12 +315,15 @@ def test_deepseek_v3_fp8_blocks_match_transformers(tmp_path, quantization, caplo
             if isinstance(m, Linear) and isinstance(m.scheme, QuantizedWeights)]
     logged = [r for r in caplog.records if "dequantized at load into layers built dense"
               in r.getMessage()]
-    # unset: the routed experts (2 layers x 8 x 3) and MLA's kv_b_proj (read as a tensor)
-    count = 48 + 3 if quantization is None else 72
+    # unset: MLA's kv_b_proj (read as a tensor), one per layer
+    count = 3 if quantization is None else 72
     assert len(logged) == 1 and f"{count} quantized checkpoint weights" in logged[0].getMessage()
     if quantization is None:
         assert method == "fp8" and len(kept) > 0 and logged[0].levelname == "WARNING"
         assert all(m.weight_codes.dtype == torch.float8_e4m3fn for m in kept)
+        moes = [m for m in ours.modules() if isinstance(m, FusedMoE)]
+        assert len(moes) == 2 and all(isinstance(m.scheme, QuantizedExperts) for m in moes)
+        assert all(m.w13_codes.dtype == torch.float8_e4m3fn for m in moes)
     else:
         assert method == "none" and not kept and logged[0].levelname == "INFO"
     tokens = torch.randint(3, 300, (11,), generator=torch.Generator().manual_seed(2)).tolist()

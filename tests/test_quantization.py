@@ -133,9 +133,9 @@ def _fallback_warnings(records, platform: str) -> list[str]:
 
 
 def test_a_platform_without_a_quantized_kernel_logs_each_scheme_once(caplog):
-    """Ops that do not override prepack_quantized_linear (the triton plugins today;
-    tests/triton/quant_fallback_cases.py loads them) run the reference: one warning per
-    scheme naming the platform, however many layers share it."""
+    """Ops that do not override prepack_quantized_linear (a bare platform here; the
+    triton plugins' fallback: tests/triton/quant_cases.py) run the reference: one warning
+    per scheme naming the platform, however many layers share it."""
     hf = _tiny_llama()
     weights, plan = _quantized_checkpoint(hf, lambda name: "Q8_0" if "mlp" in name else "Q4_0")
     ops = resolve_ops({}, source="platform plugin 'bare'")

@@ -36,8 +36,9 @@ from tokenmill.model.family import ModelFamily
 from tokenmill.model.kv_scales import is_kv_scale, load_kv_scale, with_kv_cache_dtype
 from tokenmill.model.layers import BackendChoice, RMSNorm, resolve_backends
 from tokenmill.model.linear import LayerBuilder, Linear, MergedLinear, SchemeChooser
+from tokenmill.model.moe import FusedMoE
 from tokenmill.model.prefill_context_parallel import PrefillContextParallelAttention
-from tokenmill.model.quant import QuantizedCheckpointTensor, QuantizedWeights
+from tokenmill.model.quant import QuantizedCheckpointTensor, QuantizedExperts, QuantizedWeights
 from tokenmill.platforms.interfaces import (
     AttentionBackend,
     AttentionKind,
@@ -362,7 +363,7 @@ class CausalLM(nn.Module):
         # a quantized layer on a platform without a kernel for its scheme logs there
         # (tokenmill.platforms.ops.quant.ReferenceQuantizedLinear)
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, (Linear, FusedMoE)):
                 module.prepack(self.ops)
         if self.lm_head is not None:
             self._logits_fn = self.lm_head
@@ -457,10 +458,19 @@ class CausalLM(nn.Module):
         """Copy a quantized checkpoint weight's parts into its layer when the layer was
         built in the same scheme; returns the (parameter, shard) pairs filled (none: the
         caller dequantizes it)."""
-        name, shard = self._map_name(hf_name)
-        module_name = name.rpartition(".")[0]
+        name, shard = self.checkpoint_param(hf_name)
+        module_name, _, param_name = name.rpartition(".")
         module = modules.get(module_name)
         scheme = getattr(module, "scheme", None)
+        if isinstance(scheme, QuantizedExperts):  # a FusedMoE's routed experts
+            if scheme.projection(param_name) != tensor.scheme:
+                return set()
+            filled = set()
+            for part, value in tensor.parts().items():
+                target = f"{param_name}_{part.removeprefix('weight_')}"
+                filled.update((f"{module_name}.{target}", s)
+                              for s in module.load_checkpoint_tensor(target, shard, value))
+            return filled
         if not isinstance(scheme, QuantizedWeights) or scheme.quant != tensor.scheme:
             return set()
         if self.tp.world_size > 1:
@@ -496,6 +506,19 @@ class CausalLM(nn.Module):
             else:
                 expected.add((name, None))
         return expected
+
+    @classmethod
+    def expert_name(cls, hf_name: str) -> tuple[str, int | None] | None:
+        """A routed expert's checkpoint weight -> (our FusedMoE parameter, shard), as
+        `_convert` maps it (the MoE families say; None here: no experts). Read without
+        the tensor, to plan which experts stay quantized."""
+        return None
+
+    @classmethod
+    def checkpoint_param(cls, hf_name: str) -> tuple[str, int | None]:
+        """(our parameter, shard) of checkpoint weight `hf_name` without its tensor: a
+        routed expert's (`expert_name`) or `_map_name`'s."""
+        return cls.expert_name(hf_name) or cls._map_name(hf_name)
 
     @staticmethod
     def _map_name(hf_name: str) -> tuple[str, int | None]:

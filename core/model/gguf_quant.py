@@ -7,12 +7,20 @@ and its tensor processor's row permutation (llama.cpp permutes q and k rows for 
 rotary layout) is applied to the quantized rows: GGUF quantizes each row on its own, so
 reordering rows reorders codes, scales and offsets alike. A tensor whose processor does
 anything else (renames, splits) or whose type is not one of GGUF_SCHEMES is dequantized.
+
+MoE experts: llama.cpp stacks each projection of a layer's experts in one 3-D tensor
+(`blk.N.ffn_gate_exps` / `ffn_up_exps` / `ffn_down_exps`, [E, rows, columns] in torch
+order), which transformers maps to its stacked `experts.gate_up_proj` / `down_proj`.
+Of a kept type, each expert's rows become one per-expert weight
+(`<layer>.experts.{e}.gate_proj.weight`, ...), the names the MoE families read
+per expert, so they load into `QuantizedExperts` (core/model/quant.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +33,9 @@ from tokenmill.model.quant import QuantizedCheckpointTensor
 from tokenmill.platforms.ops.quant import QuantScheme
 
 logger = logging.getLogger(__name__)
+
+# llama.cpp's stacked experts: projection -> the per-expert HF projection name
+_EXPERTS = re.compile(r"blk\.\d+\.ffn_(?P<proj>gate|up|down)_exps\.weight")
 
 GGUF_SCHEMES: dict[str, QuantScheme] = {
     "Q4_0": QuantScheme("gguf", "Q4_0", bits=4, group_size=32),
@@ -106,6 +117,7 @@ class _Entry:
     tensor: Any  # gguf.ReaderTensor
     hf_name: str
     rows: np.ndarray | None  # the processor's row order; None: the tensor is not kept quantized
+    expert: int | None = None  # of a stacked experts tensor: the expert this entry is
 
 
 class GGUFCheckpoint:
@@ -131,8 +143,24 @@ class GGUFCheckpoint:
         self.entries: list[_Entry] = []
         for tensor in self.reader.tensors:
             if tensor.name not in name_map:
+                self.entries.extend(self._expert_entries(tensor, name_map))
                 continue
             self.entries.append(_Entry(tensor, name_map[tensor.name], self._row_order(tensor)))
+
+    @staticmethod
+    def _expert_entries(tensor: Any, name_map: dict[str, str]) -> list[_Entry]:
+        """One entry per expert of a stacked experts tensor (transformers maps it without
+        `.weight` to its stacked name): kept quantized when its type is, else dequantized
+        (rows None); none for any other tensor."""
+        match = _EXPERTS.fullmatch(tensor.name)
+        stacked = name_map.get(tensor.name.removesuffix(".weight"))
+        if match is None or stacked is None or len(tensor.shape) != 3:
+            return []
+        layer = stacked.rpartition(".experts.")[0]
+        num_experts, rows = int(tensor.shape[2]), int(tensor.shape[1])
+        kept = tensor.tensor_type.name in GGUF_SCHEMES
+        return [_Entry(tensor, f"{layer}.experts.{e}.{match['proj']}_proj.weight",
+                       np.arange(rows) if kept else None, e) for e in range(num_experts)]
 
     def _row_order(self, tensor: Any) -> np.ndarray | None:
         """The processor's row permutation of a 2-D tensor of a kept type, else None."""
@@ -156,8 +184,26 @@ class GGUFCheckpoint:
         the others dequantized to float32 as transformers does."""
         from gguf import dequantize as gguf_dequantize
 
+        decoded: tuple[Any, tuple[np.ndarray, ...]] | None = None  # a stacked tensor's
         for e in self.entries:
             t = e.tensor
+            if e.expert is not None and e.rows is None:  # an expert of another type
+                if decoded is None or decoded[0] is not t:
+                    decoded = (t, (gguf_dequantize(t.data, t.tensor_type),))
+                yield e.hf_name, torch.from_numpy(np.array(decoded[1][0][e.expert]))
+                continue
+            if e.expert is not None:  # one expert's rows of a stacked experts tensor
+                if decoded is None or decoded[0] is not t:
+                    raw = np.asarray(t.data).reshape(-1, np.asarray(t.data).shape[-1])
+                    decoded = (t, decode_blocks(t.tensor_type.name, raw, int(t.shape[0])))
+                rows = slice(e.expert * len(e.rows), (e.expert + 1) * len(e.rows))
+                codes, scales, offsets = (part[rows] for part in decoded[1])
+                yield e.hf_name, QuantizedCheckpointTensor(
+                    GGUF_SCHEMES[t.tensor_type.name],
+                    torch.from_numpy(np.ascontiguousarray(codes)),
+                    torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32)),
+                    torch.from_numpy(np.ascontiguousarray(offsets, dtype=np.float32)))
+                continue
             if e.rows is None:
                 weights = gguf_dequantize(t.data, t.tensor_type)
                 result = self.processor.process(weights=weights, name=t.name,

@@ -35,7 +35,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -59,8 +59,12 @@ class WeightScheme(abc.ABC):
     `apply` computes x @ W.T (+ bias); `prepack` returns the platform's packed matmul
     for the loaded weights, or None to keep `apply`. For a `FusedMoE`'s stacked experts,
     `create_experts` registers them and `apply_experts` runs the picked experts of each
-    token row (the op `moe_experts`'s contract).
+    token row (the op `moe_experts`'s contract); `prepack_experts` returns the platform's
+    packed form of `apply_experts`, or None to keep it. `splits_experts`: whether the
+    experts may be split over expert- or tensor-parallel ranks.
     """
+
+    splits_experts: ClassVar[bool] = True
 
     @abc.abstractmethod
     def create(self, layer: nn.Module, in_features: int, out_features: int, bias: bool) -> None:
@@ -88,6 +92,13 @@ class WeightScheme(abc.ABC):
         with_down_bias: bool,
     ) -> torch.Tensor:
         """See the class docstring (`ids`: the layer's local expert ids [T, k])."""
+
+    def prepack_experts(
+        self, layer: nn.Module, ops: Ops
+    ) -> Callable[..., torch.Tensor] | None:
+        """See the class docstring; None by default (`apply_experts` runs: the dense
+        experts' op `moe_experts` is the platform's already)."""
+        return None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -173,7 +173,7 @@ def quant_schemes(
         checkpoint = HFQuantizedCheckpoint(_safetensors_files(Path(model_path)), hf_config,
                                            quantization)
         names = checkpoint.names()
-    plan = module_plan(checkpoint.schemes(), names, family_for(hf_config).model._map_name)
+    plan = module_plan(checkpoint.schemes(), names, family_for(hf_config).model.checkpoint_param)
     logger.info("%s: %d layers kept quantized (%s)", model_path, len(plan),
                 sorted({s.format for s in plan.values()}))
     return scheme_chooser(plan, dtype)

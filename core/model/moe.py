@@ -31,11 +31,16 @@ final all-gather.
 
 Weights are narrowed to the rank's share as they load (`load_checkpoint_tensor`): a rank
 never copies another rank's experts (or intermediate rows) to its device.
+
+Quantized experts (an AWQ / GPTQ / FP8 checkpoint's, `tokenmill.model.quant.QuantizedExperts`)
+are stored per projection as the contract's codes, scales and offsets stacked over the
+experts (`w13_codes` [E, 2I, H / 2] for int4, `w13_scales` [E, 2I, H / g], ...) and run
+expert by expert through the platform's quantized linear; they are not split over ranks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +48,7 @@ from torch import nn
 
 from tokenmill.model.linear import LayerBuilder
 from tokenmill.model.parallel import check_moe_parallel
+from tokenmill.platforms.ops import Ops
 
 # How a family turns router logits into top-k weights:
 # - "softmax_topk": softmax over all experts, keep the top k (Mixtral, Qwen); with
@@ -118,8 +124,12 @@ def select_experts(
     raise ValueError(f"routing {routing!r} is not one of {ROUTING}")
 
 
-# the parameters split by expert (and by intermediate row under TP)
-_EXPERT_PARAMS = ("w13", "w2", "w13_bias", "w2_bias")
+# the parameters split by expert (and by intermediate row under TP); the quantized
+# experts' parts (`w13_codes`, ...) load as their projection does, one row per output
+_QUANT_PARTS = ("codes", "scales", "offsets")
+_PROJ_PARAMS = {f"{w}{suffix}": w for w in ("w13", "w2")
+                for suffix in ("", *(f"_{part}" for part in _QUANT_PARTS))}
+_EXPERT_PARAMS = (*_PROJ_PARAMS, "w13_bias", "w2_bias")
 
 
 class FusedMoE(nn.Module):
@@ -166,6 +176,11 @@ class FusedMoE(nn.Module):
         shard = build.experts(prefix, num_experts, intermediate_size)
         self.ep, self.tp = shard.ep, shard.tp
         check_moe_parallel(num_experts, intermediate_size, self.ep.world_size, self.tp.world_size)
+        if not shard.scheme.splits_experts and (self.ep.world_size > 1 or self.tp.world_size > 1):
+            raise ValueError(
+                f"{prefix}: {type(shard.scheme).__name__} experts are not split over ranks yet (expert "
+                f"parallel size {self.ep.world_size}, MoE tensor parallel size "
+                f"{self.tp.world_size}); run with one rank or --quantization none")
         # under sequence parallel: a TP layer gathers its input and reduce-scatters its
         # output, an EP layer routes the rank's own token slice (the module docstring)
         self.sp = build.sp
@@ -192,6 +207,13 @@ class FusedMoE(nn.Module):
         self.routed_scaling_factor = routed_scaling_factor
         self.shared_experts = shared_experts
         self.ops = build.ops
+        self._apply_packed: Callable[..., torch.Tensor] | None = None
+
+    def prepack(self, ops: Ops) -> None:
+        """Let the platform repack the loaded experts (the scheme's `prepack_experts`);
+        call after every weight update. Until then (and for dense experts, whose op
+        `moe_experts` is the platform's already) the scheme's `apply_experts` runs."""
+        self._apply_packed = self.scheme.prepack_experts(self, ops)
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         if self.routing == "sigmoid_group_topk":  # DeepSeek routes in float32
@@ -257,6 +279,8 @@ class FusedMoE(nn.Module):
     ) -> torch.Tensor:
         """This rank's experts through their weight scheme (dense: the op `moe_experts`);
         `ids` are local expert ids."""
+        if self._apply_packed is not None:
+            return self._apply_packed(x, weights, ids, with_down_bias)
         return self.scheme.apply_experts(self, x, weights, ids, with_down_bias)
 
     def _forward_expert_parallel(self, x: torch.Tensor) -> torch.Tensor:
@@ -305,9 +329,10 @@ class FusedMoE(nn.Module):
         (global expert ids); stacked checkpoints give the whole tensor (shard None),
         which covers them all."""
         experts = range(self.first_expert, self.first_expert + self.num_local_experts)
-        if param_name == "w13":
+        proj = _PROJ_PARAMS.get(param_name)
+        if proj == "w13":
             return [2 * e + part for e in experts for part in (0, 1)]
-        if param_name == "w2":
+        if proj == "w2":
             return list(experts)
         return [None]
 
@@ -327,6 +352,9 @@ class FusedMoE(nn.Module):
             return [None]
         e0, ne = self.first_expert, self.num_local_experts
         i0, ni, full = self.intermediate_start, self.local_intermediate, self.intermediate_size
+        proj = _PROJ_PARAMS.get(param_name)
+        # a quantized part's columns are packed codes or groups: never split (one rank)
+        split_columns = param_name == "w2"
         if shard is None:
             filled = self.checkpoint_shards(param_name)
             if tensor.shape[0] != self.num_experts:
@@ -337,21 +365,21 @@ class FusedMoE(nn.Module):
             part = tensor.narrow(0, e0, ne)
             if param_name in ("w13", "w13_bias"):  # gate rows then up rows, each narrowed
                 part = torch.cat((part.narrow(1, i0, ni), part.narrow(1, full + i0, ni)), dim=1)
-            elif param_name == "w2":
+            elif split_columns:
                 part = part.narrow(2, i0, ni)
             target = param.data
         else:
-            expert = shard // 2 if param_name == "w13" else shard
+            expert = shard // 2 if proj == "w13" else shard
             if not 0 <= expert < self.num_experts:
                 raise KeyError(f"{param_name} shard {shard}: expert {expert} of {self.num_experts}")
             if not e0 <= expert < e0 + ne:
                 return []  # another rank's expert
             filled = [shard]
-            if param_name == "w13":
+            if proj == "w13":
                 part = tensor.narrow(0, i0, ni)
                 target = param.data[expert - e0, (shard % 2) * ni : (shard % 2 + 1) * ni]
             else:
-                part = tensor.narrow(1, i0, ni)
+                part = tensor.narrow(1, i0, ni) if split_columns else tensor
                 target = param.data[expert - e0]
         if tuple(part.shape) != tuple(target.shape):
             raise ValueError(
@@ -367,21 +395,19 @@ _PER_EXPERT = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2
 _STACKED = {"gate_up_proj": "w13", "down_proj": "w2"}
 
 
-def convert_expert_tensor(
-    prefix: str, leaf: str, tensor: torch.Tensor
-) -> Iterator[tuple[str, int | None, torch.Tensor]]:
-    """`{prefix}.experts.{e}.{proj}.weight` or `{prefix}.experts.{stacked}` -> FusedMoE
-    parameters under `prefix` (shard numbering: FusedMoE.checkpoint_shards); nothing for
-    other names. `leaf` is the name after `{prefix}.experts.`. Per-expert checkpoints
+def expert_param(prefix: str, leaf: str) -> tuple[str, int | None] | None:
+    """`{prefix}.experts.{e}.{proj}.weight` or `{prefix}.experts.{stacked}` -> the FusedMoE
+    parameter under `prefix` and its shard (numbering: FusedMoE.checkpoint_shards); None
+    for other names. `leaf` is the name after `{prefix}.experts.`. Per-expert checkpoints
     (Qwen, DeepSeek, Mixtral) and transformers 5's stacked in-memory names both load."""
     parts = leaf.split(".")
     if len(parts) == 3 and parts[0].isdigit() and parts[1] in _PER_EXPERT and parts[2] == "weight":
         param, part = _PER_EXPERT[parts[1]]
         expert = int(parts[0])
-        shard = expert if part is None else 2 * expert + part
-        yield f"{prefix}.{param}", shard, tensor
-    elif len(parts) == 1 and parts[0] in _STACKED:
-        yield f"{prefix}.{_STACKED[parts[0]]}", None, tensor
+        return f"{prefix}.{param}", expert if part is None else 2 * expert + part
+    if len(parts) == 1 and parts[0] in _STACKED:
+        return f"{prefix}.{_STACKED[parts[0]]}", None
+    return None
 
 
 def deinterleave_gate_up(t: torch.Tensor, dim: int) -> torch.Tensor:

@@ -81,6 +81,21 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
 MOE_ACTIVATIONS = ("silu", "swiglu_oai")
 
 
+def moe_activation(
+    gate_up: torch.Tensor, activation: str, swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
+) -> torch.Tensor:
+    """act(gate, up) of `moe_experts` for one expert's rows `gate_up` [n, 2I] (gate
+    columns, then up): [n, I]. Does not modify its input."""
+    inter = gate_up.shape[-1] // 2
+    gate, up = gate_up[..., :inter], gate_up[..., inter:]
+    if activation == "silu":
+        return F.silu(gate) * up
+    gate = gate.clamp(max=swiglu_limit)
+    up = up.clamp(-swiglu_limit, swiglu_limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * swiglu_alpha))
+
+
 def moe_experts(
     hidden: torch.Tensor,
     w13: torch.Tensor,
@@ -110,7 +125,7 @@ def moe_experts(
     """
     if activation not in MOE_ACTIVATIONS:
         raise ValueError(f"MoE activation {activation!r} is not one of {MOE_ACTIVATIONS}")
-    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    num_experts = w13.shape[0]
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     flat_ids = topk_ids.flatten()
     token_of = torch.arange(hidden.shape[0], device=hidden.device).repeat_interleave(
@@ -124,13 +139,7 @@ def moe_experts(
         tokens = token_of[picks]
         bias13 = None if w13_bias is None else w13_bias[e]
         gate_up = F.linear(hidden[tokens], w13[e], bias13)
-        gate, up = gate_up[:, :inter], gate_up[:, inter:]
-        if activation == "silu":
-            act = F.silu(gate) * up
-        else:
-            gate = gate.clamp(max=swiglu_limit)
-            up = up.clamp(-swiglu_limit, swiglu_limit)
-            act = (up + 1) * (gate * torch.sigmoid(gate * swiglu_alpha))
+        act = moe_activation(gate_up, activation, swiglu_alpha, swiglu_limit)
         y = F.linear(act, w2[e], None if w2_bias is None else w2_bias[e])
         out.index_add_(0, tokens, y.float() * flat_weights[picks, None])
     return out.to(hidden.dtype)

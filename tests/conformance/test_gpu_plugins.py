@@ -43,6 +43,7 @@ def test_gpu_plugin_certifies_t0_to_t3_in_the_triton_interpreter(tmp_path, platf
         "t1/test_attention.py::test_unwritten_slots_are_never_read[sliding_window-bfloat16]",
         "t1/test_ops.py::test_op_matches_reference[rms_norm-bfloat16]",
         "t1/test_ops.py::test_op_matches_reference[moe_experts-bfloat16]",
+        "t1/test_ops.py::test_op_matches_reference[prepack_quantized_linear-bfloat16]",
         "t1/test_ops.py::test_apply_token_bitmask_matches_reference[float32]",
         "t1/test_collectives.py::test_collective[world4-reduce_scatter-bfloat16]",
         "t3/test_greedy.py::test_greedy_matches_reference[qwen3]",

@@ -1,9 +1,10 @@
 """Runs the case files (the shared Triton kernels against the core's references:
 kernel_cases.py, gated_delta_cases.py, kda_cases.py, mamba2_cases.py, linear_cases.py,
 mla_cases.py, nvidia_config_cases.py, rocm_config_cases.py; hybrid_greedy_cases.py end to
-end on the nvidia plugin; quant_fallback_cases.py, the plugins' quantized layers) each in a fresh process: with TRITON_INTERPRET=1 on a machine
+end on the nvidia plugin) each in a fresh process: with TRITON_INTERPRET=1 on a machine
 without a GPU, since Triton decides at import whether kernels are interpreted and this
-session must not see the variable."""
+session must not see the variable. The quantized GEMM's case files run in the default
+run: test_triton_quant.py."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def _has_gpu() -> bool:
 @pytest.mark.parametrize("cases", ["kernel_cases.py", "gated_delta_cases.py", "kda_cases.py",
                                    "mamba2_cases.py", "linear_cases.py", "mla_cases.py",
                                    "nvidia_config_cases.py", "rocm_config_cases.py",
-                                   "hybrid_greedy_cases.py", "quant_fallback_cases.py"])
+                                   "hybrid_greedy_cases.py"])
 def test_triton_kernels_match_the_references(tmp_path, cases):
     env = dict(os.environ)
     if not _has_gpu():

@@ -49,7 +49,7 @@ from tokenmill.model.layers import (
 )
 from tokenmill.model.linear import LayerBuilder
 from tokenmill.model.mla import MLAAttention, mla_spec
-from tokenmill.model.moe import FusedMoE, convert_expert_tensor
+from tokenmill.model.moe import FusedMoE, expert_param
 from tokenmill.model.parallel import check_divides
 from tokenmill.platforms.interfaces import AttentionBackend, AttentionMetadata, AttentionSpec
 
@@ -159,17 +159,20 @@ class DeepseekV3ForCausalLM(CausalLM):
         match = _LAYER.match(hf_name)
         return match is not None and int(match.group(1)) >= self.hf_config.num_hidden_layers
 
+    @classmethod
+    def expert_name(cls, hf_name: str) -> tuple[str, int | None] | None:
+        prefix, sep, leaf = hf_name.partition(".mlp.experts.")
+        return expert_param(f"{prefix}.mlp", leaf) if sep else None
+
     def _convert(
         self, hf_name: str, tensor: torch.Tensor
     ) -> Iterator[tuple[str, int | None, torch.Tensor]]:
         if self._mtp_weight(hf_name):
             return
-        prefix, sep, leaf = hf_name.partition(".mlp.experts.")
-        if sep:  # per expert (or stacked): FusedMoE narrows to this rank's share
-            converted = list(convert_expert_tensor(f"{prefix}.mlp", leaf, tensor))
-            if converted:
-                yield from converted
-                return
+        expert = self.expert_name(hf_name)
+        if expert is not None:  # per expert (or stacked): FusedMoE narrows to this rank's share
+            yield *expert, tensor
+            return
         name = convert_moe_name(hf_name)
         if name is not None:
             yield name, None, tensor

@@ -21,7 +21,7 @@ from tokenmill.model.base import CausalLM, attention_specs
 from tokenmill.model.families.llama import DecoderLayer, Model
 from tokenmill.model.family import ModelFamily, shrink_config
 from tokenmill.model.linear import LayerBuilder
-from tokenmill.model.moe import FusedMoE, convert_expert_tensor
+from tokenmill.model.moe import FusedMoE, expert_param
 from tokenmill.platforms.interfaces import AttentionKind, AttentionSpec
 
 _EXPERT_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -53,6 +53,17 @@ class MixtralForCausalLM(CausalLM):
 
     body_cls = MixtralModel
 
+    @classmethod
+    def expert_name(cls, hf_name: str) -> tuple[str, int | None] | None:
+        name = hf_name.replace(".block_sparse_moe.", ".mlp.")
+        prefix, sep, leaf = name.partition(".mlp.experts.")
+        if not sep:
+            return None
+        parts = leaf.split(".")
+        if len(parts) == 3 and parts[1] in _EXPERT_PROJ:
+            leaf = f"{parts[0]}.{_EXPERT_PROJ[parts[1]]}.{parts[2]}"
+        return expert_param(f"{prefix}.mlp", leaf)
+
     def _convert(
         self, hf_name: str, tensor: torch.Tensor
     ) -> Iterator[tuple[str, int | None, torch.Tensor]]:
@@ -60,15 +71,10 @@ class MixtralForCausalLM(CausalLM):
         if ".mlp.gate." in name:
             yield name.replace(".mlp.gate.", ".mlp.router."), None, tensor
             return
-        prefix, sep, leaf = name.partition(".mlp.experts.")
-        if sep:
-            parts = leaf.split(".")
-            if len(parts) == 3 and parts[1] in _EXPERT_PROJ:
-                leaf = f"{parts[0]}.{_EXPERT_PROJ[parts[1]]}.{parts[2]}"
-            converted = list(convert_expert_tensor(f"{prefix}.mlp", leaf, tensor))
-            if converted:
-                yield from converted
-                return
+        expert = self.expert_name(hf_name)
+        if expert is not None:
+            yield *expert, tensor
+            return
         yield from super()._convert(name, tensor)
 
 

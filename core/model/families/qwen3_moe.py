@@ -24,7 +24,7 @@ from tokenmill.model.base import CausalLM, attention_specs
 from tokenmill.model.families.llama import DecoderLayer, Model
 from tokenmill.model.family import ModelFamily, shrink_config
 from tokenmill.model.linear import LayerBuilder
-from tokenmill.model.moe import FusedMoE, convert_expert_tensor
+from tokenmill.model.moe import FusedMoE, expert_param
 
 
 def is_sparse_layer(hf_config: Any, layer_index: int) -> bool:
@@ -68,18 +68,21 @@ class Qwen3MoeForCausalLM(CausalLM):
 
     body_cls = Qwen3MoeModel
 
+    @classmethod
+    def expert_name(cls, hf_name: str) -> tuple[str, int | None] | None:
+        prefix, sep, leaf = hf_name.partition(".mlp.experts.")
+        return expert_param(f"{prefix}.mlp", leaf) if sep else None
+
     def _convert(
         self, hf_name: str, tensor: torch.Tensor
     ) -> Iterator[tuple[str, int | None, torch.Tensor]]:
         if ".mlp.gate." in hf_name:
             yield hf_name.replace(".mlp.gate.", ".mlp.router."), None, tensor
             return
-        prefix, sep, leaf = hf_name.partition(".mlp.experts.")
-        if sep:
-            converted = list(convert_expert_tensor(f"{prefix}.mlp", leaf, tensor))
-            if converted:
-                yield from converted
-                return
+        expert = self.expert_name(hf_name)
+        if expert is not None:
+            yield *expert, tensor
+            return
         yield from super()._convert(hf_name, tensor)
 
 

@@ -51,7 +51,7 @@ from tokenmill.model.layers import (
     rotary_from_config,
 )
 from tokenmill.model.linear import LayerBuilder
-from tokenmill.model.moe import FusedMoE, convert_expert_tensor
+from tokenmill.model.moe import FusedMoE, expert_param
 from tokenmill.model.parallel import Pieces, Slice, check_divides
 from tokenmill.platforms.interfaces import (
     AttentionBackend,
@@ -295,6 +295,11 @@ class Qwen3NextForCausalLM(CausalLM):
         them, as transformers does."""
         return hf_name.startswith("mtp.")
 
+    @classmethod
+    def expert_name(cls, hf_name: str) -> tuple[str, int | None] | None:
+        prefix, sep, leaf = hf_name.partition(".mlp.experts.")
+        return expert_param(f"{prefix}.mlp.moe", leaf) if sep else None
+
     def _convert(
         self, hf_name: str, tensor: torch.Tensor
     ) -> Iterator[tuple[str, int | None, torch.Tensor]]:
@@ -303,12 +308,10 @@ class Qwen3NextForCausalLM(CausalLM):
         if hf_name.endswith(".mlp.gate.weight"):
             yield hf_name.replace(".mlp.gate.", ".mlp.moe.router."), None, tensor
             return
-        prefix, sep, leaf = hf_name.partition(".mlp.experts.")
-        if sep:  # per expert (or stacked): FusedMoE narrows to this rank's share
-            converted = list(convert_expert_tensor(f"{prefix}.mlp.moe", leaf, tensor))
-            if converted:
-                yield from converted
-                return
+        expert = self.expert_name(hf_name)
+        if expert is not None:  # per expert (or stacked): FusedMoE narrows to this rank's share
+            yield *expert, tensor
+            return
         yield from super()._convert(hf_name, tensor)
 
 

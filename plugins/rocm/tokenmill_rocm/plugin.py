@@ -32,7 +32,7 @@ from tokenmill_triton.platform_kit import (  # noqa: F401 - part of this plugin'
 )
 
 NAME = "rocm"
-API_VERSION = "1.7"  # 1.7: FP8 KV caches (Capabilities.kv_cache_dtypes)
+API_VERSION = "1.8"  # 1.7: FP8 KV caches (Capabilities.kv_cache_dtypes); 1.8: prepack_quantized_linear
 
 
 def _interpreter_configs() -> KernelConfigs:

@@ -11,6 +11,9 @@ per kernel:
 - Gated DeltaNet, KDA and Mamba2: the conv, the chunked scan and the recurrence per dtype
   at production head dims (128; Mamba2 head 64, state 128);
 - MoE: the grouped GEMMs with and without biases, both activations, per dtype;
+- the weight-only quantized GEMM: int4 in groups of 128, 8-bit codes in groups of 32
+  (Q8_0) and FP8 e4m3 in 1 x 128 blocks, decode (16-row tiles) and prefill tiles, per
+  dtype;
 - the elementwise ops per dtype at hidden 4096.
 
 The tensors are CPU tensors: under `aot.compiling_for` no kernel runs, each launch only
@@ -136,6 +139,29 @@ def _moe(configs: KernelConfigs, dtype, biased: bool) -> None:
                 "swiglu_oai" if biased else "silu", configs=configs)
 
 
+def _quant(configs: KernelConfigs, dtype, form: str) -> None:
+    from tokenmill.platforms.ops import quant
+    from tokenmill_triton.quant import TritonQuantizedLinear
+
+    out, hidden = 4096, 4096
+    if form == "q8_0 g32":
+        weight = quant.QuantizedWeight(
+            quant.QuantScheme("gguf", "Q8_0", 8, 32), torch.zeros(out, hidden, dtype=torch.uint8),
+            torch.ones(out, hidden // 32), torch.zeros(out, hidden // 32), hidden, out)
+    elif form == "fp8 1x128":
+        scheme = quant.QuantScheme("fp8", "fp8_e4m3", 8, zero_points=False, fp8_block=(1, 128))
+        weight = quant.QuantizedWeight(
+            scheme, torch.zeros(out, hidden, dtype=torch.float8_e4m3fn),
+            torch.ones(out, hidden // 128), None, hidden, out)
+    else:
+        weight = quant.QuantizedWeight(
+            quant.QuantScheme("awq", "int4", 4, 128), torch.zeros(out, hidden // 2, dtype=torch.uint8),
+            torch.ones(out, hidden // 128), torch.zeros(out, hidden // 128), hidden, out)
+    layer = TritonQuantizedLinear(weight, None, configs)
+    for tokens in (1, 33):  # decode tiles, prefill tiles
+        layer(torch.zeros(tokens, hidden, dtype=dtype))
+
+
 def _elementwise(configs: KernelConfigs, dtype) -> None:
     from tokenmill_triton import elementwise as ew
 
@@ -177,5 +203,8 @@ def launch_cases(configs: KernelConfigs) -> dict[str, Callable[[], None]]:
         for biased in (False, True):
             cases[f"moe {_name(dtype)}{' biased swiglu_oai' if biased else ' silu'}"] = (
                 functools.partial(_moe, configs, dtype, biased))
+        for form in ("int4 g128", "q8_0 g32", "fp8 1x128"):
+            cases[f"quant {form} {_name(dtype)}"] = functools.partial(_quant, configs, dtype,
+                                                                      form)
         cases[f"elementwise {_name(dtype)}"] = functools.partial(_elementwise, configs, dtype)
     return cases

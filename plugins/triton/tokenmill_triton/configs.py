@@ -102,6 +102,21 @@ class MLAConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class QuantConfig:
+    """Weight-only quantized GEMM tiles (tokenmill_triton.quant): block_m rows x block_n
+    output columns per program, block_k input columns per step at most (the host halves it
+    until it divides the weight's group); steps of at most small_m rows (decode) take
+    16-row tiles, tl.dot's smallest."""
+
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 64
+    small_m: int = 16
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True, slots=True)
 class KernelConfigs:
     """Everything a plugin decides about launches.
 
@@ -117,5 +132,6 @@ class KernelConfigs:
     moe: MoEConfig = field(default_factory=MoEConfig)
     linear: LinearAttentionConfig = field(default_factory=LinearAttentionConfig)
     mla: MLAConfig = field(default_factory=MLAConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
     upcast_bf16_dot: bool = False
     fp32_dot_precision: str = "ieee"

@@ -212,7 +212,7 @@ class GpuPlugin:
     def tokenmill_ops(self, platform: Platform) -> dict[str, Callable]:
         from tokenmill_triton.ops import make_ops
 
-        return make_ops(self.configs(platform))
+        return make_ops(self.configs(platform), self.name)
 
     @hookimpl
     def tokenmill_hardware_spec(

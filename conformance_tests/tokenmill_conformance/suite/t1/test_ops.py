@@ -90,13 +90,24 @@ def _inputs(op: str, dtype: torch.dtype, device: torch.device, seed: int):
 
 
 # (format, bits, group, zero points) per seed: GGUF Q4_1-like int4 with offsets, int8
-# with offsets, symmetric int4 in groups of 64 (GPTQ's sym=True)
-QUANT_CASES = (("int4_g32", 4, 32, True), ("int8_g32", 8, 32, True), ("int4_g64", 4, 64, False))
+# with offsets, symmetric int4 in groups of 64 (GPTQ's sym=True), AWQ / GPTQ int4 in groups
+# of 128 with zero points, FP8 e4m3 in DeepSeek-V3's 128-column blocks (bits 0: FP8)
+QUANT_CASES = (("int4_g32", 4, 32, True), ("int8_g32", 8, 32, True), ("int4_g64", 4, 64, False),
+               ("int4_g128", 4, 128, True), ("fp8_1x128", 0, 128, False))
 
 
 def _quantized_inputs(seed, tokens, hidden, randn, g, device):
-    name, bits, group, zero_points = QUANT_CASES[seed % 3]
+    name, bits, group, zero_points = QUANT_CASES[seed]
     out = 48
+    if bits == 0:  # 320 columns: a partial last block, as DeepSeek's edges have
+        hidden = 320
+        scheme = quant.QuantScheme("fp8", "fp8_e4m3", 8, zero_points=False, fp8_block=(1, group))
+        codes = (torch.randn(out, hidden, generator=g) * 2).to(torch.float8_e4m3fn)
+        scales = torch.rand(out, -(-hidden // group), generator=g) * 0.02 + 1e-3
+        weight = quant.QuantizedWeight(scheme, codes.to(device), scales.to(device), None,
+                                       hidden, out)
+        return weight, randn(out) if seed % 2 else None, randn(tokens, hidden)
+    hidden = max(hidden, 2 * group)
     scheme = quant.QuantScheme("gguf", name, bits=bits, group_size=group, zero_points=zero_points)
     codes = torch.randint(0, 1 << bits, (out, hidden), generator=g, dtype=torch.uint8)
     packed = quant.pack_int4(codes) if bits == 4 else codes
@@ -161,7 +172,8 @@ def test_op_matches_reference(active, op_case):
     device = active.platform.device
     linear = op in ("prepack_linear", "moe_experts", "prepack_quantized_linear")
     bounds = (LINEAR_BOUNDS if linear else BOUNDS)[dtype]
-    for seed in range(3):
+    seeds = range(len(QUANT_CASES) if op == "prepack_quantized_linear" else 3)
+    for seed in seeds:
         args = _inputs(op, dtype, device, seed)
         before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
         ref_args = [a.cpu() if isinstance(a, torch.Tensor) else a for a in before]
