@@ -3,17 +3,28 @@ run as Q4_1 (`quantization="gguf"`) against the same file dequantized
 (`quantization="none"`), and against llama.cpp on the same file and threads.
 
     python benchmarks/bench_quantization.py ppl [--tokens 50000] [--dtype bfloat16]
-    python benchmarks/bench_quantization.py ops
+        [--gguf-dtype bfloat16] [--none-dtype float32]
+    python benchmarks/bench_quantization.py ops [--dtype float32]
     python benchmarks/bench_quantization.py moe [--experts 128]
-    python benchmarks/bench_quantization.py decode [--llama-python /work/peers/llama-venv/bin/python]
+    python benchmarks/bench_quantization.py decode [--gguf-dtypes auto bfloat16]
+        [--none-dtypes auto float32 bfloat16]
+        [--llama-python ../peers/llamacpp/bin/python]
 
 `ppl`: perplexity over a fixed sample of text that ships with Python (the stdlib's own
 sources, `*.py` of the stdlib folder in sorted order, concatenated until `--tokens`
 tokens), in windows of `--window` tokens scored with prompt logprobs, and the greedy
-agreement (the share of positions whose argmax token is the same in both runs).
-`ops`: one matmul of each of SmolLM2's shapes at batch 1 and 64, bf16 dense (the cpu
-plugin's prepack_linear) against the int4 kernel. `decode`: output tokens/s at batch 1
-(tokenmill gguf, tokenmill bf16, llama.cpp) and at batch 64 (tokenmill gguf, bf16).
+agreement (the share of positions whose argmax token is the same in both runs); each
+path in `--dtype` unless `--gguf-dtype` / `--none-dtype` say otherwise (ATen's int4 kernel
+is fast only with bf16 activations on a CPU without AVX-512: `ops --dtype float32`),
+the none path first, each path's figures printed to stderr when it finishes.
+`ops`: one matmul of each of SmolLM2's shapes at batch 1 and 64, dense in `--dtype` (the
+cpu plugin's prepack_linear) against the int4 kernel with activations in `--dtype`.
+`decode`: output tokens/s at batch 1 (tokenmill gguf, tokenmill none, llama.cpp) and at
+batch 64 (tokenmill gguf, none), the gguf path once per `--gguf-dtypes`, the none path
+once per `--none-dtypes` (each row is named with the dtype the engine resolved: on a CPU without native bf16 the cpu
+plugin's 'auto' is float32). llama.cpp is llama-cpp-python in the venv that
+`benchmarks/serving/prepare_peers.sh llamacpp` makes; a missing one is said, not skipped
+silently.
 `moe`: one MoE layer of Qwen3-30B-A3B's expert shapes (hidden 2048, experts of 768, top
 8 of `--experts`), its experts as int4 codes in groups of 32 (`QuantizedExperts`, the
 cpu int4 kernel per expert) against the same weights dense in bf16 (the platform's op
@@ -67,8 +78,9 @@ def run_ppl(args) -> dict:
     from tokenmill import LLM
 
     results, argmaxes = {}, {}
-    for method in ("gguf", "none"):
-        llm = LLM(quantization=method, dtype=args.dtype, max_num_batched_tokens=args.window,
+    dtypes = {"gguf": args.gguf_dtype or args.dtype, "none": args.none_dtype or args.dtype}
+    for method in ("none", "gguf"):
+        llm = LLM(quantization=method, dtype=dtypes[method], max_num_batched_tokens=args.window,
                   enable_prefix_caching=False)
         ids = stdlib_sample(llm.get_tokenizer(), args.tokens)
         windows = [ids[i:i + args.window] for i in range(0, len(ids), args.window)]
@@ -76,7 +88,9 @@ def run_ppl(args) -> dict:
         nll, argmaxes[method] = score(llm, windows)
         n = len(argmaxes[method])
         results[method] = {"ppl": math.exp(nll / n), "positions": n,
-                           "seconds": time.perf_counter() - start}
+                           "seconds": time.perf_counter() - start,
+                           "dtype": str(llm.engine.dtype).removeprefix("torch.")}
+        print(f"{method}: {results[method]}", file=sys.stderr, flush=True)
         llm.engine.shutdown()
         del llm
     same = sum(a == b for a, b in zip(argmaxes["gguf"], argmaxes["none"]))
@@ -100,6 +114,9 @@ def run_ops(args) -> dict:
     from tokenmill.platforms.ops import quant
     from tokenmill_cpu import ops
 
+    if args.dtype not in ("float32", "bfloat16"):
+        raise SystemExit(f"ops --dtype {args.dtype!r}: use float32 or bfloat16")
+    dtype = getattr(torch, args.dtype)
     shapes = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
     g = torch.Generator().manual_seed(0)
     rows = {}
@@ -108,14 +125,15 @@ def run_ops(args) -> dict:
         scales = torch.rand(n, k // 32, generator=g) * 0.01
         weight = quant.QuantizedWeight(quant.QuantScheme("gguf", "Q4_1", 4, 32),
                                        quant.pack_int4(codes), scales, -8 * scales, k, n)
-        dense = ops.prepack_linear(quant.dequantize(weight, torch.bfloat16), None)
+        dense = ops.prepack_linear(quant.dequantize(weight, dtype), None)
         int4 = ops.prepack_quantized_linear(weight, None)
         for m in (1, 64):
-            x = torch.randn(m, k, generator=g).bfloat16()
+            x = torch.randn(m, k, generator=g).to(dtype)
             reps = 200 if m == 1 else 20
             t_dense, t_int4 = _bench(dense, x, reps), _bench(int4, x, reps)
             rows[f"{name} {n}x{k} batch {m}"] = {
-                "bf16_us": t_dense * 1e6, "int4_us": t_int4 * 1e6, "speedup": t_dense / t_int4}
+                "dtype": args.dtype, "dense_us": t_dense * 1e6, "int4_us": t_int4 * 1e6,
+                "speedup": t_dense / t_int4}
     return rows
 
 
@@ -173,11 +191,14 @@ def run_moe(args) -> dict:
     return rows
 
 
-def _tokenmill_decode(method: str, batch: int, new_tokens: int) -> float:
-    """Output tokens/s of decode: (time for new_tokens) - (time for 1), batch prompts."""
+def _tokenmill_decode(method: str, batch: int, new_tokens: int,
+                      dtype: str = "auto") -> tuple[float, str]:
+    """(output tokens/s of decode: (time for new_tokens) - (time for 1), batch prompts;
+    the dtype the engine resolved `dtype` to)."""
     from tokenmill import LLM, SamplingParams
 
-    llm = LLM(quantization=method, enable_prefix_caching=False)
+    llm = LLM(quantization=method, dtype=dtype, enable_prefix_caching=False)
+    resolved = str(llm.engine.dtype).removeprefix("torch.")
     prompts = [f"Write a short story about robot number {i}." for i in range(batch)]
 
     def timed(n: int) -> float:
@@ -189,7 +210,7 @@ def _tokenmill_decode(method: str, batch: int, new_tokens: int) -> float:
     timed(2)  # warm-up
     rate = batch * (new_tokens - 1) / (timed(new_tokens) - timed(1))
     llm.engine.shutdown()
-    return rate
+    return rate, resolved
 
 
 LLAMA_CODE = """
@@ -216,8 +237,16 @@ def run_decode(args) -> dict:
 
     threads = torch.get_num_threads()
     rates = {}
-    for method in ("gguf", "none"):
-        rates[f"tokenmill {method} batch 1"] = _tokenmill_decode(method, 1, args.new_tokens)
+
+    def tokenmill_rows(batch: int) -> None:
+        for wanted in args.gguf_dtypes:
+            rate, dtype = _tokenmill_decode("gguf", batch, args.new_tokens, wanted)
+            rates[f"tokenmill gguf ({dtype} activations, asked {wanted}) batch {batch}"] = rate
+        for wanted in args.none_dtypes:
+            rate, dtype = _tokenmill_decode("none", batch, args.new_tokens, wanted)
+            rates[f"tokenmill none ({dtype}, asked {wanted}) batch {batch}"] = rate
+
+    tokenmill_rows(1)
     if Path(args.llama_python).exists():
         out = subprocess.run([args.llama_python, "-c", LLAMA_CODE, default_model_path(),
                               str(threads), str(args.new_tokens)], capture_output=True, text=True)
@@ -225,8 +254,10 @@ def run_decode(args) -> dict:
             rates["llama.cpp batch 1"] = float(out.stdout.strip().splitlines()[-1])
         else:
             print(f"llama.cpp failed: {out.stderr[-2000:]}", file=sys.stderr)
-    for method in ("gguf", "none"):
-        rates[f"tokenmill {method} batch 64"] = _tokenmill_decode(method, 64, args.new_tokens)
+    else:
+        print(f"llama.cpp row left out: {args.llama_python} missing "
+              "(benchmarks/serving/prepare_peers.sh llamacpp)", file=sys.stderr)
+    tokenmill_rows(64)
     rates["threads"] = threads
     return rates
 
@@ -239,7 +270,19 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--new-tokens", type=int, default=33)
-    parser.add_argument("--llama-python", default="/work/peers/llama-venv/bin/python")
+    parser.add_argument("--gguf-dtype", choices=["auto", "float32", "bfloat16"],
+                        help="ppl: the gguf path's dtype (default: --dtype)")
+    parser.add_argument("--none-dtype", choices=["auto", "float32", "bfloat16"],
+                        help="ppl: the none path's dtype (default: --dtype)")
+    parser.add_argument("--gguf-dtypes", nargs="+", default=["auto"],
+                        choices=["auto", "float32", "bfloat16"],
+                        help="decode: the dtypes the gguf path runs in, a row each")
+    parser.add_argument("--none-dtypes", nargs="+", default=["auto"],
+                        choices=["auto", "float32", "bfloat16"],
+                        help="decode: the dtypes the none (dequantized) path runs in, a row each")
+    parser.add_argument("--llama-python", default=str(
+        Path(os.environ.get("PEERS_DIR", Path(__file__).resolve().parents[2] / "peers"))
+        / "llamacpp" / "bin" / "python"))
     args = parser.parse_args()
     os.environ.setdefault("TOKENMILL_LOG_LEVEL", "WARNING")
     before = _uptime()

@@ -12,7 +12,9 @@ machine, through the active plugin, and store the efficiency factors.
    rank's share of the machine when n ranks compete for it.
 3. Host overhead: a tiny llama (hidden 64) decoding through the engine with 2 and 8
    layers gives the time of a step beyond its kernels and of each layer; with 2 ranks
-   (tensor parallel over "mp" processes) the extra per step of worker processes.
+   (tensor parallel over "mp" processes), again at 2 and 8 layers, the extra per step of
+   worker processes and per layer of a tensor-parallel step (all-reduce waits beyond the
+   collective fit: on a shared host, ranks that each own a core wake each other).
 """
 
 from __future__ import annotations
@@ -186,22 +188,40 @@ def run_group(n: int, platform: str, quick: bool, kernels: bool = True,
 
 def measure_overheads(platform: str, cal: Calibration, with_ranks: bool,
                       dtype: str = "float32") -> dict[str, float]:
-    """step_overhead_s, layer_overhead_s and rank_overhead_s from decode steps of tiny
-    llamas through the engine, less what the model predicts for their kernels and
-    collectives."""
+    """step_overhead_s, layer_overhead_s, rank_overhead_s and tp_layer_overhead_s from
+    decode steps of tiny llamas through the engine (2 and 8 layers, tp1 and tp2), less what
+    the model predicts for their kernels and collectives."""
     from tokenmill.planner.engine_probe import decode_step_seconds
 
     with tempfile.TemporaryDirectory() as tmp:
         two = decode_step_seconds(Path(tmp), platform, layers=2, dtype=dtype)
         eight = decode_step_seconds(Path(tmp), platform, layers=8, dtype=dtype)
-        per_layer = max((eight - two) / 6, 0.0)
-        step = max(two - 2 * per_layer, 1e-5)
-        rank = cal.rank_overhead_s
+        tp2 = tp8 = None
         if with_ranks:
             tp2 = decode_step_seconds(Path(tmp), platform, layers=2, tensor_parallel=2,
                                       dtype=dtype)
-            fit = cal.collective_fit("all_reduce", 2)
-            reduces = (2 * 2 + 1) * 2 * (fit.latency if fit else 0.0)  # tiny payloads
-            rank = max(tp2 - two - reduces, 0.0)
-    return {"step_overhead_s": step, "layer_overhead_s": per_layer, "rank_overhead_s": rank}
+            tp8 = decode_step_seconds(Path(tmp), platform, layers=8, tensor_parallel=2,
+                                      dtype=dtype)
+    fit = cal.collective_fit("all_reduce", 2)  # tiny payloads: an all-reduce is 2 latencies
+    return overheads_from_steps(two, eight, tp2, tp8, 2 * fit.latency if fit else 0.0,
+                                cal.rank_overhead_s)
 
+
+def overheads_from_steps(two: float, eight: float, tp_two: float | None,
+                         tp_eight: float | None, reduce_latency_s: float,
+                         rank_default_s: float) -> dict[str, float]:
+    """The overheads from decode-step seconds of 2- and 8-layer tiny llamas at tp1 (`two`,
+    `eight`) and tp2 (`tp_two`, `tp_eight`; None: not measured, the rank figures keep
+    `rank_default_s` and 0). A tp layer all-reduces twice (attention out, MLP down),
+    a step once more for the logits; their fitted latency is the link's, the rest is
+    overhead: per layer of a tp step, and per step. `reduce_latency_s`: one all-reduce of
+    a tiny payload on 2 ranks, as the collective fit predicts it."""
+    per_layer = max((eight - two) / 6, 0.0)
+    step = max(two - 2 * per_layer, 1e-5)
+    rank, tp_layer = rank_default_s, 0.0
+    if tp_two is not None and tp_eight is not None:
+        tp_layer = max((tp_eight - tp_two) / 6 - per_layer - 2 * reduce_latency_s, 0.0)
+        reduces = (2 * 2 + 1) * reduce_latency_s
+        rank = max(tp_two - two - reduces - 2 * tp_layer, 0.0)
+    return {"step_overhead_s": step, "layer_overhead_s": per_layer, "rank_overhead_s": rank,
+            "tp_layer_overhead_s": tp_layer}

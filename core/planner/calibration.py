@@ -111,6 +111,9 @@ class Calibration:
     step_overhead_s: float = 1e-3  # host time of an engine step beyond its kernels
     layer_overhead_s: float = 0.0  # per layer of a step (kernel launches, Python)
     rank_overhead_s: float = 2e-4  # per step, when the ranks are processes of their own
+    # per layer of a step when tp > 1: what the ranks' all-reduces cost beyond the
+    # collective fit, measured in decode steps (on a shared host, ranks waking each other)
+    tp_layer_overhead_s: float = 0.0
     measured: dict = field(default_factory=dict)  # the raw measurements, for the record
     created: float = 0.0
     fitted_to: Peaks | None = None  # the spec figures the efficiencies are fractions of
@@ -226,6 +229,7 @@ def from_json(data: dict, source: str = "calibration") -> Calibration:
         step_overhead_s=data.get("step_overhead_s", _UNCALIBRATED.step_overhead_s),
         layer_overhead_s=data.get("layer_overhead_s", _UNCALIBRATED.layer_overhead_s),
         rank_overhead_s=data.get("rank_overhead_s", _UNCALIBRATED.rank_overhead_s),
+        tp_layer_overhead_s=data.get("tp_layer_overhead_s", _UNCALIBRATED.tp_layer_overhead_s),
         measured=data.get("measured", {}),
         created=data.get("created", 0.0),
         fitted_to=fitted_to,

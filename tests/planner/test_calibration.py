@@ -257,3 +257,41 @@ def test_kernel_points_are_measured_in_the_asked_dtype():
     bf16 = gemm_points(active, torch.bfloat16, active.platform.device, quick=True)
     by_name = {p.name: p for p in fp32}
     assert bf16 and all(p.cost.bytes < by_name[p.name].cost.bytes for p in bf16)
+
+
+def test_overheads_are_fitted_from_decode_steps_at_two_depths():
+    from tokenmill.planner.calibrate import overheads_from_steps
+
+    # a model of the steps: 1 ms a step, 0.1 ms a layer; tp2 adds 5 ms a step and 2 ms a
+    # layer beyond its all-reduces (0.05 ms each: 2 a layer, 1 more a step)
+    step, layer, rank, tp_layer, reduce = 1e-3, 1e-4, 5e-3, 2e-3, 5e-5
+
+    def tp1(layers):
+        return step + layer * layers
+
+    def tp2(layers):
+        return tp1(layers) + rank + (tp_layer + 2 * reduce) * layers + reduce
+
+    fitted = overheads_from_steps(tp1(2), tp1(8), tp2(2), tp2(8), reduce, rank_default_s=0.0)
+    assert fitted == pytest.approx({"step_overhead_s": step, "layer_overhead_s": layer,
+                                    "rank_overhead_s": rank, "tp_layer_overhead_s": tp_layer})
+    alone = overheads_from_steps(tp1(2), tp1(8), None, None, reduce, rank_default_s=7e-4)
+    assert alone["rank_overhead_s"] == 7e-4 and alone["tp_layer_overhead_s"] == 0.0
+
+
+def test_the_tp_layer_overhead_is_paid_per_layer_by_tensor_parallel_mixes_only():
+    from tokenmill.planner.catalog import model_shape
+    from tokenmill.planner.cluster import parse_cluster
+    from tokenmill.planner.mixes import Mix
+    from tokenmill.planner.ops import Seq
+    from tokenmill.planner.step import step_time
+
+    model, cluster = model_shape("llama-3-70b"), parse_cluster("1x8xH200")
+    seqs, extra = (Seq(4096, 1, count=8),), 1e-3
+    with_extra = Calibration(tp_layer_overhead_s=extra)
+    assert from_json(to_json(with_extra)).tp_layer_overhead_s == extra
+    for mix, paid in ((Mix(tp=2), model.num_layers), (Mix(tp=2, pp=2), model.num_layers // 2),
+                      (Mix(pp=2), 0), (Mix(), 0)):
+        base = step_time(model, mix, cluster, Calibration(), seqs, 8)
+        more = step_time(model, mix, cluster, with_extra, seqs, 8)
+        assert more.overhead_s - base.overhead_s == pytest.approx(extra * paid), mix
