@@ -248,7 +248,7 @@ def test_serve_dp2_engine_processes_share_the_ray_cluster(cluster, models, refer
         assert llm.stats.prefix_cache_queries > 0
         # a killed actor ends its replica's engine process (it reports the dead rank),
         # which ends the front; the other replica is asked to stop and exits cleanly
-        actors = _ray_worker_pids()
+        actors = _ray_worker_pids(cluster)
         assert len(actors) == 2, actors  # one rank per replica
         os.kill(actors[0], signal.SIGKILL)
         killed_at = time.monotonic()
@@ -270,18 +270,23 @@ def test_serve_dp2_engine_processes_share_the_ray_cluster(cluster, models, refer
         time.sleep(0.1)
 
 
-def _ray_worker_pids() -> list[int]:
-    """The live RayWorker actor processes on this machine (Ray titles them)."""
+def _ray_worker_pids(cluster) -> list[int]:
+    """The live RayWorker actor processes of this cluster (Ray titles them; its raylets
+    start them). Another test's cluster on this machine (pytest-xdist) is not counted."""
+    from ray._private import ray_constants
+    raylets = {info.process.pid for node in cluster.list_all_nodes()
+               for info in node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, [])}
     pids = []
     for entry in os.listdir("/proc"):
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 title = f.read().split(b"\0")[0]
             with open(f"/proc/{entry}/stat", "rb") as f:
-                state = f.read().rsplit(b")", 1)[1].split()[0]
+                fields = f.read().rsplit(b")", 1)[1].split()
         except (OSError, IndexError):
             continue  # not a process, or it just ended
-        if title.startswith(b"ray::RayWorker") and state != b"Z":
+        state, parent = fields[0], int(fields[1])
+        if title.startswith(b"ray::RayWorker") and state != b"Z" and parent in raylets:
             pids.append(int(entry))
     return sorted(pids)
 
