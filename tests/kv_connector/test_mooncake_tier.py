@@ -124,6 +124,12 @@ def test_dropped_connections_are_tried_again_a_dead_master_is_not(master, proxy)
         assert all(tier.put(k, d) for k, d in objects[5:])
         assert tier.contains_many([k for k, _ in objects]) == [True] * 10
         assert tier.num_rpc_retries >= 1  # the dead connections were met, and routed around
+        proxy.reset()  # a get that meets a dead connection reads b"", as a missing object
+        retries = tier.num_rpc_retries
+        for k, d in objects:
+            assert bytes(CODEC.decode(k, tier.get(k))) == d[len(d) - LAYOUT.payload_bytes:]
+        assert tier.num_rpc_retries > retries
+        assert tier.get(obj(12)[0]) is None  # not held: no retry, no error
         master.kill()
         start = time.monotonic()
         with pytest.raises(TierUnavailableError, match="code -900"):

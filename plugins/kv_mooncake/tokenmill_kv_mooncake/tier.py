@@ -17,7 +17,7 @@ Failures. The client keeps a pool of connections to the master (one per thread t
 called at once: ours and its own heartbeat thread). A connection that dropped while idle
 fails the next call made on it with RPC_FAIL (-900) at once, and the pool replaces it;
 with several pooled connections, several calls in a row fail so. Such a call is tried
-again, up to `rpc_attempts` times in all: a turn no longer loses the tier for
+again, up to `rpc_attempts` times in all (a get, whose b"" says nothing, asks get_size why): a turn no longer loses the tier for
 `retry_after_s` (and recomputes what it holds) because of one dropped link. RPC_FAIL on
 every attempt, or after the pool's own reconnects (over a second: the master gone),
 marks the tier down: it is skipped for `retry_after_s`, then tried again. Any other error code fails only that call (`TierUnavailableError`,
@@ -147,9 +147,18 @@ class MooncakeTier(KVTier):
         return [rc == 1 for rc in found]
 
     def get(self, key: ObjectKey) -> bytes | None:
-        self._up()
-        data = self._store.get(self.store_key(key))
-        if not data:  # b"": not held (the store's get reports no error code)
+        name = self.store_key(key)
+
+        def fetch() -> tuple[bytes, int]:
+            # The store's get reports no error code: b"" is both "not held" and "the call
+            # met a dropped connection". get_size tells them apart: -704 not held, -900
+            # the link; a size means the get's own link dropped (tried again, as RPC_FAIL).
+            data = self._store.get(name)
+            return (data, 0) if data else (b"", self._store.get_size(name))
+
+        data, _ = self._call("get", fetch,
+                             lambda r: [] if r[0] else [r[1] if r[1] < 0 else _RPC_FAIL])
+        if not data:  # not held
             with self._lock:
                 self._sizes.pop(key, None)
             return None
