@@ -188,34 +188,43 @@ def run_group(n: int, platform: str, quick: bool, kernels: bool = True,
 
 def measure_overheads(platform: str, cal: Calibration, with_ranks: bool,
                       dtype: str = "float32") -> dict[str, float]:
-    """step_overhead_s, layer_overhead_s, rank_overhead_s and tp_layer_overhead_s from
-    decode steps of tiny llamas through the engine (2 and 8 layers, tp1 and tp2), less what
-    the model predicts for their kernels and collectives."""
+    """step_overhead_s, layer_overhead_s, rank_overhead_s, tp_layer_overhead_s and
+    pp_stage_overhead_s from decode steps of tiny llamas through the engine (2 and 8
+    layers, tp1 and tp2; 8 layers at pp2), less what the model predicts for their kernels
+    and collectives."""
     from tokenmill.planner.engine_probe import decode_step_seconds
 
     with tempfile.TemporaryDirectory() as tmp:
         two = decode_step_seconds(Path(tmp), platform, layers=2, dtype=dtype)
         eight = decode_step_seconds(Path(tmp), platform, layers=8, dtype=dtype)
-        tp2 = tp8 = None
+        tp2 = tp8 = pp8 = None
         if with_ranks:
             tp2 = decode_step_seconds(Path(tmp), platform, layers=2, tensor_parallel=2,
                                       dtype=dtype)
             tp8 = decode_step_seconds(Path(tmp), platform, layers=8, tensor_parallel=2,
                                       dtype=dtype)
+            pp8 = decode_step_seconds(Path(tmp), platform, layers=8, pipeline_parallel=2,
+                                      dtype=dtype)
     fit = cal.collective_fit("all_reduce", 2)  # tiny payloads: an all-reduce is 2 latencies
+    send = cal.collective_fit("send", 2)
     return overheads_from_steps(two, eight, tp2, tp8, 2 * fit.latency if fit else 0.0,
-                                cal.rank_overhead_s)
+                                cal.rank_overhead_s, pp_eight=pp8,
+                                send_latency_s=send.latency if send else 0.0)
 
 
 def overheads_from_steps(two: float, eight: float, tp_two: float | None,
                          tp_eight: float | None, reduce_latency_s: float,
-                         rank_default_s: float) -> dict[str, float]:
+                         rank_default_s: float, pp_eight: float | None = None,
+                         send_latency_s: float = 0.0) -> dict[str, float]:
     """The overheads from decode-step seconds of 2- and 8-layer tiny llamas at tp1 (`two`,
     `eight`) and tp2 (`tp_two`, `tp_eight`; None: not measured, the rank figures keep
     `rank_default_s` and 0). A tp layer all-reduces twice (attention out, MLP down),
     a step once more for the logits; their fitted latency is the link's, the rest is
     overhead: per layer of a tp step, and per step. `reduce_latency_s`: one all-reduce of
-    a tiny payload on 2 ranks, as the collective fit predicts it."""
+    a tiny payload on 2 ranks, as the collective fit predicts it. `pp_eight`: the 8-layer
+    llama at pp2 (None: not measured, no stage overhead); its step is two stages of 4
+    layers one after the other, each with the step's costs, the ranks' and a send
+    (`send_latency_s`); what is left is the stage hand-over."""
     per_layer = max((eight - two) / 6, 0.0)
     step = max(two - 2 * per_layer, 1e-5)
     rank, tp_layer = rank_default_s, 0.0
@@ -223,5 +232,8 @@ def overheads_from_steps(two: float, eight: float, tp_two: float | None,
         tp_layer = max((tp_eight - tp_two) / 6 - per_layer - 2 * reduce_latency_s, 0.0)
         reduces = (2 * 2 + 1) * reduce_latency_s
         rank = max(tp_two - two - reduces - 2 * tp_layer, 0.0)
+    stage = 0.0
+    if pp_eight is not None:
+        stage = max(pp_eight / 2 - step - 4 * per_layer - rank - send_latency_s, 0.0)
     return {"step_overhead_s": step, "layer_overhead_s": per_layer, "rank_overhead_s": rank,
-            "tp_layer_overhead_s": tp_layer}
+            "tp_layer_overhead_s": tp_layer, "pp_stage_overhead_s": stage}

@@ -114,6 +114,9 @@ class Calibration:
     # per layer of a step when tp > 1: what the ranks' all-reduces cost beyond the
     # collective fit, measured in decode steps (on a shared host, ranks waking each other)
     tp_layer_overhead_s: float = 0.0
+    # per stage of a step when pp > 1: the hand-over between stages beyond the send's
+    # fitted time (the next rank waking, the engine waiting on the last stage's sample)
+    pp_stage_overhead_s: float = 0.0
     measured: dict = field(default_factory=dict)  # the raw measurements, for the record
     created: float = 0.0
     fitted_to: Peaks | None = None  # the spec figures the efficiencies are fractions of
@@ -230,6 +233,7 @@ def from_json(data: dict, source: str = "calibration") -> Calibration:
         layer_overhead_s=data.get("layer_overhead_s", _UNCALIBRATED.layer_overhead_s),
         rank_overhead_s=data.get("rank_overhead_s", _UNCALIBRATED.rank_overhead_s),
         tp_layer_overhead_s=data.get("tp_layer_overhead_s", _UNCALIBRATED.tp_layer_overhead_s),
+        pp_stage_overhead_s=data.get("pp_stage_overhead_s", _UNCALIBRATED.pp_stage_overhead_s),
         measured=data.get("measured", {}),
         created=data.get("created", 0.0),
         fitted_to=fitted_to,

@@ -34,13 +34,16 @@ def tiny_llama(root: Path, layers: int) -> Path:
 
 
 def decode_step_seconds(root: Path, platform: str, layers: int, tensor_parallel: int = 1,
-                        steps: int = 24, dtype: str = "float32") -> float:
+                        steps: int = 24, dtype: str = "float32",
+                        pipeline_parallel: int = 1) -> float:
     """Seconds of one decode step of one sequence (after its prefill): the 20th percentile
-    of `steps` steps, so other work on a shared machine inflates it little."""
+    of `steps` steps, so other work on a shared machine inflates it little. At pp > 1 a
+    step carries the one sequence through every stage (one token a step)."""
     from tokenmill import LLM, SamplingParams
 
     llm = LLM(str(tiny_llama(root, layers)), platform=platform, dtype=dtype,
-              tensor_parallel_size=tensor_parallel, num_kv_blocks=64,
+              tensor_parallel_size=tensor_parallel, pipeline_parallel_size=pipeline_parallel,
+              num_kv_blocks=64,
               enable_prefix_caching=False)
     try:
         engine = llm.engine

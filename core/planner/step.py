@@ -204,7 +204,8 @@ def step_time(model: ModelShape, mix: Mix, cluster: Cluster, calibration: Calibr
         layers = len(stage_layers(model, mix.pp, stage))
         overhead = (calibration.step_overhead_s + calibration.layer_overhead_s * layers
                     + (calibration.rank_overhead_s if mix.world > 1 else 0.0)
-                    + (calibration.tp_layer_overhead_s * layers if mix.tp > 1 else 0.0))
+                    + (calibration.tp_layer_overhead_s * layers if mix.tp > 1 else 0.0)
+                    + (calibration.pp_stage_overhead_s if mix.pp > 1 else 0.0))
         total = compute + memory + link + overhead
         if worst is None or total > worst.seconds:
             worst = StepTime(total, compute, memory, link, overhead, flops, moved)

@@ -272,11 +272,19 @@ def test_overheads_are_fitted_from_decode_steps_at_two_depths():
     def tp2(layers):
         return tp1(layers) + rank + (tp_layer + 2 * reduce) * layers + reduce
 
-    fitted = overheads_from_steps(tp1(2), tp1(8), tp2(2), tp2(8), reduce, rank_default_s=0.0)
+    # pp2 runs two stages of 4 layers one after the other, each with a step's and the
+    # ranks' costs, a send (0.03 ms) and 4 ms of hand-over
+    send, stage = 3e-5, 4e-3
+    pp2_eight = 2 * (tp1(4) + rank + send + stage)
+
+    fitted = overheads_from_steps(tp1(2), tp1(8), tp2(2), tp2(8), reduce, rank_default_s=0.0,
+                                  pp_eight=pp2_eight, send_latency_s=send)
     assert fitted == pytest.approx({"step_overhead_s": step, "layer_overhead_s": layer,
-                                    "rank_overhead_s": rank, "tp_layer_overhead_s": tp_layer})
+                                    "rank_overhead_s": rank, "tp_layer_overhead_s": tp_layer,
+                                    "pp_stage_overhead_s": stage})
     alone = overheads_from_steps(tp1(2), tp1(8), None, None, reduce, rank_default_s=7e-4)
     assert alone["rank_overhead_s"] == 7e-4 and alone["tp_layer_overhead_s"] == 0.0
+    assert alone["pp_stage_overhead_s"] == 0.0
 
 
 def test_the_tp_layer_overhead_is_paid_per_layer_by_tensor_parallel_mixes_only():
@@ -292,6 +300,23 @@ def test_the_tp_layer_overhead_is_paid_per_layer_by_tensor_parallel_mixes_only()
     assert from_json(to_json(with_extra)).tp_layer_overhead_s == extra
     for mix, paid in ((Mix(tp=2), model.num_layers), (Mix(tp=2, pp=2), model.num_layers // 2),
                       (Mix(pp=2), 0), (Mix(), 0)):
+        base = step_time(model, mix, cluster, Calibration(), seqs, 8)
+        more = step_time(model, mix, cluster, with_extra, seqs, 8)
+        assert more.overhead_s - base.overhead_s == pytest.approx(extra * paid), mix
+
+
+def test_the_pp_stage_overhead_is_paid_once_a_step_by_pipelined_mixes_only():
+    from tokenmill.planner.catalog import model_shape
+    from tokenmill.planner.cluster import parse_cluster
+    from tokenmill.planner.mixes import Mix
+    from tokenmill.planner.ops import Seq
+    from tokenmill.planner.step import step_time
+
+    model, cluster = model_shape("llama-3-70b"), parse_cluster("1x8xH200")
+    seqs, extra = (Seq(4096, 1, count=8),), 2e-3
+    with_extra = Calibration(pp_stage_overhead_s=extra)
+    assert from_json(to_json(with_extra)).pp_stage_overhead_s == extra
+    for mix, paid in ((Mix(pp=2), 1), (Mix(tp=2, pp=2), 1), (Mix(tp=2), 0), (Mix(), 0)):
         base = step_time(model, mix, cluster, Calibration(), seqs, 8)
         more = step_time(model, mix, cluster, with_extra, seqs, 8)
         assert more.overhead_s - base.overhead_s == pytest.approx(extra * paid), mix
