@@ -1,6 +1,7 @@
 """Milliseconds per layer call: the core's reference paged attention vs the CPU plugin's.
 
 Usage: python benchmarks/bench_attention.py [--iters 10] [--block-size 16] [--threads N]
+       [--dtypes bfloat16 float32] [--kv-cache-dtypes auto fp8 fp8_e5m2]
 
 Shapes are SmolLM2-135M's (9 query heads, 3 KV heads, head size 64). Cases: decode of
 one sequence with a 1000- and a 4000-token context; decode of 64 sequences with contexts
@@ -11,6 +12,11 @@ the C++ decode kernel for decode rows and SDPA for prefill rows. The CPU backend
 `prepare` runs once per step and is shared by every layer, so it is reported separately
 and not counted in the per-layer time. Times are the minimum over `--iters` runs (the
 machine may be shared); every run reuses one cache, so small cases read it from L3.
+
+`--kv-cache-dtypes fp8` (e4m3) / `fp8_e5m2` run the same cases over an FP8 cache with a
+scale per KV head: "kernel" is the C++ FP8 decode kernel for decode rows (the gather and
+SDPA for prefill rows), "sdpa" the dequantizing gather for every row (the FP8 path before
+the kernel had one, and the fallback without the kernels).
 """
 
 from __future__ import annotations
@@ -23,14 +29,23 @@ from collections.abc import Callable
 import torch
 
 from tokenmill.platforms.interfaces import AttentionKind, AttentionMetadata, AttentionSpec
+from tokenmill.platforms.ops.kv_quant import KV_CACHE_DTYPES, quantize_kv
 from tokenmill.platforms.ops.reference import paged_attention
 from tokenmill_cpu.attention import CpuPagedAttention
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE = 9, 3, 64
 
 
-def make_step(seqs: list[tuple[int, int]], block_size: int, dtype: torch.dtype, seed: int = 0):
-    """(query, key, value, kv_cache, metadata) for sequences given as (cached, new) tokens."""
+def make_step(
+    seqs: list[tuple[int, int]],
+    block_size: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+    cache_dtype: torch.dtype | None = None,
+):
+    """(query, key, value, kv_cache, metadata, scales) for sequences given as (cached, new)
+    tokens; with an FP8 `cache_dtype` the cache holds the entries quantized by a distinct
+    scale per KV head (`scales`: the k_scale / v_scale keywords, {} otherwise)."""
     rng = random.Random(seed)
     needed = [-(-(cached + new) // block_size) for cached, new in seqs]
     num_blocks = sum(needed) + 1
@@ -46,7 +61,13 @@ def make_step(seqs: list[tuple[int, int]], block_size: int, dtype: torch.dtype, 
     query = torch.randn(num_tokens, NUM_HEADS, HEAD_SIZE).to(dtype)
     key = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_SIZE).to(dtype)
     value = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_SIZE).to(dtype)
-    return query, key, value, kv_cache, metadata
+    scales = {}
+    if cache_dtype is not None:
+        heads = torch.arange(NUM_KV_HEADS, dtype=torch.float32)
+        scales = {"k_scale": 0.01 + 0.002 * heads, "v_scale": 0.02 - 0.003 * heads}
+        kv_cache = torch.stack([quantize_kv(kv_cache[i], s, cache_dtype)
+                                for i, s in enumerate(scales.values())])
+    return query, key, value, kv_cache, metadata, scales
 
 
 def best_ms(fn: Callable[[], object], iters: int) -> float:
@@ -64,15 +85,20 @@ def measure(
 ) -> tuple[float, float, float, float]:
     """(reference ms, cpu SDPA-only forward ms, cpu forward ms with the C++ decode kernel,
     cpu prepare ms) for one layer call on `step`."""
-    query, key, value, kv_cache, metadata = step
-    ref_ms = best_ms(lambda: paged_attention(spec, query, key, value, kv_cache, metadata), iters)
+    query, key, value, kv_cache, metadata, scales = step
+    ref_ms = best_ms(
+        lambda: paged_attention(spec, query, key, value, kv_cache, metadata, **scales), iters
+    )
     times = []
     for use_kernels in (False, True):
         backend = CpuPagedAttention(spec.kind, use_kernels=use_kernels)
         prepare_ms = best_ms(lambda b=backend: b.prepare(metadata), iters)
         backend.prepare(metadata)
         times.append(
-            best_ms(lambda b=backend: b.forward(spec, query, key, value, kv_cache, metadata), iters)
+            best_ms(
+                lambda b=backend: b.forward(spec, query, key, value, kv_cache, metadata, **scales),
+                iters,
+            )
         )
     return ref_ms, times[0], times[1], prepare_ms
 
@@ -95,6 +121,10 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"],
+                        choices=["bfloat16", "float32"], help="compute dtypes")
+    parser.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"],
+                        choices=["auto", *KV_CACHE_DTYPES], help="as --kv-cache-dtype")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -102,24 +132,29 @@ def main() -> None:
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, block size {args.block_size}"
     )
     header = (
-        f"{'case':<40} {'dtype':<9} {'reference ms':>12} {'sdpa ms':>8} {'kernel ms':>9} "
+        f"{'case':<40} {'dtype':<9} {'kv':<9} {'reference ms':>12} {'sdpa ms':>8} {'kernel ms':>9} "
         f"{'speedup':>8} {'prepare ms':>10}"
     )
     print(header)
     print("-" * len(header))
     for name, seqs in cases(random.Random(0)).items():
-        for dtype in (torch.bfloat16, torch.float32):
-            spec = AttentionSpec(
-                AttentionKind.FULL, NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, dtype, args.block_size
-            )
-            ref_ms, sdpa_ms, kernel_ms, prepare_ms = measure(
-                spec, make_step(seqs, args.block_size, dtype), args.iters
-            )
-            dtype_name = str(dtype).removeprefix("torch.")
-            print(
-                f"{name:<40} {dtype_name:<9} {ref_ms:>12.2f} {sdpa_ms:>8.3f} {kernel_ms:>9.3f} "
-                f"{ref_ms / kernel_ms:>7.1f}x {prepare_ms:>10.2f}"
-            )
+        for dtype_name in args.dtypes:
+            dtype = getattr(torch, dtype_name)
+            for kv in args.kv_cache_dtypes:
+                cache_dtype = KV_CACHE_DTYPES.get(kv)
+                spec = AttentionSpec(
+                    AttentionKind.FULL, NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, dtype,
+                    args.block_size, cache_dtype=cache_dtype,
+                )
+                ref_ms, sdpa_ms, kernel_ms, prepare_ms = measure(
+                    spec, make_step(seqs, args.block_size, dtype, cache_dtype=cache_dtype),
+                    args.iters,
+                )
+                print(
+                    f"{name:<40} {dtype_name:<9} {kv:<9} {ref_ms:>12.2f} {sdpa_ms:>8.3f} "
+                    f"{kernel_ms:>9.3f} {ref_ms / kernel_ms:>7.1f}x {prepare_ms:>10.2f}",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from tokenmill.platforms.interfaces import (
 )
 from tokenmill.platforms.ops.reference import paged_attention
 from tokenmill.platforms.registry import load_platform
-from tokenmill_conformance.attention_harness import make_step, mixed_batch
+from tokenmill_conformance.attention_harness import kv_scales, make_step, mixed_batch, same_cache
 from tokenmill_cpu import hardware, kernels
 from tokenmill_cpu.allocator import KVCACHE_ENV, make_allocator
 from tokenmill_cpu.attention import CpuPagedAttention
@@ -30,26 +30,30 @@ TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(ato
 
 def check_against_reference(
     spec: AttentionSpec, seqs, seed: int = 0, num_layers: int = 2, use_kernels: bool = True
-):
+) -> CpuPagedAttention:
     """Runs `num_layers` layers on one step's metadata, as the model runner does; decode rows
-    go to the C++ kernel (when built) or, with use_kernels=False, to SDPA."""
+    go to the C++ kernel (when built) or, with use_kernels=False, to SDPA. An FP8 cache
+    (`spec.cache_dtype`) gets a distinct k and v scale per KV head. Returns the backend
+    (its `rows_by_path` says which paths ran)."""
     backend = CpuPagedAttention(spec.kind, use_kernels=use_kernels)
     if use_kernels and kernels.enabled():
         assert backend._kernels is not None, "the C++ kernels did not build"
     assert backend.supports(spec)
     steps = [make_step(seqs, spec, seed + layer, table_seed=seed) for layer in range(num_layers)]
     metadata = steps[0].metadata
+    scales = kv_scales(spec)
     backend.prepare(metadata)
     for step in steps:
         query, key, value, kv_cache = step.query, step.key, step.value, step.kv_cache
         ref_cache = kv_cache.clone()
-        expected = paged_attention(spec, query, key, value, ref_cache, metadata)
+        expected = paged_attention(spec, query, key, value, ref_cache, metadata, **scales)
         inputs = (query.clone(), key.clone(), value.clone())
-        out = backend.forward(spec, *inputs, kv_cache, metadata)
+        out = backend.forward(spec, *inputs, kv_cache, metadata, **scales)
         assert out.shape == query.shape and out.dtype == query.dtype
         torch.testing.assert_close(out, expected, **TOLERANCE[spec.dtype])
-        assert torch.equal(kv_cache, ref_cache), "the KV cache differs from the reference's"
+        assert same_cache(kv_cache, ref_cache), "the KV cache differs from the reference's"
         assert all(torch.equal(a, b) for a, b in zip(inputs, (query, key, value), strict=True))
+    return backend
 
 
 # -- attention ---------------------------------------------------------------------------
@@ -132,6 +136,59 @@ def test_edge_shapes(seqs, use_kernels):
     for kind, window in ((AttentionKind.FULL, None), (AttentionKind.SLIDING_WINDOW, 9)):
         spec = AttentionSpec(kind, 6, 3, 64, torch.float32, 16, sliding_window=window)
         check_against_reference(spec, seqs, use_kernels=use_kernels)
+
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.mark.skipif(not kernels.enabled(), reason="TOKENMILL_CPU_KERNELS=0")
+@pytest.mark.parametrize("kv_dtype", FP8, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "kind, window",
+    [(AttentionKind.FULL, None), (AttentionKind.SLIDING_WINDOW, 5),
+     (AttentionKind.SLIDING_WINDOW, 24)],
+    ids=["full", "window5", "window24"],
+)
+@pytest.mark.parametrize("num_heads, num_kv_heads, block_size", [(9, 3, 16), (8, 2, 8)])
+def test_fp8_cache_decodes_in_the_kernel_and_matches_reference(
+    kv_dtype, dtype, kind, window, num_heads, num_kv_heads, block_size
+):
+    """An FP8 cache with a distinct scale per KV head: decode rows go to the C++ kernel,
+    which reads the FP8 codes in place (never the dequantizing gather), and every row,
+    prefill chunks over cached context and fresh prompts included, equals the reference's
+    FP8 attention (dequantize, then attend)."""
+    spec = AttentionSpec(kind, num_heads, num_kv_heads, 64, dtype, block_size,
+                         sliding_window=window, cache_dtype=kv_dtype)
+    for seed in range(2):
+        seqs = mixed_batch(seed + 20)
+        backend = check_against_reference(spec, seqs, seed)
+        decodes = sum(1 for _, new in seqs if new == 1)  # a 1-token prompt is one too
+        assert backend.rows_by_path["sdpa_decode"] == 0, "FP8 decode rows fell back to the gather"
+        assert backend.rows_by_path["kernel_decode"] == 2 * decodes > 0
+
+
+@pytest.mark.skipif(not kernels.enabled(), reason="TOKENMILL_CPU_KERNELS=0")
+@pytest.mark.parametrize("kv_dtype", FP8, ids=str)
+@pytest.mark.parametrize("window", [None, 37])
+def test_fp8_decode_only_step_runs_no_gather(kv_dtype, window):
+    """A step of decodes only (long, short, one split over the window) over an FP8 cache is
+    all kernel: no row reaches SDPA, and the step's plan gathers nothing."""
+    kind = AttentionKind.FULL if window is None else AttentionKind.SLIDING_WINDOW
+    spec = AttentionSpec(kind, 9, 3, 64, torch.bfloat16, 16, sliding_window=window,
+                         cache_dtype=kv_dtype)
+    seqs = [(n - 1, 1) for n in (1, 2, 15, 16, 17, 33, 100, 250, 999)]
+    backend = check_against_reference(spec, seqs, seed=5, num_layers=3)
+    assert backend.rows_by_path == {"kernel_decode": 3 * len(seqs)}
+
+
+@pytest.mark.parametrize("kv_dtype", FP8, ids=str)
+def test_fp8_without_kernels_decodes_through_the_gather(kv_dtype):
+    """The fallback (TOKENMILL_CPU_KERNELS=0, or a failed build) still matches the reference
+    and is counted as such, so the kernel test above would see a silent fallback."""
+    spec = AttentionSpec(AttentionKind.FULL, 9, 3, 64, torch.bfloat16, 16, cache_dtype=kv_dtype)
+    backend = check_against_reference(spec, mixed_batch(7), seed=7, use_kernels=False)
+    assert backend.rows_by_path["kernel_decode"] == 0 and backend.rows_by_path["sdpa_decode"] > 0
 
 
 def test_layers_with_different_windows_share_one_step():

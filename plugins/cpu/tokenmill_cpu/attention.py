@@ -20,15 +20,24 @@ Per layer (`forward`) the backend first writes the step's keys/values into the c
     attends to the step's own keys without a gather.
 
 An FP8 cache (`spec.cache_dtype`, `kv_cache_dtypes`) is written quantized by the
-reference's `write_kv` and read through the gather path, which dequantizes the blocks
-into the compute dtype (stored * scale, per KV head); the C++ kernels read bf16 / fp32
-caches in place and are not used for it. A fresh prompt's own keys go through the same
+reference's `write_kv`. Its decode rows go to the C++ `decode_attention_fp8`, which reads
+the FP8 codes in place (a 256-entry table per format) with the per-KV-head scales folded
+into the query and the output: no gather, no dequantized copy. Its prefill rows (and every
+row without the kernels) go through the gather path, which dequantizes the blocks into the
+compute dtype (stored * scale, per KV head). A fresh prompt's own keys go through the same
 rounding, so every row sees the keys exactly as the cache holds them (the reference's
 rule).
+
+`CpuPagedAttention.rows_by_path` counts the rows each path attended (`kernel_decode`,
+`kernel_paged`, `sdpa_decode`, `sdpa_prefill`), so tests can check that a fast path ran
+rather than a fallback; a backend asked for the kernels that could not load them logs it
+once when built.
 """
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +52,8 @@ from tokenmill.platforms.interfaces import (
 from tokenmill.platforms.ops.kv_quant import QUANTIZED_KV_DTYPES, dequantize_kv, quantize_kv
 from tokenmill.platforms.ops.reference import check_kv_scales, write_kv
 from tokenmill_cpu import kernels
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_DTYPES = frozenset({torch.float32, torch.bfloat16})
 # A decode bucket takes rows while their span is at least this fraction of the bucket's
@@ -100,6 +111,12 @@ class CpuPagedAttention(AttentionBackend):
         self.name = f"cpu_sdpa_{kind.value}"
         # the C++ decode kernel when built (see tokenmill_cpu.kernels), else SDPA for all rows
         self._kernels = kernels.load() if use_kernels else None
+        if use_kernels and self._kernels is None:
+            logger.info("tokenmill-cpu: %s runs without the C++ kernels (%s): every row, FP8 "
+                        "caches included, goes through the gather and SDPA", self.name,
+                        "TOKENMILL_CPU_KERNELS=0" if not kernels.enabled() else "build failed")
+        # rows attended per path, for tests and benchmarks to check which one ran
+        self.rows_by_path: Counter[str] = Counter()
         # bf16 with head sizes 64 and 128: the kernel for every row (needs AVX512-BF16)
         self._bf16_kernel = self._kernels is not None and self._kernels.has_bf16_dot()
 
@@ -150,6 +167,7 @@ class CpuPagedAttention(AttentionBackend):
                 q, kv_cache, metadata.block_tables, metadata.seq_lens,
                 metadata.query_start_loc, spec.sliding_window or 0, scale, out,
             )
+            self.rows_by_path["kernel_paged"] += q.shape[0]
             return out.to(query.dtype)
         plan = self._plan(metadata, spec.sliding_window, self._kernels is not None)
         gathered = _gather(plan, kv_cache)
@@ -157,25 +175,34 @@ class CpuPagedAttention(AttentionBackend):
             rows, tables, seq_lens = plan.kernel_decode
             window = spec.sliding_window or 0
             self._kernels.decode_attention(q, kv_cache, tables, seq_lens, rows, window, scale, out)
-        for bucket in plan.decode:
-            _decode(bucket, q, gathered, scale, out)
+            self.rows_by_path["kernel_decode"] += rows.numel()
+        self._sdpa_decode(plan, q, gathered, scale, out)
         own_keys = (key.to(kv_cache.dtype), value.to(kv_cache.dtype)) if plan.prefill else None
         for seq in plan.prefill:
             _prefill(seq, q, own_keys, gathered, scale, out)
+            self.rows_by_path["sdpa_prefill"] += seq.query_end - seq.query_start
         return out.to(query.dtype)
 
     def _forward_quantized(self, spec, query, key, value, kv_cache, metadata, scales):
-        """An FP8 cache: written quantized, every row read through the dequantizing gather
-        (SDPA in the compute dtype; the C++ kernels take no FP8 cache)."""
+        """An FP8 cache: written quantized; decode rows read in place by the C++ kernel,
+        prefill rows (every row without the kernels) through the dequantizing gather (SDPA
+        in the compute dtype)."""
         k_scale, v_scale = scales
         write_kv(key, value, kv_cache, metadata.slot_mapping, k_scale, v_scale)
         scale = spec.scale if spec.scale is not None else spec.head_size**-0.5
         q = query.to(spec.dtype)
         out = torch.empty_like(q)
-        plan = self._plan(metadata, spec.sliding_window, False)
+        plan = self._plan(metadata, spec.sliding_window, self._kernels is not None)
+        if plan.kernel_decode is not None:
+            rows, tables, seq_lens = plan.kernel_decode
+            heads = kv_cache.shape[3]
+            self._kernels.decode_attention_fp8(
+                q, kv_cache, tables, seq_lens, rows, spec.sliding_window or 0, scale,
+                _per_kv_head(k_scale, heads), _per_kv_head(v_scale, heads), out,
+            )
+            self.rows_by_path["kernel_decode"] += rows.numel()
         gathered = _gather(plan, kv_cache, scales, spec.dtype)
-        for bucket in plan.decode:
-            _decode(bucket, q, gathered, scale, out)
+        self._sdpa_decode(plan, q, gathered, scale, out)
         own_keys = None
         if plan.prefill:  # the step's own keys as the cache holds them
             own_keys = tuple(
@@ -184,7 +211,13 @@ class CpuPagedAttention(AttentionBackend):
             )
         for seq in plan.prefill:
             _prefill(seq, q, own_keys, gathered, scale, out)
+            self.rows_by_path["sdpa_prefill"] += seq.query_end - seq.query_start
         return out.to(query.dtype)
+
+    def _sdpa_decode(self, plan: _StepPlan, q, gathered, scale: float, out) -> None:
+        for bucket in plan.decode:
+            _decode(bucket, q, gathered, scale, out)
+            self.rows_by_path["sdpa_decode"] += bucket.token_ids.numel()
 
     def _plan(self, metadata: AttentionMetadata, window: int | None, kernel: bool) -> _StepPlan:
         plans = metadata.backend_state.setdefault(self.name, {})
@@ -192,6 +225,12 @@ class CpuPagedAttention(AttentionBackend):
         if (window, kernel) not in plans:
             plans[window, kernel] = _build_plan(metadata, window, kernel)
         return plans[window, kernel]
+
+
+def _per_kv_head(scale: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """A k/v scale as the C++ kernels take it: contiguous float32 [num_kv_heads] (a
+    per-layer scale of one value repeated)."""
+    return scale.float().reshape(-1).expand(num_kv_heads).contiguous()
 
 
 def _gather(

@@ -14,6 +14,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <tuple>
@@ -33,6 +34,20 @@ namespace {
 
 inline float to_f(float x) { return x; }
 inline float to_f(c10::BFloat16 x) { return static_cast<float>(x); }
+
+// FP8 cache codes (e4m3fn, e5m2) as float32 by a 256-entry table per format, built once
+// at load from c10's own conversion: every code is exactly a float, so the table is exact,
+// and a lookup is cheaper than c10's bit manipulation per element.
+template <typename C>
+std::array<float, 256> fp8_table() {
+  std::array<float, 256> t{};
+  for (int i = 0; i < 256; ++i) t[i] = static_cast<float>(C(static_cast<uint8_t>(i), C::from_bits()));
+  return t;
+}
+const std::array<float, 256> kE4M3Table = fp8_table<c10::Float8_e4m3fn>();
+const std::array<float, 256> kE5M2Table = fp8_table<c10::Float8_e5m2>();
+inline float to_f(c10::Float8_e4m3fn x) { return kE4M3Table[x.x]; }
+inline float to_f(c10::Float8_e5m2 x) { return kE5M2Table[x.x]; }
 template <typename T> inline T from_f(float x) { return static_cast<T>(x); }
 // Round through the activation dtype, as an ATen op producing `T` would.
 template <typename T> inline float round_to(float x) { return to_f(from_f<T>(x)); }
@@ -653,11 +668,15 @@ inline void write_heads(T* op, const float* acc, int64_t row, int64_t o_stride, 
     for (int64_t d = 0; d < D; ++d) op[row * o_stride + (h * G + g) * D + d] = from_f<T>(acc[g * D + d]);
 }
 
-template <typename T>
+// T: the query's and output's dtype; C: the cache's (T itself, or an FP8 format, then
+// k_scale / v_scale are float32 [Hk]: a cache entry reads as stored * scale of its kv head).
+// The key scale is folded into the scaled query and the value scale into the output, so
+// the FP8 codes are read in place with no dequantized copy.
+template <typename T, typename C>
 void decode_attention_impl(const torch::Tensor& query, const torch::Tensor& kv_cache,
                            const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
                            const torch::Tensor& rows, int64_t window, float scale,
-                           torch::Tensor& out) {
+                           const float* k_scale, const float* v_scale, torch::Tensor& out) {
   const int64_t S = rows.size(0), Hq = query.size(1), D = query.size(2);
   const int64_t Hk = kv_cache.size(3), block_size = kv_cache.size(2);
   const int64_t G = Hq / Hk;
@@ -666,7 +685,7 @@ void decode_attention_impl(const torch::Tensor& query, const torch::Tensor& kv_c
   const int64_t slot_stride = kv_cache.stride(2);
   const int64_t table_stride = block_tables.stride(0);
   const T* qp = query.data_ptr<T>();
-  const T* cache = kv_cache.data_ptr<T>();
+  const C* cache = reinterpret_cast<const C*>(kv_cache.data_ptr());
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int64_t* row_ids = rows.data_ptr<int64_t>();
@@ -679,53 +698,97 @@ void decode_attention_impl(const torch::Tensor& query, const torch::Tensor& kv_c
       const int64_t len = lens[s];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t row = row_ids[s];
+      const float q_scale = k_scale != nullptr ? scale * k_scale[h] : scale;
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d)
-          q[g * D + d] = to_f(qp[row * q_stride + (h * G + g) * D + d]) * scale;
+          q[g * D + d] = to_f(qp[row * q_stride + (h * G + g) * D + d]) * q_scale;
       scores.resize(G * (len - first));
       const int32_t* table = tables + s * table_stride;
-      const T* k_base = cache + h * D;
-      const T* v_base = cache + kv_half + h * D;
-      constexpr bool kVecType = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+      const C* k_base = cache + h * D;
+      const C* v_base = cache + kv_half + h * D;
+      constexpr bool kVecType = std::is_same_v<C, float> || std::is_same_v<C, c10::BFloat16>;
+      bool done = false;
       if constexpr (kVecType) {
         if (vec) {
-          attend_one<T, true>(q.data(), k_base, v_base, table, first, len, block_size,
+          attend_one<C, true>(q.data(), k_base, v_base, table, first, len, block_size,
                               block_stride, slot_stride, G, D, scores.data(), acc.data(),
                               kf.data());
-          write_heads(op, acc.data(), row, o_stride, h, G, D);
-          continue;
+          done = true;
         }
       }
-      attend_one<T, false>(q.data(), k_base, v_base, table, first, len, block_size,
-                           block_stride, slot_stride, G, D, scores.data(), acc.data(),
-                           kf.data());
+      if (!done)
+        attend_one<C, false>(q.data(), k_base, v_base, table, first, len, block_size,
+                             block_stride, slot_stride, G, D, scores.data(), acc.data(),
+                             kf.data());
+      if (v_scale != nullptr)
+        for (int64_t j = 0; j < G * D; ++j) acc[j] *= v_scale[h];
       write_heads(op, acc.data(), row, o_stride, h, G, D);
     }
   });
 }
 
-void decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
-                      torch::Tensor seq_lens, torch::Tensor rows, int64_t window, double scale,
-                      torch::Tensor out) {
+void check_decode_args(const torch::Tensor& query, const torch::Tensor& kv_cache,
+                       const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                       const torch::Tensor& rows, const torch::Tensor& out) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
               "query must be [tokens, heads, head_size] with contiguous heads");
   TORCH_CHECK(out.dim() == 3 && out.stride(2) == 1 && out.stride(1) == out.size(2),
               "out must be [tokens, heads, head_size] with contiguous heads");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.stride(4) == 1 && kv_cache.stride(3) == kv_cache.size(4),
               "kv_cache must be [2, blocks, block_size, kv_heads, head_size], heads contiguous");
-  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() &&
-                  out.scalar_type() == kv_cache.scalar_type(),
-              "query, out and kv_cache must share a dtype");
+  TORCH_CHECK(query.scalar_type() == out.scalar_type(), "query and out must share a dtype");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   rows.scalar_type() == at::kLong,
               "block_tables and seq_lens must be int32, rows int64");
   TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0, "query heads must be a multiple of kv heads");
+}
+
+void decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
+                      torch::Tensor seq_lens, torch::Tensor rows, int64_t window, double scale,
+                      torch::Tensor out) {
+  check_decode_args(query, kv_cache, block_tables, seq_lens, rows, out);
+  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type(),
+              "query, out and kv_cache must share a dtype");
   auto tables = block_tables.stride(1) == 1 ? block_tables : block_tables.contiguous();
   auto lens = seq_lens.contiguous();
   auto rws = rows.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, query.scalar_type(), "decode_attention", [&] {
-    decode_attention_impl<scalar_t>(query, kv_cache, tables, lens, rws, window,
-                                    static_cast<float>(scale), out);
+    decode_attention_impl<scalar_t, scalar_t>(query, kv_cache, tables, lens, rws, window,
+                                              static_cast<float>(scale), nullptr, nullptr, out);
+  });
+}
+
+// decode_attention over an FP8 cache (float8_e4m3fn or float8_e5m2) read in place:
+// query / out float32 or bfloat16, k_scale / v_scale float32 [kv_heads] (per-layer scales
+// are one value repeated). Each row may be a prefill row too: `rows` and `seq_lens` then
+// list every query row with its own causal length.
+void decode_attention_fp8(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
+                          torch::Tensor seq_lens, torch::Tensor rows, int64_t window,
+                          double scale, torch::Tensor k_scale, torch::Tensor v_scale,
+                          torch::Tensor out) {
+  check_decode_args(query, kv_cache, block_tables, seq_lens, rows, out);
+  const auto cache_type = kv_cache.scalar_type();
+  TORCH_CHECK(cache_type == at::kFloat8_e4m3fn || cache_type == at::kFloat8_e5m2,
+              "decode_attention_fp8 takes a float8_e4m3fn or float8_e5m2 cache, not ", cache_type);
+  const int64_t Hk = kv_cache.size(3);
+  for (const auto* t : {&k_scale, &v_scale})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->numel() == Hk,
+                "k_scale / v_scale must be float32 with one value per kv head (", Hk, "), not ",
+                t->scalar_type(), " of ", t->numel());
+  auto ks = k_scale.contiguous(), vs = v_scale.contiguous();
+  auto tables = block_tables.stride(1) == 1 ? block_tables : block_tables.contiguous();
+  auto lens = seq_lens.contiguous();
+  auto rws = rows.contiguous();
+  const float* ksp = ks.data_ptr<float>();
+  const float* vsp = vs.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, query.scalar_type(), "decode_attention_fp8", [&] {
+    if (cache_type == at::kFloat8_e4m3fn)
+      decode_attention_impl<scalar_t, c10::Float8_e4m3fn>(query, kv_cache, tables, lens, rws,
+                                                          window, sc, ksp, vsp, out);
+    else
+      decode_attention_impl<scalar_t, c10::Float8_e5m2>(query, kv_cache, tables, lens, rws,
+                                                        window, sc, ksp, vsp, out);
   });
 }
 
@@ -1147,6 +1210,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_bf16_dot", &has_bf16_dot);
   m.def("linear_bf16", &linear_bf16);
   m.def("decode_attention", &decode_attention);
+  m.def("decode_attention_fp8", &decode_attention_fp8);
 #if TM_HAS_BF16_DOT
   m.def("paged_attention_bf16", &paged_attention_bf16);
 #endif
