@@ -36,26 +36,30 @@ def tiny_llama(root: Path, layers: int) -> Path:
 def decode_step_seconds(root: Path, platform: str, layers: int, tensor_parallel: int = 1,
                         steps: int = 24, dtype: str = "float32",
                         pipeline_parallel: int = 1) -> float:
-    """Seconds of one decode step of one sequence (after its prefill): the 20th percentile
-    of `steps` steps, so other work on a shared machine inflates it little. At pp > 1 a
-    step carries the one sequence through every stage (one token a step)."""
+    """Seconds between two tokens of a decoding sequence: at pp1 one decode step of one
+    sequence (after its prefill), the 20th percentile of `steps` steps, so other work on a
+    shared machine inflates it little. At pp > 1 the pipeline is full, as in serving: pp
+    sequences, a micro-batch each, every engine step delivering one of them, so a
+    sequence's token takes pp steps (the median step: the stages' steps alternate)."""
     from tokenmill import LLM, SamplingParams
 
     llm = LLM(str(tiny_llama(root, layers)), platform=platform, dtype=dtype,
               tensor_parallel_size=tensor_parallel, pipeline_parallel_size=pipeline_parallel,
-              num_kv_blocks=64,
-              enable_prefix_caching=False)
+              num_kv_blocks=64, enable_prefix_caching=False)
     try:
         engine = llm.engine
         params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
-        engine.add_request(engine.next_request_id(), list(range(20, 36)), params)
-        engine.step()  # the prefill
-        engine.step()
+        for i in range(pipeline_parallel):
+            engine.add_request(engine.next_request_id(), list(range(20 + i, 36 + i)), params)
+        for _ in range(2 * pipeline_parallel):  # the prefills, and the pipeline filling
+            engine.step()
         times = []
         while engine.has_unfinished_requests():
             start = time.perf_counter()
             engine.step()
             times.append(time.perf_counter() - start)
-        return statistics.quantiles(times, n=5)[0]
+        if pipeline_parallel == 1:
+            return statistics.quantiles(times, n=5)[0]
+        return statistics.median(times) * pipeline_parallel
     finally:
         engine.shutdown()

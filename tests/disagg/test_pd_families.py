@@ -176,3 +176,30 @@ def test_tensor_parallel_resharded(arch, prefill_tp, decode_tp, tmp_path):
     finally:
         prefill.shutdown()
         decode.shutdown()
+
+
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
+def test_fp8_kv_hands_over_its_fp8_pages(arch, tmp_path):
+    """Both engines store KV in FP8 (full attention; MLA latents): the decode engine pulls
+    the FP8 pages as they are, greedy output equals a colocated FP8 engine's, and the bytes
+    moved are a quarter of a float32-KV pair's for the same prompts."""
+    path = str(make_tiny_model(tmp_path / arch, arch))
+    moved = {}
+    for kv_dtype in ("fp8", None):
+        kw = KW | ({"kv_cache_dtype": kv_dtype} if kv_dtype else {})
+        colocated = LLM(path, **kw)
+        reference = [list(o.outputs[0].token_ids) for o in colocated.generate(
+            [{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)]
+        colocated.engine.shutdown()
+        prefill = LLM(path, kv_role="prefill", kv_transport="mooncake", **kw).engine
+        decode = LLM(path, kv_role="decode", kv_transport="mooncake", **kw).engine
+        try:
+            assert _handover(prefill, decode, "a") == reference, kv_dtype
+            stats = decode.handover.stats()
+            assert stats.received == 3 and stats.failed == 0
+            assert stats.transport_bytes == stats.bytes_moved > 0
+            moved[kv_dtype] = stats.bytes_moved
+        finally:
+            prefill.shutdown()
+            decode.shutdown()
+    assert moved["fp8"] * 4 == moved[None], moved

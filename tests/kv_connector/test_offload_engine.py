@@ -203,3 +203,35 @@ def test_the_cost_model_recomputes_what_loads_slower_with_the_same_output(
     assert llm.engine.kv.reset_prefix_cache()  # the device's blocks move to the host
     replay(llm, [(10, 1, list(range(110, 150)) + [9])])
     assert sum(s.tokens_loaded for s in stats.values()) > before
+
+
+def test_fp8_kv_sessions_offload_their_fp8_pages(tiny_dirs, tmp_path):
+    """An FP8 KV cache offloads as it is: in the tight pool, with host and disk tiers,
+    the sessions give the greedy output of an FP8 engine with an unlimited pool, later
+    turns compute only their new tokens, and each disk object carries FP8 pages (a quarter
+    of the float32 engine's payload). The layout's fingerprint names the dtype: a float32
+    engine on the same disk directory loads none of the FP8 objects."""
+    fp8 = dict(kv_cache_dtype="fp8")
+    want = replay(make_llm(tiny_dirs["llama"], num_kv_blocks=1024, **fp8))
+    llm = tight(tiny_dirs["llama"], kv_offload_host_bytes="16KiB",
+                kv_offload_disk_path=str(tmp_path), kv_offload_disk_bytes="16MiB", **fp8)
+    records = replay(llm)
+    assert [r["output"] for r in records] == [r["output"] for r in want]
+    for r in records[NUM_SESSIONS:]:
+        assert r["computed"] <= r["new"] + BS, r
+    stats = llm.engine.offload.stack.stats
+    assert stats["host"].tokens_loaded + stats["disk"].tokens_loaded > 0
+    layout = llm.engine.offload.layout
+    llm.engine.offload.worker_side.drain()
+    assert stats["disk"].bytes_written == unique_blocks(records) * layout.object_bytes
+    llm.engine.shutdown()
+
+    plain = tight(tiny_dirs["llama"], kv_offload_disk_path=str(tmp_path),
+                  kv_offload_disk_bytes="16MiB")
+    assert layout.fingerprint() != plain.engine.offload.layout.fingerprint()
+    assert layout.payload_bytes * 4 == plain.engine.offload.layout.payload_bytes
+    first = records[NUM_SESSIONS]  # a turn whose history the FP8 engine saved
+    out = plain.generate({"prompt_token_ids": first["prompt"]}, GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0  # nothing of the FP8 engine's is read as float32
+    assert plain.engine.offload.stack.stats["disk"].tokens_loaded == 0
+    plain.engine.shutdown()
