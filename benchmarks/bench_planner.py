@@ -279,13 +279,14 @@ def predict(path: str, mix, isl: int, osl: int, clients: int, calibration) -> di
 
 
 def predict_pd(path: str, isl: int, osl: int, clients: int, calibration) -> dict:
-    """1P1D: a tp1 prefill instance and a tp1 decode instance, as the search costs a split."""
+    """1P1D: a tp1 prefill instance and a tp1 decode instance, as the search costs a split
+    (on this shared host, each pool beside the other's rank)."""
     from tokenmill.planner.mixes import Mix
-    from tokenmill.planner.search import _split
+    from tokenmill.planner.search import split
     from tokenmill.planner.serving import predict_decode, predict_prefill
 
     ctx = context(path, isl, osl, clients, calibration)
-    c = _split(ctx, predict_prefill(ctx, Mix()), predict_decode(ctx, Mix()), 1, 1)
+    c = split(ctx, predict_prefill(ctx, Mix()), predict_decode(ctx, Mix()), 1, 1)
     return {"ttft": c.ttft_s, "tpot": c.tpot_s, "throughput": c.tokens_per_s_per_device * 2,
             "binding": c.binding}
 

@@ -182,6 +182,29 @@ def test_fp8_decode_only_step_runs_no_gather(kv_dtype, window):
     assert backend.rows_by_path == {"kernel_decode": 3 * len(seqs)}
 
 
+@pytest.mark.skipif(not kernels.enabled(), reason="TOKENMILL_CPU_KERNELS=0")
+@pytest.mark.parametrize("kv_dtype", FP8, ids=str)
+def test_fp8_decode_kernel_reads_every_code_exactly(kv_dtype):
+    """All 256 codes of the format (NaN and, for e5m2, inf included) as values of 4 one-key
+    sequences (zero keys: each output is its value row times v_scale) come out as torch's
+    own conversion: the kernel's vectorised decoding and its table agree with it bit for bit."""
+    module = kernels.load()
+    assert module is not None, "the C++ kernels did not build"
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.uint8).view(4, 1, 64)
+    kv_cache = torch.zeros(2, 4, 16, 1, 64, dtype=torch.uint8)
+    kv_cache[1, :, 0] = codes
+    kv_cache = kv_cache.view(kv_dtype)
+    query = torch.randn(4, 1, 64)
+    out = torch.empty_like(query)
+    module.decode_attention_fp8(
+        query, kv_cache, torch.arange(4, dtype=torch.int32).view(4, 1),
+        torch.ones(4, dtype=torch.int32), torch.arange(4), 0, 0.125,
+        torch.tensor([0.5]), torch.tensor([1.0]), out,
+    )
+    want = codes.view(kv_dtype).float()
+    torch.testing.assert_close(out, want, rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("kv_dtype", FP8, ids=str)
 def test_fp8_without_kernels_decodes_through_the_gather(kv_dtype):
     """The fallback (TOKENMILL_CPU_KERNELS=0, or a failed build) still matches the reference

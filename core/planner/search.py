@@ -110,8 +110,24 @@ def disaggregated(ctx: Context) -> list[Candidate]:
             for x in range(1, (n - d.mix.devices) // p.mix.devices + 1):
                 y = (n - x * p.mix.devices) // d.mix.devices
                 if y >= 1:
-                    out.append(_split(ctx, p, d, x, y))
+                    out.append(split(ctx, p, d, x, y))
     return out
+
+
+def split(ctx: Context, p: Prediction, d: Prediction, x: int, y: int) -> Candidate:
+    """x instances of `p`'s prefill layout and y of `d`'s decode layout. On a shared host
+    the two pools compute at once on the same cores: each pool is priced again with the
+    other instances' ranks busy beside it (`Context.cotenant_ranks`; as if always busy,
+    an upper bound on the contention), where separate devices keep the unloaded figures."""
+    if not ctx.cluster.shared_host:
+        return _split(ctx, p, d, x, y)
+    devices = x * p.mix.devices + y * d.mix.devices
+    unloaded = replace(ctx, workload=replace(ctx.workload, rate=None, concurrency=None))
+    pctx = replace(unloaded, cotenant_ranks=devices - p.mix.devices)
+    dctx = replace(ctx, cotenant_ranks=devices - d.mix.devices)
+    p = predict_prefill(_less_handover(pctx, p.mix), p.mix)
+    d = predict_decode(replace(dctx, workload=unloaded.workload), d.mix)
+    return _split(dctx, p, d, x, y)
 
 
 def _less_handover(ctx: Context, prefill: Mix) -> Context:
@@ -136,18 +152,38 @@ def _split(ctx: Context, p: Prediction, d: Prediction, x: int, y: int) -> Candid
     capacity = min(x * p.requests_per_s, y * d.requests_per_s)
     devices = x * p.mix.devices + y * d.mix.devices
     handover = handover_seconds(ctx, p.mix, d.mix)
-    ttft = p.ttft_s + handover
-    tpot, rate = d.tpot_s, capacity
-    for _ in range(3):  # the batch and queue the load asks for, and the TTFT and TPOT they give
-        if wl.concurrency is not None:
-            rate = min(capacity, wl.concurrency / (ttft + wl.osl * tpot))
-        elif wl.rate is not None:
-            rate = min(capacity, wl.rate)
-        else:
-            break
-        batch = min(d.batch, math.ceil(rate * wl.osl * tpot / (y * d.mix.dp)))
-        tpot = decode_tpot(ctx, d.mix, batch)
-        ttft = queued_ttft(p, rate / x) + handover
+    tpots: dict[int, float] = {}
+
+    def at(rate: float) -> tuple[float, float]:
+        """The TTFT and TPOT an arrival rate gives: the decode batch it settles at
+        (Little's law over the decode pool) and the prefill pool's queue."""
+        tpot = d.tpot_s
+        for _ in range(3):
+            batch = min(d.batch, math.ceil(rate * wl.osl * tpot / (y * d.mix.dp)))
+            if batch not in tpots:
+                tpots[batch] = decode_tpot(ctx, d.mix, batch)
+            tpot = tpots[batch]
+        queued = queued_ttft(p, rate / x)
+        if wl.concurrency is not None:  # C clients: at most all of them queued at once
+            queued = min(queued, p.service_s * math.ceil(wl.concurrency / x))
+        return queued + handover, tpot
+
+    if wl.concurrency is not None:
+        # a closed loop settles where the rate is the clients over a request's time, a
+        # time that grows with the rate: the crossing, by bisection (iterating the rate
+        # itself oscillates near the prefill pool's capacity)
+        low, high = 0.0, capacity
+        for _ in range(30):
+            mid = (low + high) / 2
+            ttft, tpot = at(mid)
+            low, high = (mid, high) if wl.concurrency / (ttft + wl.osl * tpot) > mid else (low, mid)
+        rate = low
+        ttft, tpot = at(rate)
+    elif wl.rate is not None:
+        rate = min(capacity, wl.rate)
+        ttft, tpot = at(rate)
+    else:
+        rate, ttft, tpot = capacity, p.ttft_s + handover, d.tpot_s
     overloaded = wl.rate is not None and wl.rate > capacity
     meets = ctx.slo.met(ttft, tpot) and p.meets_slo and d.meets_slo and not overloaded
     limiting = "prefill pool" if x * p.requests_per_s < y * d.requests_per_s else "decode pool"

@@ -88,6 +88,9 @@ class Context:
     workload: Workload
     slo: SLO
     limits: Limits
+    # on a shared host: ranks of other instances computing beside this one's (the other
+    # pool of a disaggregated deployment on the same host), which take their share of it
+    cotenant_ranks: int = 0
 
 
 def _memory(ctx: Context, mix: Mix) -> tuple[int, str]:
@@ -115,6 +118,8 @@ def _step(ctx: Context, mix: Mix, decode: int, prefill: int, prompts: int = 1,
     if prefill:
         cached = wl.isl - wl.new_tokens + max(0, (wl.new_tokens - prefill) // 2)
         seqs.append(Seq(cached, prefill, prompts))
+    if ctx.cotenant_ranks and ctx.cluster.shared_host:
+        busy = (busy or mix.devices) + ctx.cotenant_ranks
     return step_time(ctx.model, mix, ctx.cluster, ctx.calibration, tuple(seqs),
                      decode + (prompts if prefill else 0), busy)
 

@@ -75,3 +75,37 @@ def test_a_shared_hosts_pipeline_stage_computes_a_prompt_chunk_with_its_own_shar
     assert p.ttft_s == pytest.approx(service * (1 + share / (2 * (1 - share))) + cycle / 2,
                                      rel=1e-12)
     assert p.tpot_s == pytest.approx(2 * (10 / 11 * alone + 1 / 11 * mixed), rel=1e-12)
+
+
+def test_a_shared_hosts_prefill_and_decode_pools_are_priced_beside_each_other():
+    """1P1D on a shared host (both instances' ranks on this machine's cores): each pool
+    computes beside the other's rank, so its steps are priced at half the host, where
+    separate devices (two H200s) keep each pool's figures alone. Either way the two
+    clients' closed loop settles at the rate Little's law gives (it did not: iterating the
+    rate oscillated near the prefill pool's capacity)."""
+    from tokenmill.model.loader import default_model_path
+    from tokenmill.planner.search import _split, split
+    from tokenmill.planner.serving import decode_tpot, predict_decode, predict_prefill
+
+    model = model_shape(default_model_path())
+    for text, shared in (("1x2xcpu", True), ("1x2xH200", False)):
+        cluster = parse_cluster(text)
+        ctx = Context(model, cluster, Calibration(), Workload(ISL, OSL, concurrency=2), SLO(),
+                      Limits(2048, 8, 512))
+        p, d = predict_prefill(ctx, Mix()), predict_decode(ctx, Mix())
+        alone, priced = _split(ctx, p, d, 1, 1), split(ctx, p, d, 1, 1)
+        for c in (alone, priced):  # the closed loop settles where Little's law holds
+            assert c.requests_per_s == pytest.approx(2 / (c.ttft_s + OSL * c.tpot_s), rel=1e-6)
+        if not shared:
+            assert priced == alone
+            continue
+        decoding = Seq(ISL + OSL // 2, 1, 1)
+        half = step_time(model, Mix(), cluster, Calibration(), (decoding,), 1, busy_ranks=2)
+        whole = step_time(model, Mix(), cluster, Calibration(), (decoding,), 1, busy_ranks=1)
+        assert half.seconds > whole.seconds
+        beside = Context(model, cluster, Calibration(), ctx.workload, SLO(),
+                         Limits(2048, 8, 512), cotenant_ranks=1)
+        assert decode_tpot(beside, Mix(), 1) == pytest.approx(half.seconds, rel=1e-12)
+        assert decode_tpot(ctx, Mix(), 1) == pytest.approx(whole.seconds, rel=1e-12)
+        assert priced.tpot_s > alone.tpot_s and priced.ttft_s > alone.ttft_s
+        assert priced.tokens_per_s_per_device < alone.tokens_per_s_per_device

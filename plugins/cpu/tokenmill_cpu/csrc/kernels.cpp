@@ -48,6 +48,36 @@ const std::array<float, 256> kE4M3Table = fp8_table<c10::Float8_e4m3fn>();
 const std::array<float, 256> kE5M2Table = fp8_table<c10::Float8_e5m2>();
 inline float to_f(c10::Float8_e4m3fn x) { return kE4M3Table[x.x]; }
 inline float to_f(c10::Float8_e5m2 x) { return kE5M2Table[x.x]; }
+
+template <typename C>
+constexpr bool kIsFp8 = std::is_same_v<C, c10::Float8_e4m3fn> || std::is_same_v<C, c10::Float8_e5m2>;
+
+// n cache entries as float32. FP8 with F16C: 8 codes at a time through fp16, exactly
+// (e5m2 is fp16's top byte; e4m3fn's exponent and mantissa bits sit in fp16's, with the
+// exponent bias 8 lower: times 2^8, subnormals included; its NaN codes stay NaN).
+template <typename C>
+inline void row_to_f(const C* src, float* dst, int64_t n) {
+  int64_t d = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+  if constexpr (kIsFp8<C>) {
+    for (; d + 8 <= n; d += 8) {
+      const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + d)));
+      if constexpr (std::is_same_v<C, c10::Float8_e5m2>) {
+        _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(_mm_slli_epi16(b, 8)));
+      } else {
+        const __m128i low = _mm_and_si128(b, _mm_set1_epi16(0x7F));
+        const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                                       _mm_slli_epi16(low, 7));
+        const __m256 f = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
+        const __m256 is_nan = _mm256_castsi256_ps(
+            _mm256_cvtepi16_epi32(_mm_cmpeq_epi16(low, _mm_set1_epi16(0x7F))));
+        _mm256_storeu_ps(dst + d, _mm256_blendv_ps(f, _mm256_set1_ps(NAN), is_nan));
+      }
+    }
+  }
+#endif
+  for (; d < n; ++d) dst[d] = to_f(src[d]);
+}
 template <typename T> inline T from_f(float x) { return static_cast<T>(x); }
 // Round through the activation dtype, as an ATen op producing `T` would.
 template <typename T> inline float round_to(float x) { return to_f(from_f<T>(x)); }
@@ -354,7 +384,7 @@ void attend_one(const float* q, const T* k_base, const T* v_base, const int32_t*
       continue;
     }
 #endif
-    for (int64_t d = 0; d < D; ++d) kf[d] = to_f(k[d]);
+    row_to_f(k, kf, D);
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = q + g * D;
       float dot = 0.f;
@@ -393,7 +423,7 @@ void attend_one(const float* q, const T* k_base, const T* v_base, const int32_t*
       continue;
     }
 #endif
-    for (int64_t d = 0; d < D; ++d) kf[d] = to_f(v[d]);
+    row_to_f(v, kf, D);
     for (int64_t g = 0; g < G; ++g) {
       const float w = scores[g * n + (p - first)];
       float* a = acc + g * D;
