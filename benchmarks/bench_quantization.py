@@ -25,6 +25,10 @@ once per `--none-dtypes` (each row is named with the dtype the engine resolved: 
 plugin's 'auto' is float32). llama.cpp is llama-cpp-python in the venv that
 `benchmarks/serving/prepare_peers.sh llamacpp` makes; a missing one is said, not skipped
 silently.
+`u8ops`: the 6/8-bit kernel (the cpu plugin's quantized_linear_u8) on Q8_0- and
+Q6_K-shaped weights of SmolLM2-135M's shapes (576x576, 1536x576, 576x1536, the 49152x576
+embedding / lm-head) at batch 1 and 16, float32 activations, against dense float32
+F.linear on the dequantized weight and against the core's reference (dequantizes per call).
 `moe`: one MoE layer of Qwen3-30B-A3B's expert shapes (hidden 2048, experts of 768, top
 8 of `--experts`), its experts as int4 codes in groups of 32 (`QuantizedExperts`, the
 cpu int4 kernel per expert) against the same weights dense in bf16 (the platform's op
@@ -36,6 +40,7 @@ note the machine's load (`uptime`), which the script prints.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -134,6 +139,46 @@ def run_ops(args) -> dict:
             rows[f"{name} {n}x{k} batch {m}"] = {
                 "dtype": args.dtype, "dense_us": t_dense * 1e6, "int4_us": t_int4 * 1e6,
                 "speedup": t_dense / t_int4}
+    return rows
+
+
+def run_u8ops(args) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from tokenmill.platforms.ops import quant
+    from tokenmill_cpu import ops
+
+    shapes = {"o": (576, 576), "gate/up": (1536, 576), "down": (576, 1536),
+              "embed/lm_head": (49152, 576)}
+    schemes = {"Q8_0": quant.QuantScheme("gguf", "Q8_0", 8, 32),
+               "Q6_K": quant.QuantScheme("gguf", "Q6_K", 6, 16)}
+    g = torch.Generator().manual_seed(0)
+    rows = {}
+    for fmt, scheme in schemes.items():
+        for name, (n, k) in shapes.items():
+            g_ = scheme.group_size
+            codes = torch.randint(0, 1 << scheme.bits, (n, k), generator=g, dtype=torch.uint8)
+            scales = torch.rand(n, k // g_, generator=g) * 0.01
+            weight = quant.QuantizedWeight(scheme, codes, scales, -(1 << (scheme.bits - 1)) * scales,
+                                           k, n)
+            dense_w = quant.dequantize(weight, torch.float32)
+            kernel = ops.prepack_quantized_linear(weight, None)
+            if not isinstance(kernel, ops.Uint8QuantizedLinear):
+                raise SystemExit(f"{fmt} {n}x{k}: the cpu kernel did not take it ({kernel})")
+            reference = quant.prepack_quantized_linear(weight, None)
+            for m in (1, 16):
+                x = torch.randn(m, k, generator=g)
+                reps = max(3, int(2e8 / (n * k * (m if m > 1 else 4))))
+                t_dense = _bench(functools.partial(F.linear, weight=dense_w), x, reps)
+                t_kernel = _bench(kernel, x, reps)
+                t_ref = _bench(reference, x, max(3, reps // 20))
+                rows[f"{fmt} {name} {n}x{k} batch {m}"] = {
+                    "dense_f32_us": t_dense * 1e6, "kernel_us": t_kernel * 1e6,
+                    "reference_us": t_ref * 1e6, "kernel_vs_dense": t_dense / t_kernel,
+                    "kernel_vs_reference": t_ref / t_kernel}
+                print(f"{fmt} {name} {n}x{k} batch {m}: dense {t_dense*1e6:.0f} us, kernel "
+                      f"{t_kernel*1e6:.0f} us, reference {t_ref*1e6:.0f} us", file=sys.stderr)
     return rows
 
 
@@ -264,7 +309,7 @@ def run_decode(args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=["ppl", "ops", "decode", "moe"])
+    parser.add_argument("mode", choices=["ppl", "ops", "u8ops", "decode", "moe"])
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=50_000)
     parser.add_argument("--window", type=int, default=1024)
@@ -286,7 +331,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("TOKENMILL_LOG_LEVEL", "WARNING")
     before = _uptime()
-    result = {"ppl": run_ppl, "ops": run_ops, "decode": run_decode,
+    result = {"ppl": run_ppl, "ops": run_ops, "u8ops": run_u8ops, "decode": run_decode,
               "moe": run_moe}[args.mode](args)
     print(json.dumps({"mode": args.mode, "uptime_before": before, "uptime_after": _uptime(),
                       "result": result}, indent=2))

@@ -116,8 +116,10 @@ def test_tiny_model_per_format_matches_transformers_on_the_dequantized_weights(t
                         schemes=scheme_chooser(plan, torch.float32))
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     assert len(layers) == 9 and all(isinstance(m.scheme, QuantizedWeights) for m in layers)
-    if GGUF_SCHEMES[type_name].bits == 4:  # the cpu plugin's fast path must be the one running
-        assert all(isinstance(m._apply_packed, cpu_ops.Int4PackedLinear) for m in layers)
+    # the cpu plugin's kernel for the bit width must be the one running, not the reference
+    kernel = (cpu_ops.Int4PackedLinear if GGUF_SCHEMES[type_name].bits == 4
+              else cpu_ops.Uint8QuantizedLinear)
+    assert all(isinstance(m._apply_packed, kernel) for m in layers)
     tokens = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(3)).tolist()
     harness = PagedHarness(model, ReferenceAttentionBackend())
     seq = harness.add(tokens)
@@ -149,10 +151,10 @@ def test_a_platform_without_a_quantized_kernel_logs_each_scheme_once(caplog):
     assert any("gguf Q4_0 weights" in m for m in named) and any("gguf Q8_0 weights" in m for m in named)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0"])
-def test_the_cpu_platform_logs_its_fallback_once_and_its_int4_path_not_at_all(type_name, caplog):
-    """The cpu plugin as the registry loads it: Q4_0 on ATen's int4 kernel, no warning;
-    Q8_0 (no kernel) on the reference, one warning for its 9 layers."""
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0", "Q6_K"])
+def test_the_cpu_platform_runs_its_kernels_without_a_fallback_warning(type_name, caplog):
+    """The cpu plugin as the registry loads it: Q4_0 on ATen's int4 kernel, Q8_0 and Q6_K
+    on the kernels' quantized_linear_u8; no fallback warning for any of its 9 layers."""
     hf = _tiny_llama()
     weights, plan = _quantized_checkpoint(hf, type_name)
     ops = load_platform("cpu").ops
@@ -161,12 +163,44 @@ def test_the_cpu_platform_logs_its_fallback_once_and_its_int4_path_not_at_all(ty
                             attention_backend=ReferenceAttentionBackend(), block_size=4,
                             schemes=scheme_chooser(plan, torch.float32))
     layers = [m for m in model.modules() if isinstance(m, Linear)]
-    fast = [isinstance(m._apply_packed, cpu_ops.Int4PackedLinear) for m in layers]
-    named = _fallback_warnings(caplog.records, "platform plugin 'cpu'")
-    if type_name == "Q4_0":
-        assert all(fast) and not named, named
-    else:
-        assert not any(fast) and len(named) == 1 and "gguf Q8_0 weights (8 bits, group 32)" in named[0]
+    kernel = ("aten._weight_int4pack_mm_for_cpu" if type_name == "Q4_0"
+              else "tokenmill_cpu.quantized_linear_u8")
+    assert [getattr(m._apply_packed, "kernel", None) for m in layers] == [kernel] * 9
+    assert not _fallback_warnings(caplog.records, "platform plugin 'cpu'")
+
+
+def _u8_weight(bits: int, group: int, out: int, inp: int, g: torch.Generator, offsets=True):
+    codes = torch.randint(0, 2**bits, (out, inp), generator=g, dtype=torch.uint8)
+    scales = torch.rand(out, inp // group, generator=g) * 0.02 + 1e-3
+    offs = -torch.rand(out, inp // group, generator=g) * 2**(bits - 1) * 0.02 if offsets else None
+    scheme = quant.QuantScheme("gguf", "Q8_0" if bits == 8 else "Q6_K", bits=bits,
+                               group_size=group, zero_points=offsets)
+    return quant.QuantizedWeight(scheme, codes, scales, offs, inp, out)
+
+
+@pytest.mark.parametrize(("bits", "group"), [(8, 32), (6, 16), (8, 128)])
+@pytest.mark.parametrize("out_features", [96, 577])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_cpu_u8_kernel_matches_the_reference(bits, group, out_features, with_bias):
+    """Q8_0- and Q6_K-shaped weights (and a GPTQ-like group 128) on the C++ kernel against
+    the core's reference: float32 to float32 rounding, bf16 to bf16's; batch 1, 3, 17."""
+    g = torch.Generator().manual_seed(bits * 1000 + out_features)
+    weight = _u8_weight(bits, group, out_features, 256, g, offsets=group != 128)
+    bias = torch.randn(out_features, generator=g) if with_bias else None
+    fast = cpu_ops.prepack_quantized_linear(weight, bias)
+    assert isinstance(fast, cpu_ops.Uint8QuantizedLinear), fast
+    for batch in (1, 3, 17):
+        x = torch.randn(batch, 256, generator=g)
+        want = quant.quantized_linear(x, weight, bias)
+        torch.testing.assert_close(fast(x), want, atol=1e-4, rtol=1e-5)
+        xb = x.bfloat16()
+        got = fast(xb)
+        assert got.dtype == torch.bfloat16
+        want = quant.quantized_linear(xb.float(), weight, bias)
+        torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=1e-2)
+    x3 = torch.randn(2, 5, 256, generator=g)  # leading dims kept
+    torch.testing.assert_close(fast(x3), quant.quantized_linear(x3, weight, bias),
+                               atol=1e-4, rtol=1e-5)
 
 
 def test_cpu_int4_kernel_matches_the_reference_in_bfloat16():
@@ -183,14 +217,16 @@ def test_cpu_int4_kernel_matches_the_reference_in_bfloat16():
 
 
 def test_cpu_fallback_is_logged(caplog):
-    scheme = GGUF_SCHEMES["Q6_K"]
+    """A group the kernels take neither (8 bits, group 4: not a multiple of 8) runs the
+    reference, and says so."""
+    scheme = quant.QuantScheme("gptq", "int8", bits=8, group_size=4)
     weight = quant.QuantizedWeight(scheme, torch.zeros(4, 32, dtype=torch.uint8),
-                                   torch.ones(4, 2), torch.zeros(4, 2), 32, 4)
+                                   torch.ones(4, 8), torch.zeros(4, 8), 32, 4)
     with caplog.at_level("WARNING"):
         fn = cpu_ops.prepack_quantized_linear(weight, None)
-    assert not isinstance(fn, cpu_ops.Int4PackedLinear)
+    assert not isinstance(fn, cpu_ops.Int4PackedLinear | cpu_ops.Uint8QuantizedLinear)
     assert _fallback_warnings(caplog.records, "platform plugin 'cpu'")
-    assert "gguf Q6_K weights (6 bits, group 16)" in caplog.text
+    assert "gptq int8 weights (8 bits, group 4)" in caplog.text
 
 
 def test_quantization_is_resolved_against_the_checkpoint(tmp_path):

@@ -19,6 +19,7 @@ from tokenmill.platforms.ops import reference
 from tokenmill.platforms.ops.quant import (
     QuantizedWeight,
     ReferenceQuantizedLinear,
+    quantized_linear,
     unpacked_codes,
 )
 from tokenmill_cpu import kernels
@@ -197,19 +198,58 @@ def int4_kernel_available() -> bool:
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
+class Uint8QuantizedLinear:
+    """x @ W.T + b for 6- and 8-bit integer schemes (GGUF Q8_0, Q6_K; 8-bit GPTQ) through
+    the kernels' `quantized_linear_u8` over the codes as stored (uint8 [out, in], float32
+    scales and offsets per group): float32 or bf16 activations, float32 accumulation.
+    `kernel` names the path (tests assert it ran)."""
+
+    kernel = "tokenmill_cpu.quantized_linear_u8"
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, module) -> None:
+        self.module = module
+        self.weight = weight
+        self.codes = weight.codes.contiguous()
+        self.scales = weight.scales.float().contiguous()
+        self.offsets = None if weight.offsets is None else weight.offsets.float().contiguous()
+        self.group_size = weight.scheme.group_size
+        self.bias = None if bias is None else bias.detach()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype not in _U8_DTYPES:
+            if x.dtype not in _U8_LOGGED:
+                _U8_LOGGED.add(x.dtype)
+                logger.warning("tokenmill-cpu: the 6/8-bit quantized-linear kernel takes %s "
+                               "activations, not %s: the core's reference runs them",
+                               [str(d) for d in _U8_DTYPES], x.dtype)
+            return quantized_linear(x, self.weight, self.bias)
+        return self.module.quantized_linear_u8(x, self.codes, self.scales, self.offsets,
+                                               self.bias, self.group_size)
+
+
+# Bit widths whose codes are one uint8 per weight (platforms/ops/quant.py); activations the
+# kernel takes (others go to the reference)
+_U8_BITS = (6, 8)
+_U8_DTYPES = (torch.float32, torch.bfloat16)
+_U8_LOGGED: set[torch.dtype] = set()
+
+
 def prepack_quantized_linear(
     weight: QuantizedWeight, bias: torch.Tensor | None,
     fallback: ReferenceQuantizedLinear | None = None,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """4-bit integer schemes with a group the kernel takes run through ATen's CPU int4
-    weight-only matmul; anything else goes to `fallback`, the core's reference that logs
-    once per scheme (the plugin passes one per platform; a new one when None)."""
+    weight-only matmul; 6- and 8-bit ones (group a multiple of 8) through the kernels'
+    `quantized_linear_u8` when the kernels are built; anything else goes to `fallback`,
+    the core's reference that logs once per scheme (the plugin passes one per platform; a
+    new one when None)."""
     scheme = weight.scheme
-    fast = (
-        weight.codes.device.type == "cpu" and not scheme.is_fp8 and scheme.bits == 4
-        and scheme.group_size in _INT4_GROUPS and int4_kernel_available()
-    )
-    if fast:
+    on_cpu = weight.codes.device.type == "cpu" and not scheme.is_fp8
+    if on_cpu and scheme.bits == 4 and scheme.group_size in _INT4_GROUPS and int4_kernel_available():
         return Int4PackedLinear(weight, bias)
+    if on_cpu and scheme.bits in _U8_BITS and scheme.group_size % 8 == 0:
+        module = kernels.load()
+        if module is not None:
+            return Uint8QuantizedLinear(weight, bias, module)
     fallback = fallback or ReferenceQuantizedLinear("platform plugin 'cpu'")
     return fallback(weight, bias)

@@ -1230,6 +1230,136 @@ torch::Tensor mamba2_state_update(torch::Tensor state, torch::Tensor x, torch::T
   return y;
 }
 
+// ---------------------------------------------------------------------------------------
+// y[M, N] = x[M, K] @ W[N, K]^T (+ b) for 6/8-bit weights as the quantized-linear contract
+// stores them (platforms/ops/quant.py): uint8 codes [N, K], float32 scales and offsets
+// [N, K / G], w = q * scale + offset per group of G input columns. Per output row and
+// group, acc_q = sum q * x and y += scale * acc_q + offset * sum x; the group sums of x are
+// shared by every output row, so they are computed once per call. Activations float32 or
+// bf16 (converted to float32 once), float32 accumulation, output in x's dtype.
+// Output rows are split over threads; inside a band each weight row is read once per tile
+// of kQTile x rows (from L1: a row is K bytes), so small batches stream the codes once.
+// AVX2 + FMA where compiled with them (-march=native), a scalar loop otherwise.
+
+constexpr int64_t kQTile = 4;
+
+// One weight row against a tile of `mt` (<= kQTile) x rows: out[m] = sum_g s_g * acc_q(m, g)
+// (the offset term is added by the caller from the x group sums).
+inline void qrow_dot(const uint8_t* q, const float* sc, const float* x, int64_t x_stride,
+                     int64_t mt, int64_t K, int64_t G, float* out) {
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc[kQTile];
+  for (int64_t m = 0; m < kQTile; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t g0 = 0, gi = 0; g0 < K; g0 += G, ++gi) {
+    __m256 part[kQTile];
+    for (int64_t m = 0; m < kQTile; ++m) part[m] = _mm256_setzero_ps();
+    for (int64_t k = g0; k < g0 + G; k += 8) {
+      const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k))));
+      for (int64_t m = 0; m < mt; ++m)
+        part[m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * x_stride + k), part[m]);
+    }
+    const __m256 s = _mm256_set1_ps(sc[gi]);
+    for (int64_t m = 0; m < mt; ++m) acc[m] = _mm256_fmadd_ps(s, part[m], acc[m]);
+  }
+  for (int64_t m = 0; m < mt; ++m) {
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
+    const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    out[m] = _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
+  }
+#else
+  for (int64_t m = 0; m < mt; ++m) {
+    const float* xr = x + m * x_stride;
+    float acc = 0.f;
+    for (int64_t g0 = 0, gi = 0; g0 < K; g0 += G, ++gi) {
+      float part = 0.f;
+      for (int64_t k = g0; k < g0 + G; ++k) part += static_cast<float>(q[k]) * xr[k];
+      acc += sc[gi] * part;
+    }
+    out[m] = acc;
+  }
+#endif
+}
+
+bool quantized_linear_simd() {
+#if defined(__AVX2__) && defined(__FMA__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+torch::Tensor quantized_linear_u8(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                                  c10::optional<torch::Tensor> offsets,
+                                  c10::optional<torch::Tensor> bias, int64_t group) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "quantized_linear_u8 takes float32 or bfloat16 x, got ", x.scalar_type());
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2 && codes.is_contiguous(),
+              "quantized_linear_u8 needs contiguous uint8 codes [out, in]");
+  const int64_t N = codes.size(0), K = codes.size(1), G = group;
+  TORCH_CHECK(G > 0 && G % 8 == 0 && K % G == 0, "quantized_linear_u8 needs group % 8 == 0 and "
+              "in_features % group == 0; got group=", G, ", in_features=", K);
+  TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight ", K);
+  const int64_t NG = K / G;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+              scales.size(0) == N && scales.size(1) == NG,
+              "quantized_linear_u8 needs contiguous float32 scales [out, in / group]");
+  const float* op = nullptr;
+  if (offsets.has_value() && offsets->defined()) {
+    TORCH_CHECK(offsets->scalar_type() == at::kFloat && offsets->is_contiguous() &&
+                offsets->sizes() == scales.sizes(),
+                "quantized_linear_u8 needs contiguous float32 offsets shaped as the scales");
+    op = offsets->data_ptr<float>();
+  }
+  auto xf = x.reshape({-1, K}).to(at::kFloat).contiguous();
+  const int64_t M = xf.size(0);
+  auto y = torch::empty({M, N}, xf.options());
+  const float* xp = xf.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const uint8_t* qp = codes.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  torch::Tensor bias_f;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    bias_f = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(bias_f.numel() == N, "bias has ", bias_f.numel(), " elements, the weight ", N, " rows");
+    bp = bias_f.data_ptr<float>();
+  }
+  std::vector<float> xsum;  // [M, NG]: sum of x over each group, shared by all rows
+  if (op != nullptr) {
+    xsum.assign(M * NG, 0.f);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t g = 0; g < NG; ++g) {
+        float s = 0.f;
+        for (int64_t k = g * G; k < (g + 1) * G; ++k) s += xp[m * K + k];
+        xsum[m * NG + g] = s;
+      }
+  }
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    float out[kQTile];
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* q = qp + n * K;
+      const float* sc = sp + n * NG;
+      const float* oc = op == nullptr ? nullptr : op + n * NG;
+      for (int64_t m0 = 0; m0 < M; m0 += kQTile) {
+        const int64_t mt = std::min(kQTile, M - m0);
+        qrow_dot(q, sc, xp + m0 * K, K, mt, K, G, out);
+        for (int64_t m = 0; m < mt; ++m) {
+          float v = out[m] + (bp == nullptr ? 0.f : bp[n]);
+          if (oc != nullptr) {
+            const float* xs = xsum.data() + (m0 + m) * NG;
+            for (int64_t g = 0; g < NG; ++g) v += oc[g] * xs[g];
+          }
+          yp[(m0 + m) * N + n] = v;
+        }
+      }
+    }
+  });
+  auto out_sizes = x.sizes().vec();
+  out_sizes.back() = N;
+  return y.to(x.scalar_type()).view(out_sizes);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1246,4 +1376,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   m.def("write_kv", &write_kv);
   m.def("mamba2_state_update", &mamba2_state_update);
+  m.def("quantized_linear_u8", &quantized_linear_u8);
+  m.def("quantized_linear_simd", &quantized_linear_simd);
 }
