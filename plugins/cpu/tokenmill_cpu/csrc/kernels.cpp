@@ -1245,14 +1245,18 @@ constexpr int64_t kQTile = 4;
 
 // One weight row against a tile of `mt` (<= kQTile) x rows: out[m] = sum_g s_g * acc_q(m, g)
 // (the offset term is added by the caller from the x group sums).
-inline void qrow_dot(const uint8_t* q, const float* sc, const float* x, int64_t x_stride,
-                     int64_t mt, int64_t K, int64_t G, float* out) {
+// `MT` is a template parameter so the accumulators stay in registers (a runtime count
+// indexes them through the stack).
+template <int64_t MT>
+inline void qrow_dot_t(const uint8_t* q, const float* sc, const float* x, int64_t x_stride,
+                       int64_t K, int64_t G, float* out) {
+  constexpr int64_t mt = MT;
 #if defined(__AVX2__) && defined(__FMA__)
-  __m256 acc[kQTile];
-  for (int64_t m = 0; m < kQTile; ++m) acc[m] = _mm256_setzero_ps();
+  __m256 acc[MT];
+  for (int64_t m = 0; m < mt; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t g0 = 0, gi = 0; g0 < K; g0 += G, ++gi) {
-    __m256 part[kQTile];
-    for (int64_t m = 0; m < kQTile; ++m) part[m] = _mm256_setzero_ps();
+    __m256 part[MT];
+    for (int64_t m = 0; m < mt; ++m) part[m] = _mm256_setzero_ps();
     for (int64_t k = g0; k < g0 + G; k += 8) {
       const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
           _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k))));
@@ -1279,6 +1283,17 @@ inline void qrow_dot(const uint8_t* q, const float* sc, const float* x, int64_t 
     out[m] = acc;
   }
 #endif
+}
+
+inline void qrow_dot(const uint8_t* q, const float* sc, const float* x, int64_t x_stride,
+                     int64_t mt, int64_t K, int64_t G, float* out) {
+  static_assert(kQTile == 4, "qrow_dot dispatches tiles of 1-4 rows");
+  switch (mt) {
+    case 1: return qrow_dot_t<1>(q, sc, x, x_stride, K, G, out);
+    case 2: return qrow_dot_t<2>(q, sc, x, x_stride, K, G, out);
+    case 3: return qrow_dot_t<3>(q, sc, x, x_stride, K, G, out);
+    default: return qrow_dot_t<4>(q, sc, x, x_stride, K, G, out);
+  }
 }
 
 bool quantized_linear_simd() {
