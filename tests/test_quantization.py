@@ -201,6 +201,16 @@ def test_cpu_u8_kernel_matches_the_reference(bits, group, out_features, with_bia
     x3 = torch.randn(2, 5, 256, generator=g)  # leading dims kept
     torch.testing.assert_close(fast(x3), quant.quantized_linear(x3, weight, bias),
                                atol=1e-4, rtol=1e-5)
+    assert fast.rows_by_path == {"kernel": 2 * (1 + 3 + 17) + 10, "dequantized": 0}
+    chunk = torch.randn(fast.DEQUANTIZE_ROWS + 1, 256, generator=g)  # a prompt chunk
+    torch.testing.assert_close(fast(chunk), quant.quantized_linear(chunk, weight, bias),
+                               atol=1e-4, rtol=1e-5)
+    got = fast(chunk.bfloat16())
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), quant.quantized_linear(chunk.bfloat16().float(),
+                                                                   weight, bias),
+                               atol=3e-2, rtol=1e-2)
+    assert fast.rows_by_path["dequantized"] == 2 * (fast.DEQUANTIZE_ROWS + 1)
 
 
 def test_cpu_int4_kernel_matches_the_reference_in_bfloat16():

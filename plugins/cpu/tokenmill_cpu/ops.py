@@ -202,9 +202,14 @@ class Uint8QuantizedLinear:
     """x @ W.T + b for 6- and 8-bit integer schemes (GGUF Q8_0, Q6_K; 8-bit GPTQ) through
     the kernels' `quantized_linear_u8` over the codes as stored (uint8 [out, in], float32
     scales and offsets per group): float32 or bf16 activations, float32 accumulation.
-    `kernel` names the path (tests assert it ran)."""
+    `kernel` names the path (tests assert it ran). Past `DEQUANTIZE_ROWS` rows of x (a
+    prompt chunk) the weight is dequantized for the call and multiplied densely: the
+    kernel reads each weight once per 4 rows, so at many rows the dense GEMM wins
+    (1536x576 Q8_0, float32, one run: kernel 2.4 / 17.7 / 69.5 ms at 64 / 256 / 1024 rows
+    against 2.9 / 8.7 / 26.4 ms dequantized). `rows_by_path` counts the rows each took."""
 
     kernel = "tokenmill_cpu.quantized_linear_u8"
+    DEQUANTIZE_ROWS = 128
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, module) -> None:
         self.module = module
@@ -214,8 +219,14 @@ class Uint8QuantizedLinear:
         self.offsets = None if weight.offsets is None else weight.offsets.float().contiguous()
         self.group_size = weight.scheme.group_size
         self.bias = None if bias is None else bias.detach()
+        self.rows_by_path = {"kernel": 0, "dequantized": 0}
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if rows > self.DEQUANTIZE_ROWS and x.dtype in _U8_DTYPES:
+            # in float32 as the kernel accumulates (a bf16 GEMM is ~7x slower on AVX2)
+            self.rows_by_path["dequantized"] += rows
+            return quantized_linear(x.float(), self.weight, self.bias).to(x.dtype)
         if x.dtype not in _U8_DTYPES:
             if x.dtype not in _U8_LOGGED:
                 _U8_LOGGED.add(x.dtype)
@@ -223,6 +234,7 @@ class Uint8QuantizedLinear:
                                "activations, not %s: the core's reference runs them",
                                [str(d) for d in _U8_DTYPES], x.dtype)
             return quantized_linear(x, self.weight, self.bias)
+        self.rows_by_path["kernel"] += rows
         return self.module.quantized_linear_u8(x, self.codes, self.scales, self.offsets,
                                                self.bias, self.group_size)
 
