@@ -184,20 +184,25 @@ def _registry() -> PlatformRegistry:
 @pytest.mark.long  # three engines: tens of seconds on a loaded machine
 def test_fp8_kv_on_the_cpu_platform_matches_the_reference_platform(tiny_llama):
     """A tiny llama, greedy, FP8 KV: the cpu plugin's engine and the reference platform's
-    produce the same tokens; the FP8 pool holds twice the blocks of bf16 in the same bytes."""
+    produce the same tokens; the FP8 pool holds four times the blocks of float32 in the
+    same bytes. In float32, so that the KV cache's FP8 is the only rounding the two
+    platforms share: in bf16 their linears and norms round differently, and this model's
+    step 8 is a near-tie (cpu: 115 and 134 both at -3.023, reference: -3.054 and -2.975)
+    whose winner is chance, not the FP8 path's (the decode kernel's rows equal the
+    reference's within bf16 tolerance: tests/test_cpu_plugin.py -k fp8)."""
     prompts = ["hello world, the quick brown fox", "a b c", "tokens " * 30]
     params = SamplingParams(max_tokens=10, temperature=0)
     registry = _registry()
     outs, blocks = {}, {}
     for platform, kv in (("cpu", "fp8"), ("reference-fp8", "fp8"), ("cpu", "auto")):
-        llm = LLM(str(tiny_llama), dtype="bfloat16", platform=platform,
+        llm = LLM(str(tiny_llama), dtype="float32", platform=platform,
                   kv_cache_dtype=kv, kv_cache_memory_bytes=1 << 20, registry=registry)
         got = llm.generate(prompts, params, use_tqdm=False)
         outs[platform, kv] = [o.outputs[0].token_ids for o in got]
         blocks[platform, kv] = llm.engine.num_kv_blocks
         llm.engine.shutdown()
     assert outs["cpu", "fp8"] == outs["reference-fp8", "fp8"]
-    assert blocks["cpu", "fp8"] == 2 * blocks["cpu", "auto"]
+    assert blocks["cpu", "fp8"] == 4 * blocks["cpu", "auto"]
 
 
 def test_a_platform_that_declares_no_fp8_kv_is_refused_naming_the_value(tiny_llama):
