@@ -168,10 +168,18 @@ class MooncakeTier(KVTier):
         if self.contains(key):
             return False
         name, value = self.store_key(key), bytes(data)
-        rc = self._call("put", lambda: self._store.put(name, value),
-                        lambda rc: [] if rc == _OBJECT_EXISTS else [rc])
-        if rc == _OBJECT_EXISTS:
-            return False  # another client (or our retry's first attempt) stored it
+        attempts = 0
+
+        def attempt() -> int:
+            nonlocal attempts
+            attempts += 1
+            return self._store.put(name, value)
+
+        rc = self._call("put", attempt, lambda rc: [] if rc == _OBJECT_EXISTS else [rc])
+        if rc == _OBJECT_EXISTS and attempts == 1:
+            return False  # another client stored it first
+        # stored; or held after a retry, when an attempt that reported RPC_FAIL had landed:
+        # ours either way, so the stack records it held (else its lookups would miss it)
         with self._lock:
             self._sizes[key] = len(data)
         return True
