@@ -6,6 +6,7 @@ run as Q4_1 (`quantization="gguf"`) against the same file dequantized
         [--gguf-dtype bfloat16] [--none-dtype float32]
     python benchmarks/bench_quantization.py ops [--dtype float32]
     python benchmarks/bench_quantization.py moe [--experts 128]
+    python benchmarks/bench_quantization.py profile [--dtype auto] [--paths current|aten]
     python benchmarks/bench_quantization.py decode [--gguf-dtypes auto bfloat16]
         [--none-dtypes auto float32 bfloat16]
         [--llama-python ../peers/llamacpp/bin/python]
@@ -33,6 +34,10 @@ F.linear on the dequantized weight and against the core's reference (dequantizes
 8 of `--experts`), its experts as int4 codes in groups of 32 (`QuantizedExperts`, the
 cpu int4 kernel per expert) against the same weights dense in bf16 (the platform's op
 `moe_experts`), at batch 1 and 16.
+`profile`: where a batch-1 decode step of `quantization="gguf"` spends its time (the LM
+head, each projection's quantized linear, the attention backend, the rest of the
+forward, outside the forward), each callable timed with perf_counter; `--paths aten`
+runs the paths before the plugin's own 4-bit kernel (ATen's int4 kernel, a dense head).
 Everything of one mode runs in one process, one after another: compare the ratios, and
 note the machine's load (`uptime`), which the script prints.
 """
@@ -307,9 +312,107 @@ def run_decode(args) -> dict:
     return rates
 
 
+class _Clock:
+    """Seconds spent in each wrapped callable, by category (the profile's instrument:
+    perf_counter around each call, about 1 us of overhead a call)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    def wrap(self, name: str, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+                self.calls[name] = self.calls.get(name, 0) + 1
+        return timed
+
+    def take(self) -> tuple[dict[str, float], dict[str, int]]:
+        taken = (self.seconds, self.calls)
+        self.seconds, self.calls = {}, {}
+        return taken
+
+
+class _TimedBackend:
+    """An attention backend whose `forward` is timed; everything else is the backend's."""
+
+    def __init__(self, backend, clock: _Clock) -> None:
+        self._backend = backend
+        self.forward = clock.wrap("attention (the backend's forward)", backend.forward)
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
+
+
+def run_profile(args) -> dict:
+    """Where one batch-1 decode step's time goes: the LM head, the quantized linears by
+    projection, the attention backend, the rest of the model's forward (norms, rotary,
+    activation, embedding, residuals) and what is outside the forward (scheduler,
+    sampling, detokenizing, Python). Per token: (instrumented time over `--new-tokens`
+    tokens) - (over 1 token), divided by new_tokens - 1, as `decode` measures."""
+    import torch
+
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.model.layers import Attention
+    from tokenmill.model.linear import Linear
+    from tokenmill_cpu import ops as cpu_ops
+
+    llm = LLM(quantization="gguf", dtype=args.dtype, enable_prefix_caching=False)
+    model = llm.engine.executor.worker.runner.model
+    resolved = str(llm.engine.dtype).removeprefix("torch.")
+    clock = _Clock()
+    if args.paths == "aten":  # the paths before the plugin's 4-bit kernel and quantized head
+        cpu_ops.Int4QuantizedLinear.KERNEL_ROWS = 0
+        model._logits_fn = model.ops.prepack_linear(model.model.embed_tokens.weight, None)
+    kernels = set()
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and module._apply_packed is not None:
+            kind = name.rpartition(".")[2]
+            kernels.add(f"{kind}: {getattr(module._apply_packed, 'kernel', 'dense')}")
+            module._apply_packed = clock.wrap(f"linear {kind}", module._apply_packed)
+        if isinstance(module, Attention):
+            module.backend = _TimedBackend(module.backend, clock)
+    kernels.add(f"head: {getattr(model._logits_fn, 'kernel', 'dense')}")
+    model._logits_fn = clock.wrap("lm head", model._logits_fn)
+    model.forward = clock.wrap("model forward", model.forward)
+    prompt = ["Write a short story about robot number 0."]
+
+    def timed(n: int) -> tuple[float, dict[str, float], dict[str, int]]:
+        params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+        clock.take()
+        start = time.perf_counter()
+        llm.generate(prompt, params, use_tqdm=False)
+        return (time.perf_counter() - start, *clock.take())
+
+    timed(2)  # warm-up
+    wall_n, secs_n, calls_n = timed(args.new_tokens)
+    wall_1, secs_1, calls_1 = timed(1)
+    steps = args.new_tokens - 1
+    per = {k: (secs_n[k] - secs_1.get(k, 0.0)) / steps * 1e3 for k in secs_n}
+    calls = {k: (calls_n[k] - calls_1.get(k, 0)) / steps for k in calls_n}
+    step_ms = (wall_n - wall_1) / steps * 1e3
+    inside = sum(v for k, v in per.items() if k not in ("model forward", "lm head"))
+    split = {k: {"ms": round(v, 3), "calls": calls[k]} for k, v in sorted(per.items())
+             if k != "model forward"}
+    split["rest of the forward (norms, rotary, activation, residuals)"] = {
+        "ms": round(per["model forward"] - inside, 3)}
+    split["outside the forward (scheduler, sampling, Python)"] = {
+        "ms": round(step_ms - per["model forward"] - per.get("lm head", 0.0), 3)}
+    llm.engine.shutdown()
+    return {"dtype": resolved, "paths": args.paths, "threads": torch.get_num_threads(),
+            "kernels": sorted(kernels), "ms_per_token": round(step_ms, 3),
+            "tokens_per_s": round(1e3 / step_ms, 1), "split": split}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=["ppl", "ops", "u8ops", "decode", "moe"])
+    parser.add_argument("mode", choices=["ppl", "ops", "u8ops", "decode", "moe", "profile"])
+    parser.add_argument("--paths", choices=["current", "aten"], default="current",
+                        help="profile: 'aten' puts the 4-bit layers on ATen's int4 kernel "
+                        "and the tied head dense (the paths before the plugin's kernel)")
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=50_000)
     parser.add_argument("--window", type=int, default=1024)
@@ -332,7 +435,7 @@ def main() -> None:
     os.environ.setdefault("TOKENMILL_LOG_LEVEL", "WARNING")
     before = _uptime()
     result = {"ppl": run_ppl, "ops": run_ops, "u8ops": run_u8ops, "decode": run_decode,
-              "moe": run_moe}[args.mode](args)
+              "moe": run_moe, "profile": run_profile}[args.mode](args)
     print(json.dumps({"mode": args.mode, "uptime_before": before, "uptime_after": _uptime(),
                       "result": result}, indent=2))
 
