@@ -6,6 +6,7 @@ run as Q4_1 (`quantization="gguf"`) against the same file dequantized
         [--gguf-dtype bfloat16] [--none-dtype float32]
     python benchmarks/bench_quantization.py ops [--dtype float32]
     python benchmarks/bench_quantization.py moe [--experts 128]
+    python benchmarks/bench_quantization.py q4ops [--batches 1 4 8 16 32]
     python benchmarks/bench_quantization.py profile [--dtype auto] [--paths current|aten]
     python benchmarks/bench_quantization.py decode [--gguf-dtypes auto bfloat16]
         [--none-dtypes auto float32 bfloat16]
@@ -30,6 +31,10 @@ silently.
 Q6_K-shaped weights of SmolLM2-135M's shapes (576x576, 1536x576, 576x1536, the 49152x576
 embedding / lm-head) at batch 1 and 16, float32 activations, against dense float32
 F.linear on the dequantized weight and against the core's reference (dequantizes per call).
+`q4ops`: the plugin's 4-bit kernel (quantized_linear_q4, float32 and bf16 activations)
+at SmolLM2's four projection shapes (Q4_1 codes, group 32) against ATen's int4 kernel
+with bf16 and float32 activations, dense float32 / bf16 (the plugin's prepack_linear),
+and the weight dequantized per call then multiplied in float32 (the core's reference).
 `moe`: one MoE layer of Qwen3-30B-A3B's expert shapes (hidden 2048, experts of 768, top
 8 of `--experts`), its experts as int4 codes in groups of 32 (`QuantizedExperts`, the
 cpu int4 kernel per expert) against the same weights dense in bf16 (the platform's op
@@ -184,6 +189,49 @@ def run_u8ops(args) -> dict:
                     "kernel_vs_reference": t_ref / t_kernel}
                 print(f"{fmt} {name} {n}x{k} batch {m}: dense {t_dense*1e6:.0f} us, kernel "
                       f"{t_kernel*1e6:.0f} us, reference {t_ref*1e6:.0f} us", file=sys.stderr)
+    return rows
+
+
+def run_q4ops(args) -> dict:
+    """The plugin's 4-bit kernel at SmolLM2's shapes and small batches against ATen's int4
+    kernel (bf16 activations), dense float32 and dense bf16 (the plugin's prepack_linear)."""
+    import torch
+
+    from tokenmill.platforms.ops import quant
+    from tokenmill_cpu import ops
+
+    shapes = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+    g = torch.Generator().manual_seed(0)
+    rows = {}
+    for name, (n, k) in shapes.items():
+        codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+        scales = torch.rand(n, k // 32, generator=g) * 0.01
+        weight = quant.QuantizedWeight(quant.QuantScheme("gguf", "Q4_1", 4, 32),
+                                       quant.pack_int4(codes), scales, -8 * scales, k, n)
+        paths = {
+            "dense_f32": (ops.prepack_linear(quant.dequantize(weight), None), torch.float32),
+            "dense_bf16": (ops.prepack_linear(quant.dequantize(weight, torch.bfloat16), None),
+                           torch.bfloat16),
+            "aten_int4_bf16": (ops.Int4PackedLinear(weight, None), torch.bfloat16),
+            "aten_int4_f32": (ops.Int4PackedLinear(weight, None), torch.float32),
+            # what Int4QuantizedLinear does with float32 past KERNEL_ROWS
+            "dequantized_f32": (functools.partial(quant.quantized_linear, weight=weight,
+                                                  bias=None), torch.float32),
+        }
+        kernel = ops.prepack_quantized_linear(weight, None)
+        if not isinstance(kernel, ops.Int4QuantizedLinear):
+            raise SystemExit(f"{name}: the plugin's 4-bit kernel did not take it ({kernel})")
+        kernel.KERNEL_ROWS = max(args.batches)  # this instance only: the kernel at every batch
+        paths["q4_kernel_f32"] = (kernel, torch.float32)
+        paths["q4_kernel_bf16"] = (kernel, torch.bfloat16)
+        for m in args.batches:
+            x = torch.randn(m, k, generator=g)
+            reps = max(5, int(4e7 / (n * k * max(m, 4))))
+            row = {f"{p}_us": _bench(fn, x.to(dtype), reps) * 1e6
+                   for p, (fn, dtype) in paths.items()}
+            rows[f"{name} {n}x{k} batch {m}"] = row
+            print(f"{name} {n}x{k} batch {m}: " + ", ".join(f"{p} {v:.0f}" for p, v in row.items()),
+                  file=sys.stderr)
     return rows
 
 
@@ -371,7 +419,10 @@ def run_profile(args) -> dict:
     for name, module in model.named_modules():
         if isinstance(module, Linear) and module._apply_packed is not None:
             kind = name.rpartition(".")[2]
-            kernels.add(f"{kind}: {getattr(module._apply_packed, 'kernel', 'dense')}")
+            kernel = getattr(module._apply_packed, "kernel", "dense")
+            if args.paths == "aten" and isinstance(module._apply_packed, cpu_ops.Int4QuantizedLinear):
+                kernel = cpu_ops.Int4PackedLinear.kernel  # bf16; float32 goes dequantized
+            kernels.add(f"{kind}: {kernel}")
             module._apply_packed = clock.wrap(f"linear {kind}", module._apply_packed)
         if isinstance(module, Attention):
             module.backend = _TimedBackend(module.backend, clock)
@@ -409,7 +460,9 @@ def run_profile(args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=["ppl", "ops", "u8ops", "decode", "moe", "profile"])
+    parser.add_argument("mode", choices=["ppl", "ops", "u8ops", "q4ops", "decode", "moe", "profile"])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 16, 32],
+                        help="q4ops: the batch sizes")
     parser.add_argument("--paths", choices=["current", "aten"], default="current",
                         help="profile: 'aten' puts the 4-bit layers on ATen's int4 kernel "
                         "and the tied head dense (the paths before the plugin's kernel)")
@@ -434,7 +487,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("TOKENMILL_LOG_LEVEL", "WARNING")
     before = _uptime()
-    result = {"ppl": run_ppl, "ops": run_ops, "u8ops": run_u8ops, "decode": run_decode,
+    result = {"ppl": run_ppl, "ops": run_ops, "u8ops": run_u8ops, "q4ops": run_q4ops, "decode": run_decode,
               "moe": run_moe, "profile": run_profile}[args.mode](args)
     print(json.dumps({"mode": args.mode, "uptime_before": before, "uptime_after": _uptime(),
                       "result": result}, indent=2))
