@@ -318,7 +318,7 @@ def _tied_llama(vocab: int = 320) -> LlamaForCausalLM:
 
 
 @pytest.mark.parametrize("head_type", ["Q8_0", "Q6_K"])
-def test_a_quantized_tied_embedding_runs_the_head_on_its_codes(head_type):
+def test_a_quantized_tied_embedding_runs_the_head_on_its_codes(head_type, caplog):
     """SmolLM2's GGUF layout: projections Q4_1, the tied embedding (the head) in Q8_0
     (Q6_K in other files). With the checkpoint's embedding quantized the head runs through
     the platform's quantized linear on the u8 kernel, no fallback; the lookup reads the
@@ -331,10 +331,13 @@ def test_a_quantized_tied_embedding_runs_the_head_on_its_codes(head_type):
     with torch.no_grad():
         embedding.copy_(kept.dense())  # the tied head follows: one tensor
     weights = [(n, kept if n == "model.embed_tokens.weight" else t) for n, t in weights]
-    model = build_model(hf.config, weights, dtype=torch.float32, device="cpu",
-                        ops=load_platform("cpu").ops,
-                        attention_backend=ReferenceAttentionBackend(), block_size=4,
-                        schemes=scheme_chooser(plan, torch.float32))
+    with caplog.at_level("INFO"):
+        model = build_model(hf.config, weights, dtype=torch.float32, device="cpu",
+                            ops=load_platform("cpu").ops,
+                            attention_backend=ReferenceAttentionBackend(), block_size=4,
+                            schemes=scheme_chooser(plan, torch.float32))
+    assert f"tied LM head runs on the checkpoint's {head_type} codes" in caplog.text
+    assert "dequantized at load" not in caplog.text  # the head is not a dense fallback
     head = model._logits_fn
     assert head.kernel == "tokenmill_cpu.quantized_linear_u8", head
     assert torch.equal(model.model.embed_tokens.weight, kept.dense())  # the lookup's copy

@@ -407,9 +407,12 @@ class CausalLM(nn.Module):
                     loaded.update(kept)
                     continue
                 if self._is_tied_embedding(hf_name):
-                    self.quantized_head = tensor  # the head keeps the codes (`prepack`)
+                    # the head keeps the codes (`prepack`, which logs it); the lookup a
+                    # dense copy
+                    self.quantized_head = tensor
+                else:
+                    dequantized.append(hf_name)
                 tensor = tensor.dense()  # a layer built dense
-                dequantized.append(hf_name)
             if is_kv_scale(hf_name):  # a quantized KV cache's scale, not a parameter
                 if load_kv_scale(modules, hf_name, tensor):
                     self.checkpoint_kv_scales.append(hf_name)
