@@ -270,7 +270,9 @@ class Int4QuantizedLinear:
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, module) -> None:
         self.module = module
         self.weight = weight
-        self.codes = repack_q4(unpacked_codes(weight))
+        # each path's packed codes made on its first call (a bf16 model never repacks
+        # for the kernel, a float32 one never packs for ATen)
+        self._codes: torch.Tensor | None = None
         self.scales = weight.scales.float().contiguous()
         self.offsets = None if weight.offsets is None else weight.offsets.float().contiguous()
         self.group_size = weight.scheme.group_size
@@ -296,8 +298,10 @@ class Int4QuantizedLinear:
             self.rows_by_path["aten_int4"] += rows
             return self._aten(x)
         if rows <= self.KERNEL_ROWS:
+            if self._codes is None:
+                self._codes = repack_q4(unpacked_codes(self.weight))
             self.rows_by_path["kernel"] += rows
-            return self.module.quantized_linear_q4(x, self.codes, self.scales, self.offsets,
+            return self.module.quantized_linear_q4(x, self._codes, self.scales, self.offsets,
                                                    self.bias, self.group_size)
         self.rows_by_path["dequantized"] += rows
         return quantized_linear(x.float(), self.weight, self.bias).to(x.dtype)
