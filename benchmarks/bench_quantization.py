@@ -6,6 +6,8 @@ run as Q4_1 (`quantization="gguf"`) against the same file dequantized
         [--gguf-dtype bfloat16] [--none-dtype float32]
     python benchmarks/bench_quantization.py ops [--dtype float32]
     python benchmarks/bench_quantization.py moe [--experts 128]
+    python benchmarks/bench_quantization.py q4ops [--batches 1 4 8 16 32]
+    python benchmarks/bench_quantization.py profile [--dtype auto] [--paths current|aten]
     python benchmarks/bench_quantization.py decode [--gguf-dtypes auto bfloat16]
         [--none-dtypes auto float32 bfloat16]
         [--llama-python ../peers/llamacpp/bin/python]
@@ -29,10 +31,18 @@ silently.
 Q6_K-shaped weights of SmolLM2-135M's shapes (576x576, 1536x576, 576x1536, the 49152x576
 embedding / lm-head) at batch 1 and 16, float32 activations, against dense float32
 F.linear on the dequantized weight and against the core's reference (dequantizes per call).
+`q4ops`: the plugin's 4-bit kernel (quantized_linear_q4, float32 and bf16 activations)
+at SmolLM2's four projection shapes (Q4_1 codes, group 32) against ATen's int4 kernel
+with bf16 and float32 activations, dense float32 / bf16 (the plugin's prepack_linear),
+and the weight dequantized per call then multiplied in float32 (the core's reference).
 `moe`: one MoE layer of Qwen3-30B-A3B's expert shapes (hidden 2048, experts of 768, top
 8 of `--experts`), its experts as int4 codes in groups of 32 (`QuantizedExperts`, the
 cpu int4 kernel per expert) against the same weights dense in bf16 (the platform's op
 `moe_experts`), at batch 1 and 16.
+`profile`: where a batch-1 decode step of `quantization="gguf"` spends its time (the LM
+head, each projection's quantized linear, the attention backend, the rest of the
+forward, outside the forward), each callable timed with perf_counter; `--paths aten`
+runs the paths before the plugin's own 4-bit kernel (ATen's int4 kernel, a dense head).
 Everything of one mode runs in one process, one after another: compare the ratios, and
 note the machine's load (`uptime`), which the script prints.
 """
@@ -182,6 +192,49 @@ def run_u8ops(args) -> dict:
     return rows
 
 
+def run_q4ops(args) -> dict:
+    """The plugin's 4-bit kernel at SmolLM2's shapes and small batches against ATen's int4
+    kernel (bf16 activations), dense float32 and dense bf16 (the plugin's prepack_linear)."""
+    import torch
+
+    from tokenmill.platforms.ops import quant
+    from tokenmill_cpu import ops
+
+    shapes = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+    g = torch.Generator().manual_seed(0)
+    rows = {}
+    for name, (n, k) in shapes.items():
+        codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+        scales = torch.rand(n, k // 32, generator=g) * 0.01
+        weight = quant.QuantizedWeight(quant.QuantScheme("gguf", "Q4_1", 4, 32),
+                                       quant.pack_int4(codes), scales, -8 * scales, k, n)
+        paths = {
+            "dense_f32": (ops.prepack_linear(quant.dequantize(weight), None), torch.float32),
+            "dense_bf16": (ops.prepack_linear(quant.dequantize(weight, torch.bfloat16), None),
+                           torch.bfloat16),
+            "aten_int4_bf16": (ops.Int4PackedLinear(weight, None), torch.bfloat16),
+            "aten_int4_f32": (ops.Int4PackedLinear(weight, None), torch.float32),
+            # what Int4QuantizedLinear does with float32 past KERNEL_ROWS
+            "dequantized_f32": (functools.partial(quant.quantized_linear, weight=weight,
+                                                  bias=None), torch.float32),
+        }
+        kernel = ops.prepack_quantized_linear(weight, None)
+        if not isinstance(kernel, ops.Int4QuantizedLinear):
+            raise SystemExit(f"{name}: the plugin's 4-bit kernel did not take it ({kernel})")
+        kernel.KERNEL_ROWS = max(args.batches)  # this instance only: the kernel at every batch
+        paths["q4_kernel_f32"] = (kernel, torch.float32)
+        paths["q4_kernel_bf16"] = (kernel, torch.bfloat16)
+        for m in args.batches:
+            x = torch.randn(m, k, generator=g)
+            reps = max(5, int(4e7 / (n * k * max(m, 4))))
+            row = {f"{p}_us": _bench(fn, x.to(dtype), reps) * 1e6
+                   for p, (fn, dtype) in paths.items()}
+            rows[f"{name} {n}x{k} batch {m}"] = row
+            print(f"{name} {n}x{k} batch {m}: " + ", ".join(f"{p} {v:.0f}" for p, v in row.items()),
+                  file=sys.stderr)
+    return rows
+
+
 def run_moe(args) -> dict:
     import torch
 
@@ -307,9 +360,112 @@ def run_decode(args) -> dict:
     return rates
 
 
+class _Clock:
+    """Seconds spent in each wrapped callable, by category (the profile's instrument:
+    perf_counter around each call, about 1 us of overhead a call)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    def wrap(self, name: str, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+                self.calls[name] = self.calls.get(name, 0) + 1
+        return timed
+
+    def take(self) -> tuple[dict[str, float], dict[str, int]]:
+        taken = (self.seconds, self.calls)
+        self.seconds, self.calls = {}, {}
+        return taken
+
+
+class _TimedBackend:
+    """An attention backend whose `forward` is timed; everything else is the backend's."""
+
+    def __init__(self, backend, clock: _Clock) -> None:
+        self._backend = backend
+        self.forward = clock.wrap("attention (the backend's forward)", backend.forward)
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
+
+
+def run_profile(args) -> dict:
+    """Where one batch-1 decode step's time goes: the LM head, the quantized linears by
+    projection, the attention backend, the rest of the model's forward (norms, rotary,
+    activation, embedding, residuals) and what is outside the forward (scheduler,
+    sampling, detokenizing, Python). Per token: (instrumented time over `--new-tokens`
+    tokens) - (over 1 token), divided by new_tokens - 1, as `decode` measures."""
+    import torch
+
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.model.layers import Attention
+    from tokenmill.model.linear import Linear
+    from tokenmill_cpu import ops as cpu_ops
+
+    llm = LLM(quantization="gguf", dtype=args.dtype, enable_prefix_caching=False)
+    model = llm.engine.executor.worker.runner.model
+    resolved = str(llm.engine.dtype).removeprefix("torch.")
+    clock = _Clock()
+    if args.paths == "aten":  # the paths before the plugin's 4-bit kernel and quantized head
+        cpu_ops.Int4QuantizedLinear.KERNEL_ROWS = 0
+        model._logits_fn = model.ops.prepack_linear(model.model.embed_tokens.weight, None)
+    kernels = set()
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and module._apply_packed is not None:
+            kind = name.rpartition(".")[2]
+            kernel = getattr(module._apply_packed, "kernel", "dense")
+            if args.paths == "aten" and isinstance(module._apply_packed, cpu_ops.Int4QuantizedLinear):
+                kernel = cpu_ops.Int4PackedLinear.kernel  # bf16; float32 goes dequantized
+            kernels.add(f"{kind}: {kernel}")
+            module._apply_packed = clock.wrap(f"linear {kind}", module._apply_packed)
+        if isinstance(module, Attention):
+            module.backend = _TimedBackend(module.backend, clock)
+    kernels.add(f"head: {getattr(model._logits_fn, 'kernel', 'dense')}")
+    model._logits_fn = clock.wrap("lm head", model._logits_fn)
+    model.forward = clock.wrap("model forward", model.forward)
+    prompt = ["Write a short story about robot number 0."]
+
+    def timed(n: int) -> tuple[float, dict[str, float], dict[str, int]]:
+        params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+        clock.take()
+        start = time.perf_counter()
+        llm.generate(prompt, params, use_tqdm=False)
+        return (time.perf_counter() - start, *clock.take())
+
+    timed(2)  # warm-up
+    wall_n, secs_n, calls_n = timed(args.new_tokens)
+    wall_1, secs_1, calls_1 = timed(1)
+    steps = args.new_tokens - 1
+    per = {k: (secs_n[k] - secs_1.get(k, 0.0)) / steps * 1e3 for k in secs_n}
+    calls = {k: (calls_n[k] - calls_1.get(k, 0)) / steps for k in calls_n}
+    step_ms = (wall_n - wall_1) / steps * 1e3
+    inside = sum(v for k, v in per.items() if k not in ("model forward", "lm head"))
+    split = {k: {"ms": round(v, 3), "calls": calls[k]} for k, v in sorted(per.items())
+             if k != "model forward"}
+    split["rest of the forward (norms, rotary, activation, residuals)"] = {
+        "ms": round(per["model forward"] - inside, 3)}
+    split["outside the forward (scheduler, sampling, Python)"] = {
+        "ms": round(step_ms - per["model forward"] - per.get("lm head", 0.0), 3)}
+    llm.engine.shutdown()
+    return {"dtype": resolved, "paths": args.paths, "threads": torch.get_num_threads(),
+            "kernels": sorted(kernels), "ms_per_token": round(step_ms, 3),
+            "tokens_per_s": round(1e3 / step_ms, 1), "split": split}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=["ppl", "ops", "u8ops", "decode", "moe"])
+    parser.add_argument("mode", choices=["ppl", "ops", "u8ops", "q4ops", "decode", "moe", "profile"])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 16, 32],
+                        help="q4ops: the batch sizes")
+    parser.add_argument("--paths", choices=["current", "aten"], default="current",
+                        help="profile: 'aten' puts the 4-bit layers on ATen's int4 kernel "
+                        "and the tied head dense (the paths before the plugin's kernel)")
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=50_000)
     parser.add_argument("--window", type=int, default=1024)
@@ -331,8 +487,8 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("TOKENMILL_LOG_LEVEL", "WARNING")
     before = _uptime()
-    result = {"ppl": run_ppl, "ops": run_ops, "u8ops": run_u8ops, "decode": run_decode,
-              "moe": run_moe}[args.mode](args)
+    result = {"ppl": run_ppl, "ops": run_ops, "u8ops": run_u8ops, "q4ops": run_q4ops, "decode": run_decode,
+              "moe": run_moe, "profile": run_profile}[args.mode](args)
     print(json.dumps({"mode": args.mode, "uptime_before": before, "uptime_after": _uptime(),
                       "result": result}, indent=2))
 

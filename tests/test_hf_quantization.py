@@ -148,7 +148,7 @@ def test_tiny_model_matches_transformers_on_the_dequantized_weights(tmp_path, me
     assert {(m.scheme.quant.method, m.scheme.quant.group_size) for m in quantized} == {
         (method, group)}
     assert all(m.weight_codes.dtype == torch.uint8 for m in quantized)  # codes, not floats
-    assert all(isinstance(m._apply_packed, cpu_ops.Int4PackedLinear) for m in quantized)
+    assert all(isinstance(m._apply_packed, cpu_ops.Int4QuantizedLinear) for m in quantized)
     got, want = _logits(model, hf)
     torch.testing.assert_close(got, want, atol=2e-4, rtol=0)
 

@@ -117,7 +117,7 @@ def test_tiny_model_per_format_matches_transformers_on_the_dequantized_weights(t
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     assert len(layers) == 9 and all(isinstance(m.scheme, QuantizedWeights) for m in layers)
     # the cpu plugin's kernel for the bit width must be the one running, not the reference
-    kernel = (cpu_ops.Int4PackedLinear if GGUF_SCHEMES[type_name].bits == 4
+    kernel = (cpu_ops.Int4QuantizedLinear if GGUF_SCHEMES[type_name].bits == 4
               else cpu_ops.Uint8QuantizedLinear)
     assert all(isinstance(m._apply_packed, kernel) for m in layers)
     tokens = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(3)).tolist()
@@ -151,10 +151,11 @@ def test_a_platform_without_a_quantized_kernel_logs_each_scheme_once(caplog):
     assert any("gguf Q4_0 weights" in m for m in named) and any("gguf Q8_0 weights" in m for m in named)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q6_K"])
 def test_the_cpu_platform_runs_its_kernels_without_a_fallback_warning(type_name, caplog):
-    """The cpu plugin as the registry loads it: Q4_0 on ATen's int4 kernel, Q8_0 and Q6_K
-    on the kernels' quantized_linear_u8; no fallback warning for any of its 9 layers."""
+    """The cpu plugin as the registry loads it: Q4_0 / Q4_1 on the kernels'
+    quantized_linear_q4, Q8_0 and Q6_K on quantized_linear_u8; no fallback warning for
+    any of its 9 layers, and a batch-1 decode step runs every layer on its kernel."""
     hf = _tiny_llama()
     weights, plan = _quantized_checkpoint(hf, type_name)
     ops = load_platform("cpu").ops
@@ -163,10 +164,16 @@ def test_the_cpu_platform_runs_its_kernels_without_a_fallback_warning(type_name,
                             attention_backend=ReferenceAttentionBackend(), block_size=4,
                             schemes=scheme_chooser(plan, torch.float32))
     layers = [m for m in model.modules() if isinstance(m, Linear)]
-    kernel = ("aten._weight_int4pack_mm_for_cpu" if type_name == "Q4_0"
+    kernel = ("tokenmill_cpu.quantized_linear_q4" if type_name.startswith("Q4")
               else "tokenmill_cpu.quantized_linear_u8")
     assert [getattr(m._apply_packed, "kernel", None) for m in layers] == [kernel] * 9
     assert not _fallback_warnings(caplog.records, "platform plugin 'cpu'")
+    harness = PagedHarness(model, ReferenceAttentionBackend())
+    seq = harness.add(list(range(6)))
+    harness.run([[(seq, 5)]])  # the prompt: 5 rows, under either kernel's row limit
+    before = [m._apply_packed.rows_by_path["kernel"] for m in layers]
+    harness.run([[(seq, 1)]])  # one decode step of one sequence: one row through each layer
+    assert [m._apply_packed.rows_by_path["kernel"] - b for m, b in zip(layers, before)] == [1] * 9
 
 
 def _u8_weight(bits: int, group: int, out: int, inp: int, g: torch.Generator, offsets=True):
@@ -214,16 +221,145 @@ def test_cpu_u8_kernel_matches_the_reference(bits, group, out_features, with_bia
 
 
 def test_cpu_int4_kernel_matches_the_reference_in_bfloat16():
+    """ATen's int4 kernel (`Int4PackedLinear`: the 4-bit layers' path for bf16
+    activations past `Int4QuantizedLinear.KERNEL_ROWS` rows)."""
     g = torch.Generator().manual_seed(0)
     codes = torch.randint(0, 16, (96, 128), generator=g, dtype=torch.uint8)
     scales = torch.rand(96, 4, generator=g) * 0.02 + 1e-3
     weight = quant.QuantizedWeight(quant.QuantScheme("gguf", "Q4_1", bits=4, group_size=32),
                                    quant.pack_int4(codes), scales, -8 * scales, 128, 96)
-    fast = cpu_ops.prepack_quantized_linear(weight, None)
-    assert isinstance(fast, cpu_ops.Int4PackedLinear)
+    fast = cpu_ops.Int4PackedLinear(weight, None)
     x = torch.randn(5, 128, generator=g).bfloat16()
     want = quant.quantized_linear(x.float(), weight, None)
     torch.testing.assert_close(fast(x).float(), want, atol=3e-2, rtol=2e-2)
+
+
+def _q4_weight(group: int, out: int, inp: int, g: torch.Generator, offsets=True):
+    codes = torch.randint(0, 16, (out, inp), generator=g, dtype=torch.uint8)
+    scales = torch.rand(out, inp // group, generator=g) * 0.02 + 1e-3
+    offs = -torch.rand(out, inp // group, generator=g) * 8 * 0.02 if offsets else None
+    scheme = quant.QuantScheme("gguf" if group == 32 else "gptq",
+                               "Q4_1" if group == 32 else "int4", bits=4, group_size=group,
+                               zero_points=offsets)
+    return quant.QuantizedWeight(scheme, quant.pack_int4(codes), scales, offs, inp, out)
+
+
+def test_q4_repack_puts_columns_i_and_i_plus_16_in_one_byte():
+    codes = torch.arange(64, dtype=torch.uint8).remainder(16).reshape(1, 64).repeat(2, 1)
+    codes[1] = torch.randint(0, 16, (64,), generator=torch.Generator().manual_seed(1),
+                             dtype=torch.uint8)
+    packed = cpu_ops.repack_q4(codes)
+    assert packed.shape == (2, 32)
+    for r in range(2):
+        for b in range(2):
+            for i in range(16):
+                byte = int(packed[r, 16 * b + i])
+                assert byte & 0x0F == codes[r, 32 * b + i] and byte >> 4 == codes[r, 32 * b + 16 + i]
+    with pytest.raises(ValueError, match="in_features=48"):
+        cpu_ops.repack_q4(torch.zeros(2, 48, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize(("group", "offsets"), [(32, True), (64, True), (128, False)])
+@pytest.mark.parametrize("out_features", [96, 577])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_cpu_q4_kernel_matches_the_reference(group, offsets, out_features, with_bias):
+    """Q4_0/Q4_1-shaped weights (and GPTQ-like groups 64 and 128) on the C++ 4-bit kernel
+    against the core's reference, float32 activations: batch 1, 3, 17 and a 3-D input on
+    the kernel, a prompt chunk past KERNEL_ROWS dequantized. bf16 activations on ATen's
+    int4 kernel where it takes the shape, else on the C++ kernel (577 rows: odd, not a
+    shape ATen's int4 pack takes)."""
+    g = torch.Generator().manual_seed(group * 1000 + out_features)
+    weight = _q4_weight(group, out_features, 256, g, offsets=offsets)
+    bias = torch.randn(out_features, generator=g) if with_bias else None
+    fast = cpu_ops.prepack_quantized_linear(weight, bias)
+    assert isinstance(fast, cpu_ops.Int4QuantizedLinear), fast
+    assert fast.kernel == "tokenmill_cpu.quantized_linear_q4"
+    small = (1, 3, 17)
+    for batch in small:
+        x = torch.randn(batch, 256, generator=g)
+        torch.testing.assert_close(fast(x), quant.quantized_linear(x, weight, bias),
+                                   atol=1e-4, rtol=1e-5)
+    x3 = torch.randn(2, 5, 256, generator=g)  # leading dims kept
+    torch.testing.assert_close(fast(x3), quant.quantized_linear(x3, weight, bias),
+                               atol=1e-4, rtol=1e-5)
+    assert fast.rows_by_path == {"kernel": sum(small) + 10, "aten_int4": 0, "dequantized": 0}
+    rows = fast.KERNEL_ROWS + 1  # a prompt chunk: dequantized in float32
+    chunk = torch.randn(rows, 256, generator=g)
+    torch.testing.assert_close(fast(chunk), quant.quantized_linear(chunk, weight, bias),
+                               atol=1e-4, rtol=1e-5)
+    assert fast.rows_by_path["dequantized"] == rows
+    before = dict(fast.rows_by_path)
+    for batch in (1, 3):
+        xb = torch.randn(batch, 256, generator=g).bfloat16()
+        got = fast(xb)
+        assert got.dtype == torch.bfloat16
+        want = quant.quantized_linear(xb.float(), weight, bias)
+        torch.testing.assert_close(got.float(), want, atol=5e-2, rtol=2e-2)
+    path = "aten_int4" if out_features % 16 == 0 else "kernel"
+    assert fast.rows_by_path[path] - before[path] == 4
+
+
+def test_cpu_q4_kernel_refuses_bad_shapes():
+    module = cpu_ops.kernels.load()
+    codes = torch.zeros(4, 32, dtype=torch.uint8)
+    scales = torch.ones(4, 2)
+    with pytest.raises(RuntimeError, match="group=48"):
+        module.quantized_linear_q4(torch.zeros(1, 64), codes, scales, None, None, 48)
+    with pytest.raises(RuntimeError, match="x has 32 features"):
+        module.quantized_linear_q4(torch.zeros(1, 32), codes, scales, None, None, 32)
+
+
+def _tied_llama(vocab: int = 320) -> LlamaForCausalLM:
+    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
+                         max_position_embeddings=64, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("head_type", ["Q8_0", "Q6_K"])
+def test_a_quantized_tied_embedding_runs_the_head_on_its_codes(head_type, caplog):
+    """SmolLM2's GGUF layout: projections Q4_1, the tied embedding (the head) in Q8_0
+    (Q6_K in other files). With the checkpoint's embedding quantized the head runs through
+    the platform's quantized linear on the u8 kernel, no fallback; the lookup reads the
+    dequantized copy; logits equal transformers' on the dequantized weights."""
+    hf = _tied_llama()
+    weights, plan = _quantized_checkpoint(hf, "Q4_1")
+    embedding = hf.model.embed_tokens.weight
+    kept = _kept(head_type, _raw(head_type, embedding.detach().numpy(), seed=99),
+                 embedding.shape[1])
+    with torch.no_grad():
+        embedding.copy_(kept.dense())  # the tied head follows: one tensor
+    weights = [(n, kept if n == "model.embed_tokens.weight" else t) for n, t in weights]
+    with caplog.at_level("INFO"):
+        model = build_model(hf.config, weights, dtype=torch.float32, device="cpu",
+                            ops=load_platform("cpu").ops,
+                            attention_backend=ReferenceAttentionBackend(), block_size=4,
+                            schemes=scheme_chooser(plan, torch.float32))
+    assert f"tied LM head runs on the checkpoint's {head_type} codes" in caplog.text
+    assert "dequantized at load" not in caplog.text  # the head is not a dense fallback
+    head = model._logits_fn
+    assert head.kernel == "tokenmill_cpu.quantized_linear_u8", head
+    assert torch.equal(model.model.embed_tokens.weight, kept.dense())  # the lookup's copy
+    tokens = torch.randint(0, 320, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+    harness = PagedHarness(model, ReferenceAttentionBackend())
+    seq = harness.add(tokens)
+    got = harness.run([[(seq, 7)], [(seq, 5)]])[id(seq)]
+    assert head.rows_by_path["kernel"] > 0 and head.rows_by_path["dequantized"] == 0
+    with torch.inference_mode():
+        want = hf(torch.tensor([tokens])).logits[0]
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=0)
+
+
+def test_a_dense_tied_embedding_keeps_the_dense_head():
+    hf = _tied_llama()
+    weights, plan = _quantized_checkpoint(hf, "Q4_1")
+    model = build_model(hf.config, weights, dtype=torch.float32, device="cpu",
+                        ops=load_platform("cpu").ops,
+                        attention_backend=ReferenceAttentionBackend(), block_size=4,
+                        schemes=scheme_chooser(plan, torch.float32))
+    assert model.quantized_head is None
+    assert getattr(model._logits_fn, "kernel", None) is None
 
 
 def test_cpu_fallback_is_logged(caplog):
@@ -234,7 +370,8 @@ def test_cpu_fallback_is_logged(caplog):
                                    torch.ones(4, 8), torch.zeros(4, 8), 32, 4)
     with caplog.at_level("WARNING"):
         fn = cpu_ops.prepack_quantized_linear(weight, None)
-    assert not isinstance(fn, cpu_ops.Int4PackedLinear | cpu_ops.Uint8QuantizedLinear)
+    assert not isinstance(fn, cpu_ops.Int4PackedLinear | cpu_ops.Int4QuantizedLinear
+                          | cpu_ops.Uint8QuantizedLinear)
     assert _fallback_warnings(caplog.records, "platform plugin 'cpu'")
     assert "gptq int8 weights (8 bits, group 4)" in caplog.text
 
@@ -278,7 +415,7 @@ def test_default_model_runs_as_q4_1_with_the_greedy_tokens_of_the_dequantized_pa
         assert len(quantized) == (120 if method == "gguf" else 0)  # 30 layers x qkv, o, gate_up, down
         assert all(m.scheme.quant.format == "Q4_1" for m in quantized)
         if method == "gguf":
-            assert all(isinstance(m._apply_packed, cpu_ops.Int4PackedLinear) for m in quantized)
+            assert all(isinstance(m._apply_packed, cpu_ops.Int4QuantizedLinear) for m in quantized)
         outputs = llm.generate(prompts, greedy, use_tqdm=False)
         tokens[method] = [o.outputs[0].token_ids for o in outputs]
         llm.engine.shutdown()

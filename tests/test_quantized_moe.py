@@ -144,7 +144,7 @@ def test_quantized_experts_match_transformers(tmp_path, caplog, arch, method, gr
         linears = [f for pair in moe._apply_packed.linears for f in pair]
         assert len(linears) == 2 * NUM_EXPERTS
         if method != "fp8":  # the cpu plugin's int4 kernel, not the reference
-            assert all(isinstance(f, cpu_ops.Int4PackedLinear) for f in linears)
+            assert all(isinstance(f, cpu_ops.Int4QuantizedLinear) for f in linears)
     assert _dequantized_logs(caplog) == []  # nothing quantized went to a dense layer
     got, want = _logits(model, hf)
     torch.testing.assert_close(got, want, atol=2e-4, rtol=0)
@@ -249,7 +249,7 @@ def test_gguf_stacked_experts_stay_quantized(tmp_path, caplog, type_name, expert
                    and "w13" not in dict(m.named_parameters()) for m in moes)
         linears = [f for m in moes for pair in m._apply_packed.linears for f in pair]
         if experts_type == "Q4_0":
-            assert all(isinstance(f, cpu_ops.Int4PackedLinear) for f in linears)
+            assert all(isinstance(f, cpu_ops.Int4QuantizedLinear) for f in linears)
     assert _dequantized_logs(caplog) == []
     got, want = _logits(model, hf)
     torch.testing.assert_close(got, want, atol=2e-4, rtol=0)

@@ -46,6 +46,7 @@ from tokenmill.platforms.interfaces import (
     AttentionSpec,
 )
 from tokenmill.platforms.ops import Ops
+from tokenmill.platforms.ops.quant import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -242,6 +243,9 @@ class CausalLM(nn.Module):
         build = self._layer_builder(full_config, state, ops, dtype, schemes, sequence_parallel)
         self.model = self._build_model(hf_config, self.attention_specs, backends, build, stage)
         self._logits_fn = None
+        # a tied embedding the checkpoint holds quantized (GGUF's Q8_0 `token_embd`): the
+        # lookup reads a dense copy, the head runs on these codes (`prepack`)
+        self.quantized_head: QuantizedCheckpointTensor | None = None
         self.lm_head = None
         if not self.tie_word_embeddings and stage.is_last:
             self.lm_head = build.lm_head("lm_head", hf_config.hidden_size, hf_config.vocab_size)
@@ -367,6 +371,10 @@ class CausalLM(nn.Module):
                 module.prepack(self.ops)
         if self.lm_head is not None:
             self._logits_fn = self.lm_head
+        elif self.quantized_head is not None:  # tied, and quantized in the checkpoint
+            self._logits_fn = self.ops.prepack_quantized_linear(self._head_weight(), None)
+            logger.info("the tied LM head runs on the checkpoint's %s codes (the embedding "
+                        "lookup on a dense copy)", self.quantized_head.scheme.format)
         elif self.model.embed_tokens is not None:  # tied: the embedding doubles as the head
             self._logits_fn = self.ops.prepack_linear(self.model.embed_tokens.weight, None)
         # else: a pipeline stage before the last, which computes no logits
@@ -398,8 +406,13 @@ class CausalLM(nn.Module):
                 if kept:
                     loaded.update(kept)
                     continue
+                if self._is_tied_embedding(hf_name):
+                    # the head keeps the codes (`prepack`, which logs it); the lookup a
+                    # dense copy
+                    self.quantized_head = tensor
+                else:
+                    dequantized.append(hf_name)
                 tensor = tensor.dense()  # a layer built dense
-                dequantized.append(hf_name)
             if is_kv_scale(hf_name):  # a quantized KV cache's scale, not a parameter
                 if load_kv_scale(modules, hf_name, tensor):
                     self.checkpoint_kv_scales.append(hf_name)
@@ -437,6 +450,24 @@ class CausalLM(nn.Module):
                 f", ... ({len(missing)} in all)" if len(missing) > 8 else ""
             )
             raise KeyError(f"checkpoint is missing weights: {shown}")
+
+    def _is_tied_embedding(self, hf_name: str) -> bool:
+        """Whether checkpoint weight `hf_name` is the embedding that doubles as this
+        stage's head (one tensor-parallel rank only: a vocab-split quantized head is not
+        built, it runs dense)."""
+        return (self.tie_word_embeddings and self.tp.world_size == 1
+                and self.model.embed_tokens is not None
+                and self.checkpoint_param(hf_name)[0] == "model.embed_tokens.weight")
+
+    def _head_weight(self) -> QuantizedWeight:
+        """The quantized tied head [vocab, hidden] as the ops take it, on the embedding's
+        device."""
+        q = self.quantized_head
+        device = self.model.embed_tokens.weight.device
+        parts = {name: t.to(device) for name, t in q.parts().items()}
+        out, n = q.shape
+        return QuantizedWeight(q.scheme, parts["weight_codes"], parts["weight_scales"],
+                               parts.get("weight_offsets"), n, out)
 
     @staticmethod
     def _log_dequantized(names: list[str], modules: dict[str, nn.Module]) -> None:

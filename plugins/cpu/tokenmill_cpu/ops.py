@@ -190,7 +190,7 @@ class Int4PackedLinear:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size,
                                                        scales_zeros)
         if self.bias is not None:
-            y = y + self.bias
+            y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -239,6 +239,77 @@ class Uint8QuantizedLinear:
                                                self.bias, self.group_size)
 
 
+def repack_q4(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [out, in] in [0, 16) -> the layout of the kernels' `quantized_linear_q4`
+    ([out, in / 2]): per block of 32 columns 16 bytes, byte i = column i | column i + 16
+    << 4 (llama.cpp's Q4_0 order), so the kernel unpacks a block with one load and a shift."""
+    out, n = codes.shape
+    if n % 32:
+        raise ValueError(f"repack_q4 takes blocks of 32 columns; in_features={n}")
+    blocks = codes.to(torch.uint8).reshape(out, n // 32, 2, 16)
+    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(out, n // 2).contiguous()
+
+
+class Int4QuantizedLinear:
+    """x @ W.T + b for 4-bit integer schemes (GGUF Q4_0 / Q4_1, AWQ / GPTQ int4) whose
+    group is a multiple of 32. bf16 activations run ATen's int4 kernel
+    (`Int4PackedLinear`, built on first use) where it takes the shape: it beat the
+    plugin's kernel at every batch measured (1.3-1.8x at batch 1; docs/quantization.md,
+    "The 4-bit cpu kernel"). float32 activations, and bf16 ones ATen does not take, run
+    the kernels' `quantized_linear_q4` (float32 FMAs over the nibbles) up to
+    `KERNEL_ROWS` rows of x: there it is 10-70x faster than ATen's int4 kernel with
+    float32 activations and 1.1-2x faster than dense float32 at batch 1; past it the
+    weight is dequantized for the call and multiplied densely (a prompt chunk).
+    `kernel` names the small-batch path; `rows_by_path` counts the rows each path took
+    (tests assert the kernel ran)."""
+
+    kernel = "tokenmill_cpu.quantized_linear_q4"
+    # at 32 rows the kernel still beat dequantize-and-multiply on SmolLM2's four shapes
+    KERNEL_ROWS = 32
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, module) -> None:
+        self.module = module
+        self.weight = weight
+        # each path's packed codes made on its first call (a bf16 model never repacks
+        # for the kernel, a float32 one never packs for ATen)
+        self._codes: torch.Tensor | None = None
+        self.scales = weight.scales.float().contiguous()
+        self.offsets = None if weight.offsets is None else weight.offsets.float().contiguous()
+        self.group_size = weight.scheme.group_size
+        self.bias = None if bias is None else bias.detach()
+        self.rows_by_path = {"kernel": 0, "aten_int4": 0, "dequantized": 0}
+        self._aten: Int4PackedLinear | None = None
+        # ATen's int4 pack wants out_features % 16 == 0 and one of its group sizes
+        self.aten_takes_it = (weight.out_features % 16 == 0 and self.group_size in _INT4_GROUPS
+                              and int4_kernel_available())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if x.dtype not in _U8_DTYPES:
+            if x.dtype not in _Q4_LOGGED:
+                _Q4_LOGGED.add(x.dtype)
+                logger.warning("tokenmill-cpu: the 4-bit quantized-linear kernel takes %s "
+                               "activations, not %s: the core's reference runs them",
+                               [str(d) for d in _U8_DTYPES], x.dtype)
+            return quantized_linear(x, self.weight, self.bias)
+        if x.dtype == torch.bfloat16 and self.aten_takes_it:
+            if self._aten is None:
+                self._aten = Int4PackedLinear(self.weight, self.bias)
+            self.rows_by_path["aten_int4"] += rows
+            return self._aten(x)
+        if rows <= self.KERNEL_ROWS:
+            if self._codes is None:
+                self._codes = repack_q4(unpacked_codes(self.weight))
+            self.rows_by_path["kernel"] += rows
+            return self.module.quantized_linear_q4(x, self._codes, self.scales, self.offsets,
+                                                   self.bias, self.group_size)
+        self.rows_by_path["dequantized"] += rows
+        return quantized_linear(x.float(), self.weight, self.bias).to(x.dtype)
+
+
+_Q4_LOGGED: set[torch.dtype] = set()
+
+
 # Bit widths whose codes are one uint8 per weight (platforms/ops/quant.py); activations the
 # kernel takes (others go to the reference)
 _U8_BITS = (6, 8)
@@ -250,13 +321,19 @@ def prepack_quantized_linear(
     weight: QuantizedWeight, bias: torch.Tensor | None,
     fallback: ReferenceQuantizedLinear | None = None,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """4-bit integer schemes with a group the kernel takes run through ATen's CPU int4
-    weight-only matmul; 6- and 8-bit ones (group a multiple of 8) through the kernels'
-    `quantized_linear_u8` when the kernels are built; anything else goes to `fallback`,
+    """4-bit integer schemes with a group a multiple of 32 through `Int4QuantizedLinear`
+    (the kernels' `quantized_linear_q4` for float32 activations at small batch, ATen's CPU
+    int4 weight-only matmul for bf16), else with a group ATen takes through ATen's; 6- and
+    8-bit ones (group a multiple of 8) through the kernels' `quantized_linear_u8` when the
+    kernels are built; anything else goes to `fallback`,
     the core's reference that logs once per scheme (the plugin passes one per platform; a
     new one when None)."""
     scheme = weight.scheme
     on_cpu = weight.codes.device.type == "cpu" and not scheme.is_fp8
+    if on_cpu and scheme.bits == 4 and scheme.group_size % 32 == 0:
+        module = kernels.load()
+        if module is not None:
+            return Int4QuantizedLinear(weight, bias, module)
     if on_cpu and scheme.bits == 4 and scheme.group_size in _INT4_GROUPS and int4_kernel_available():
         return Int4PackedLinear(weight, bias)
     if on_cpu and scheme.bits in _U8_BITS and scheme.group_size % 8 == 0:

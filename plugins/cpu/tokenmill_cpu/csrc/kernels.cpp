@@ -1375,6 +1375,153 @@ torch::Tensor quantized_linear_u8(torch::Tensor x, torch::Tensor codes, torch::T
   return y.to(x.scalar_type()).view(out_sizes);
 }
 
+
+// ---------------------------------------------------------------------------------------
+// y[M, N] = x[M, K] @ W[N, K]^T (+ b) for 4-bit weights (GGUF Q4_0 / Q4_1, AWQ / GPTQ
+// int4): codes as nibbles, float32 scales and offsets [N, K / G], G a multiple of 32,
+// w = q * scale + offset per group. The codes come in the plugin's own layout
+// (`repack_q4` in ops.py, once at prepack): per block of 32 input columns 16 bytes,
+// byte i = column i (low nibble) | column i + 16 (high nibble), as llama.cpp stores Q4_0,
+// so one 16-byte load and a shift give the block's 32 codes in column order. Float32
+// FMAs like quantized_linear_u8 (exact up to float32 rounding; half its weight bytes),
+// the same tiles of kQTile x rows and x group sums for the offsets.
+
+template <int64_t MT>
+inline void q4row_dot_t(const uint8_t* q, const float* sc, const float* x, int64_t x_stride,
+                        int64_t K, int64_t G, float* out) {
+  constexpr int64_t mt = MT;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc[MT];
+  for (int64_t m = 0; m < mt; ++m) acc[m] = _mm256_setzero_ps();
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  for (int64_t g0 = 0, gi = 0; g0 < K; g0 += G, ++gi) {
+    __m256 part[MT];
+    for (int64_t m = 0; m < mt; ++m) part[m] = _mm256_setzero_ps();
+    for (int64_t k = g0; k < g0 + G; k += 32) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k / 2));
+      const __m128i lo = _mm_and_si128(b, mask);
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+      const __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+      const __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+      for (int64_t m = 0; m < mt; ++m) {
+        const float* xr = x + m * x_stride + k;
+        part[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), part[m]);
+        part[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), part[m]);
+        part[m] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), part[m]);
+        part[m] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), part[m]);
+      }
+    }
+    const __m256 s = _mm256_set1_ps(sc[gi]);
+    for (int64_t m = 0; m < mt; ++m) acc[m] = _mm256_fmadd_ps(s, part[m], acc[m]);
+  }
+  for (int64_t m = 0; m < mt; ++m) {
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
+    const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    out[m] = _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
+  }
+#else
+  for (int64_t m = 0; m < mt; ++m) {
+    const float* xr = x + m * x_stride;
+    float acc = 0.f;
+    for (int64_t g0 = 0, gi = 0; g0 < K; g0 += G, ++gi) {
+      float part = 0.f;
+      for (int64_t k = g0; k < g0 + G; k += 32)
+        for (int64_t i = 0; i < 16; ++i) {
+          const uint8_t b = q[k / 2 + i];
+          part += static_cast<float>(b & 0x0F) * xr[k + i] +
+                  static_cast<float>(b >> 4) * xr[k + 16 + i];
+        }
+      acc += sc[gi] * part;
+    }
+    out[m] = acc;
+  }
+#endif
+}
+
+inline void q4row_dot(const uint8_t* q, const float* sc, const float* x, int64_t x_stride,
+                      int64_t mt, int64_t K, int64_t G, float* out) {
+  static_assert(kQTile == 4, "q4row_dot dispatches tiles of 1-4 rows");
+  switch (mt) {
+    case 1: return q4row_dot_t<1>(q, sc, x, x_stride, K, G, out);
+    case 2: return q4row_dot_t<2>(q, sc, x, x_stride, K, G, out);
+    case 3: return q4row_dot_t<3>(q, sc, x, x_stride, K, G, out);
+    default: return q4row_dot_t<4>(q, sc, x, x_stride, K, G, out);
+  }
+}
+
+torch::Tensor quantized_linear_q4(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                                  c10::optional<torch::Tensor> offsets,
+                                  c10::optional<torch::Tensor> bias, int64_t group) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "quantized_linear_q4 takes float32 or bfloat16 x, got ", x.scalar_type());
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2 && codes.is_contiguous(),
+              "quantized_linear_q4 needs contiguous uint8 codes [out, in / 2]");
+  const int64_t N = codes.size(0), K = codes.size(1) * 2, G = group;
+  TORCH_CHECK(G > 0 && G % 32 == 0 && K % G == 0, "quantized_linear_q4 needs group % 32 == 0 "
+              "and in_features % group == 0; got group=", G, ", in_features=", K);
+  TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight ", K);
+  const int64_t NG = K / G;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+              scales.size(0) == N && scales.size(1) == NG,
+              "quantized_linear_q4 needs contiguous float32 scales [out, in / group]");
+  const float* op = nullptr;
+  if (offsets.has_value() && offsets->defined()) {
+    TORCH_CHECK(offsets->scalar_type() == at::kFloat && offsets->is_contiguous() &&
+                offsets->sizes() == scales.sizes(),
+                "quantized_linear_q4 needs contiguous float32 offsets shaped as the scales");
+    op = offsets->data_ptr<float>();
+  }
+  auto xf = x.reshape({-1, K}).to(at::kFloat).contiguous();
+  const int64_t M = xf.size(0);
+  auto y = torch::empty({M, N}, xf.options());
+  const float* xp = xf.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const uint8_t* qp = codes.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  torch::Tensor bias_f;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    bias_f = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(bias_f.numel() == N, "bias has ", bias_f.numel(), " elements, the weight ", N, " rows");
+    bp = bias_f.data_ptr<float>();
+  }
+  std::vector<float> xsum;  // [M, NG]: sum of x over each group, shared by all rows
+  if (op != nullptr) {
+    xsum.assign(M * NG, 0.f);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t g = 0; g < NG; ++g) {
+        float s = 0.f;
+        for (int64_t k = g * G; k < (g + 1) * G; ++k) s += xp[m * K + k];
+        xsum[m * NG + g] = s;
+      }
+  }
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    float out[kQTile];
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* q = qp + n * (K / 2);
+      const float* sc = sp + n * NG;
+      const float* oc = op == nullptr ? nullptr : op + n * NG;
+      for (int64_t m0 = 0; m0 < M; m0 += kQTile) {
+        const int64_t mt = std::min(kQTile, M - m0);
+        q4row_dot(q, sc, xp + m0 * K, K, mt, K, G, out);
+        for (int64_t m = 0; m < mt; ++m) {
+          float v = out[m] + (bp == nullptr ? 0.f : bp[n]);
+          if (oc != nullptr) {
+            const float* xs = xsum.data() + (m0 + m) * NG;
+            for (int64_t g = 0; g < NG; ++g) v += oc[g] * xs[g];
+          }
+          yp[(m0 + m) * N + n] = v;
+        }
+      }
+    }
+  });
+  auto out_sizes = x.sizes().vec();
+  out_sizes.back() = N;
+  return y.to(x.scalar_type()).view(out_sizes);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1393,4 +1540,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mamba2_state_update", &mamba2_state_update);
   m.def("quantized_linear_u8", &quantized_linear_u8);
   m.def("quantized_linear_simd", &quantized_linear_simd);
+  m.def("quantized_linear_q4", &quantized_linear_q4);
 }
