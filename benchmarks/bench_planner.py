@@ -27,7 +27,8 @@ steps its in-process replicas in turn and the planner predicts replicas that run
 used; `--calibration FILE` predicts with a saved calibration (a `--save` file or a
 calibration file) instead of the stored one; `--repredict FILE.json` runs no engine and
 prints the saved measurements beside the planner's predictions of today (a model change
-priced against a run's measurements).
+priced against a run's measurements), with the run's calibration unless `--calibration`
+names another.
 
 Usage: python benchmarks/bench_planner.py [--calibrate] [--cases default,qwen3,qwen3_next,bamba]
        [--isl 256] [--osl 32] [--clients 4] [--requests 8] [--only default:tp1,qwen3:tp2]
@@ -337,7 +338,7 @@ def main() -> None:
         calibration, where = calibrate("cpu", (1, 2, 4), quick=args.quick_calibration,
                                        progress=sys.stderr, dtype="bfloat16")
         print(f"calibrated: {where}")
-    elif saved is not None:
+    elif saved is not None and not args.calibration:
         calibration = cal_io.from_json(saved["calibration"], str(args.repredict))
     elif args.calibration:
         data = json.loads(args.calibration.read_text())
