@@ -23,8 +23,16 @@ streamed completions over loopback (so it also pays HTTP and the router, which t
 in-process engines do not). dpN: one `serve -dp N` over the same loop, since `LLM`
 steps its in-process replicas in turn and the planner predicts replicas that run at once.
 
+`--save FILE.json` writes every row (measured and predicted figures) and the calibration
+used; `--calibration FILE` predicts with a saved calibration (a `--save` file or a
+calibration file) instead of the stored one; `--repredict FILE.json` runs no engine and
+prints the saved measurements beside the planner's predictions of today (a model change
+priced against a run's measurements), with the run's calibration unless `--calibration`
+names another.
+
 Usage: python benchmarks/bench_planner.py [--calibrate] [--cases default,qwen3,qwen3_next,bamba]
        [--isl 256] [--osl 32] [--clients 4] [--requests 8] [--only default:tp1,qwen3:tp2]
+       [--save run.json] [--calibration FILE] [--repredict run.json]
 """
 
 from __future__ import annotations
@@ -34,10 +42,12 @@ import os
 os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF reader's progress bars, once per rank
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -306,18 +316,34 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="these mixes only, e.g. tp1,pp2 or default:tp1,qwen3:tp2")
     parser.add_argument("--repeats", type=int, default=2, help="runs per mix; the fastest counts")
     parser.add_argument("--quick-calibration", action="store_true")
+    parser.add_argument("--save", type=Path, default=None, help="write the rows and calibration here (JSON)")
+    parser.add_argument("--calibration", type=Path, default=None,
+                        help="a --save file or calibration file to predict with")
+    parser.add_argument("--repredict", type=Path, default=None,
+                        help="a --save file: its measurements against today's predictions, no engine")
     args = parser.parse_args()
 
     from tokenmill.model.loader import default_model_path
     from tokenmill.planner import calibration as cal_io
     from tokenmill.platforms.registry import load_platform
 
-    if args.calibrate:
+    saved = json.loads(args.repredict.read_text()) if args.repredict else None
+    if saved is not None:
+        w = saved["workload"]
+        args.isl, args.osl, args.clients, args.requests = w["isl"], w["osl"], w["clients"], w["requests"]
+        args.cases = ",".join(dict.fromkeys(r["case"] for r in saved["rows"]))
+    if args.calibrate and saved is None:
         from tokenmill.planner.calibrate import calibrate
 
         calibration, where = calibrate("cpu", (1, 2, 4), quick=args.quick_calibration,
                                        progress=sys.stderr, dtype="bfloat16")
         print(f"calibrated: {where}")
+    elif saved is not None and not args.calibration:
+        calibration = cal_io.from_json(saved["calibration"], str(args.repredict))
+    elif args.calibration:
+        data = json.loads(args.calibration.read_text())
+        calibration = (cal_io.from_json(data["calibration"], str(args.calibration)) if "rows" in data
+                       else cal_io.load(args.calibration))
     else:
         calibration = cal_io.stored(load_platform("cpu").hardware_spec().name, "bfloat16")
     print(f"calibration: {calibration.device} ({'measured' if calibration.calibrated else 'defaults'})")
@@ -326,31 +352,49 @@ def main() -> None:
     print("| model | mix | TTFT ms pred / meas | err | TPOT ms pred / meas | err "
           "| tok/s pred / meas | err | tok/s vs the first, pred / meas | binding |")
     print("|---|---|---|---:|---|---:|---|---:|---|---|")
+    record = {"workload": {"isl": args.isl, "osl": args.osl, "clients": args.clients,
+                           "requests": args.requests, "repeats": args.repeats},
+              "calibration": cal_io.to_json(calibration), "rows": []}
     root = Path(tempfile.mkdtemp())
     for case in args.cases.split(","):
         path = default_model_path() if case == "default" else str(small_model(root, case))
         predicted, measured = {}, {}
         for label in MIXES[case]:
-            if args.only and not {label, f"{case}:{label}"} & set(args.only.split(",")):
+            if saved is not None:
+                rows = [r for r in saved["rows"] if r["case"] == case and r["mix"] == label]
+                if not rows:
+                    continue
+            elif args.only and not {label, f"{case}:{label}"} & set(args.only.split(",")):
                 continue
             if label == "1P1D":
                 p = predict_pd(path, args.isl, args.osl, args.clients, calibration)
-                runs = [measure_served(path, args.isl, args.osl, args.clients, args.requests)
-                        for _ in range(args.repeats)]
+                run = partial(measure_served, path, args.isl, args.osl, args.clients, args.requests)
             else:
                 mix = mix_of(label)
                 p = predict(path, mix, args.isl, args.osl, args.clients, calibration)
                 if mix.dp > 1 and mix.devices == mix.dp:  # served: replicas step in parallel
-                    runs = [measure_served(path, args.isl, args.osl, args.clients, args.requests,
-                                           dp=mix.dp) for _ in range(args.repeats)]
+                    run = partial(measure_served, path, args.isl, args.osl, args.clients,
+                                  args.requests, dp=mix.dp)
                 else:
-                    runs = [measure(path, mix, args.isl, args.osl, args.clients, args.requests)
-                            for _ in range(args.repeats)]
-            m = max(runs, key=lambda r: r["throughput"])  # the run least slowed by other work
+                    run = partial(measure, path, mix, args.isl, args.osl, args.clients,
+                                  args.requests)
+            if saved is not None:
+                m = rows[0]["measured"]
+            else:
+                started = time.time()
+                runs = [run() for _ in range(args.repeats)]
+                m = max(runs, key=lambda r: r["throughput"])  # the run least slowed by other work
             predicted[label], measured[label] = p["throughput"], m["throughput"]
             errs = [p[k] / m[k] - 1 for k in ("ttft", "tpot", "throughput")]
             first = next(iter(predicted))
             ratios = (predicted[label] / predicted[first], measured[label] / measured[first])
+            if saved is None:
+                record["rows"].append({"case": case, "mix": label, "measured": m, "predicted": p,
+                                       "started_utc": time.strftime("%H:%M:%S", time.gmtime(started)),
+                                       "seconds": round(time.time() - started, 1),
+                                       "load": os.getloadavg()})
+                if args.save:
+                    args.save.write_text(json.dumps(record, indent=1))
             print(f"| {case} | {label} | {p['ttft'] * 1e3:.0f} / {m['ttft'] * 1e3:.0f} | "
                   f"{errs[0]:+.0%} | {p['tpot'] * 1e3:.1f} / {m['tpot'] * 1e3:.1f} | {errs[1]:+.0%} | "
                   f"{p['throughput']:.1f} / {m['throughput']:.1f} | {errs[2]:+.0%} | "
