@@ -251,8 +251,7 @@ def test_kernel_points_are_measured_in_the_asked_dtype():
     from tokenmill.planner.kernel_bench import gemm_points
     from tokenmill.platforms.registry import load_platform
 
-    active = load_platform("cpu")
-    assert active.platform.default_dtype == torch.float32
+    active = load_platform("cpu")  # its default dtype is either, by the CPU's flags
     fp32 = gemm_points(active, torch.float32, active.platform.device, quick=True)
     bf16 = gemm_points(active, torch.bfloat16, active.platform.device, quick=True)
     by_name = {p.name: p for p in fp32}
