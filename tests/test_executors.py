@@ -193,3 +193,51 @@ def msgspec_replace(struct, **changes):
     import msgspec
 
     return msgspec.structs.replace(struct, **changes)
+
+
+def _threads_in_a_fresh_process(local_ranks: int, env: dict[str, str]) -> int:
+    import subprocess
+    import sys
+
+    code = ("from tokenmill.distributed.mp import share_host_cores; "
+            f"print(share_host_cores({local_ranks}, 0))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True, timeout=120)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def test_ranks_on_one_host_share_its_cores_as_threads():
+    """torch starts a thread a core in every process: two ranks on this host take half the
+    cores each (at least one), one rank keeps torch's default, and OMP_NUM_THREADS wins."""
+    import torch
+
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    cores = len(os.sched_getaffinity(0))
+    default = _threads_in_a_fresh_process(1, env)
+    assert default == torch.get_num_threads()
+    assert _threads_in_a_fresh_process(2, env) == min(default, max(1, cores // 2))
+    assert _threads_in_a_fresh_process(cores * 4, env) == 1
+    # set, it wins over the share (torch's default here is above a half of the cores)
+    assert _threads_in_a_fresh_process(2, env | {"OMP_NUM_THREADS": str(default)}) == default
+
+
+def test_mp_workers_take_their_share_of_the_cores(tiny_dirs, capfd, monkeypatch):
+    """The mp executor's workers call it: with two ranks on a host of two or more cores
+    each worker logs its share (the log goes to the inherited stderr)."""
+    import torch
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = len(os.sched_getaffinity(0))
+    share = max(1, cores // 2)
+    if share >= torch.get_num_threads():
+        pytest.skip(f"torch's default of {torch.get_num_threads()} threads is already at most "
+                    f"half of this host's {cores} cores")
+    llm = _llm(tiny_dirs["llama"], "mp", tensor_parallel_size=2)
+    try:
+        got = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+        assert len(got[0].outputs[0].token_ids) == 3
+    finally:
+        llm.engine.shutdown()
+    err = capfd.readouterr().err
+    for rank in (0, 1):
+        assert f"rank {rank}: {share} intra-op threads ({cores} cores shared by 2 ranks" in err

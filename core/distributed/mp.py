@@ -277,6 +277,7 @@ def worker_main(
     outbox.connect(reply_addr)
     encoder = msgspec.msgpack.Encoder()
     decoder = msgspec.msgpack.Decoder(Request)
+    share_host_cores(config.parallel.world_size, rank)
     worker = Worker(config, rank)
     try:
         _serve(worker, rank, inbox, outbox, encoder, decoder, parent_pid)
@@ -288,6 +289,26 @@ def worker_main(
     # the worker after _JOIN_S, so a clean stop exits at once.
     logging.shutdown()
     os._exit(0)
+
+
+def share_host_cores(local_ranks: int, rank: int) -> int:
+    """This executor's ranks all run on this host: each takes its share of the cores as
+    torch's intra-op threads and returns the count. torch starts one thread a core in
+    every process, so two ranks on two cores run four threads, and each parallel region
+    of a rank waits for a thread whose core the other rank holds (a scheduler slice):
+    tp2 decode steps measured 3.5x and pp2 1.7x slower than with one thread a rank
+    (docs/planner.md, run 5). OMP_NUM_THREADS, when set, wins (torch read it)."""
+    import torch
+
+    if os.environ.get("OMP_NUM_THREADS"):
+        return torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = max(1, (cores or 1) // max(local_ranks, 1))
+    if threads < torch.get_num_threads():
+        torch.set_num_threads(threads)
+        logger.info("rank %d: %d intra-op threads (%d cores shared by %d ranks on this host; "
+                    "OMP_NUM_THREADS to choose)", rank, threads, cores, local_ranks)
+    return torch.get_num_threads()
 
 
 def _serve(worker: Any, rank: int, inbox: zmq.Socket, outbox: zmq.Socket,

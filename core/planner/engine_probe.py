@@ -4,9 +4,12 @@ decode step's time is what the engine costs beyond its kernels."""
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=272, max_position_embeddings=512,
@@ -33,12 +36,18 @@ def tiny_llama(root: Path, layers: int) -> Path:
     return path
 
 
+# a start whose median step is this many times its fastest ran beside other work
+BUSY_SPREAD = 3.0
+
+
 def decode_step_seconds(root: Path, platform: str, layers: int, tensor_parallel: int = 1,
                         steps: int = 24, dtype: str = "float32",
                         pipeline_parallel: int = 1) -> float:
     """Seconds between two tokens of a decoding sequence: at pp1 one decode step of one
-    sequence (after its prefill), the 20th percentile of `steps` steps, so other work on a
-    shared machine inflates it little. At pp > 1 the pipeline is full, as in serving: pp
+    sequence (after its prefill), the fastest of `steps` steps: on a shared machine a step
+    whose intra-op threads meet another process on a core waits a scheduler slice (steps of
+    1 ms measured at 76-101 ms in bursts that took most of a start, docs/planner.md), so
+    a percentile is not safe; a warning says when the steps spread that far. At pp > 1 the pipeline is full, as in serving: pp
     sequences, a micro-batch each, every engine step delivering one of them, so a
     sequence's token takes pp steps (the median step: the stages' steps alternate)."""
     from tokenmill import LLM, SamplingParams
@@ -59,7 +68,13 @@ def decode_step_seconds(root: Path, platform: str, layers: int, tensor_parallel:
             engine.step()
             times.append(time.perf_counter() - start)
         if pipeline_parallel == 1:
-            return statistics.quantiles(times, n=5)[0]
+            fastest, median = min(times), statistics.median(times)
+            if median > BUSY_SPREAD * fastest:
+                logger.warning("engine probe (%d layers, tp%d): the median step %.2f ms is %.0fx "
+                               "the fastest %.2f ms: other work held the cores; calibrate on a "
+                               "quieter machine", layers, tensor_parallel, median * 1e3,
+                               median / fastest, fastest * 1e3)
+            return fastest
         return statistics.median(times) * pipeline_parallel
     finally:
         engine.shutdown()
