@@ -86,3 +86,32 @@ def test_attention_declines_what_its_kernel_lacks():
     window = AttentionSpec(AttentionKind.SLIDING_WINDOW, 8, 2, 64, torch.float32, 16, 8)
     assert not full.supports(window)
     assert PallasPagedAttention(AttentionKind.SLIDING_WINDOW, interpret=True).supports(window)
+
+
+def test_what_the_tpu_plugin_lacks_is_refused_naming_it(tiny_dirs):
+    """The tpu plugin runs dense weights and declares no quantized KV dtype: a GGUF kept
+    quantized (`quantization="gguf"` on the default model) and an FP8 KV cache are errors
+    that name the value and the way out, before any step runs (JAX's CPU backend, in a
+    process of its own as JAX's environment must be set before it starts)."""
+    code = (
+        "import sys\n"
+        "from tokenmill import LLM\n"
+        "cases = [dict(quantization='gguf'), dict(model=sys.argv[1], kv_cache_dtype='fp8')]\n"
+        "for kw in cases:\n"
+        "    try:\n"
+        "        LLM(platform='tpu', dtype='float32', num_kv_blocks=16, **kw)\n"
+        "    except Exception as e:\n"
+        "        print('REFUSED', type(e).__name__, e, flush=True)\n"
+        "    else:\n"
+        "        print('ACCEPTED', kw, flush=True)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code, str(tiny_dirs["llama"])], cwd=ROOT,
+                            capture_output=True, text=True, timeout=600,
+                            env={**os.environ, **JAX_CPU_4})
+    lines = [ln for ln in result.stdout.splitlines() if ln.startswith(("REFUSED", "ACCEPTED"))]
+    assert len(lines) == 2, (result.stdout + result.stderr)[-4000:]
+    gguf, fp8 = lines
+    assert gguf.startswith("REFUSED") and "takes dense weights only" in gguf
+    assert "quantization 'gguf'" in gguf and "--quantization none" in gguf
+    assert fp8.startswith("REFUSED ValueError")
+    assert "kv_cache_dtype='fp8'" in fp8 and "platform 'tpu'" in fp8 and "['auto']" in fp8
