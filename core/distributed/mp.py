@@ -302,8 +302,11 @@ def share_host_cores(local_ranks: int, rank: int) -> int:
 
     if os.environ.get("OMP_NUM_THREADS"):
         return torch.get_num_threads()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    threads = max(1, (cores or 1) // max(local_ranks, 1))
+    if hasattr(os, "sched_getaffinity"):
+        cores = len(os.sched_getaffinity(0))
+    else:
+        cores = os.cpu_count() or 1
+    threads = max(1, cores // max(local_ranks, 1))
     if threads < torch.get_num_threads():
         torch.set_num_threads(threads)
         logger.info("rank %d: %d intra-op threads (%d cores shared by %d ranks on this host; "

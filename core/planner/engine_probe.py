@@ -47,9 +47,10 @@ def decode_step_seconds(root: Path, platform: str, layers: int, tensor_parallel:
     sequence (after its prefill), the fastest of `steps` steps: on a shared machine a step
     whose intra-op threads meet another process on a core waits a scheduler slice (steps of
     1 ms measured at 76-101 ms in bursts that took most of a start, docs/planner.md), so
-    a percentile is not safe; a warning says when the steps spread that far. At pp > 1 the pipeline is full, as in serving: pp
-    sequences, a micro-batch each, every engine step delivering one of them, so a
-    sequence's token takes pp steps (the median step: the stages' steps alternate)."""
+    a percentile is not safe; a warning says when the steps spread that far. At pp > 1
+    the pipeline is full, as in serving: pp sequences, a micro-batch each, every engine
+    step delivering one of them, so a sequence's token takes pp steps (the median step:
+    the stages' steps alternate)."""
     from tokenmill import LLM, SamplingParams
 
     llm = LLM(str(tiny_llama(root, layers)), platform=platform, dtype=dtype,
