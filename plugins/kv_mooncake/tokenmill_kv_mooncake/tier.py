@@ -17,12 +17,16 @@ Failures. The client keeps a pool of connections to the master (one per thread t
 called at once: ours and its own heartbeat thread). A connection that dropped while idle
 fails the next call made on it with RPC_FAIL (-900) at once, and the pool replaces it;
 with several pooled connections, several calls in a row fail so. Such a call is tried
-again, up to `rpc_attempts` times in all (a get, whose b"" says nothing, asks get_size why): a turn no longer loses the tier for
-`retry_after_s` (and recomputes what it holds) because of one dropped link. RPC_FAIL on
-every attempt, or after the pool's own reconnects (over a second: the master gone),
-marks the tier down: it is skipped for `retry_after_s`, then tried again. Any other error code fails only that call (`TierUnavailableError`,
-logged): the store full (-200, every object under a lease or pinned), an object over
-the client's buffer (-600).
+again, up to `rpc_attempts` times in all: a turn no longer loses the tier for
+`retry_after_s` (and recomputes what it holds) because of one dropped link. A get, whose
+b"" says nothing, asks get_size why. A put is three calls (PutStart, the transfer,
+PutEnd): one whose PutEnd was lost leaves the key reserved, unreadable, for the master's
+put_start_discard_timeout_sec, and a second put of it reports success without storing;
+so a put is tried again as an upsert, which replaces the reservation, and checked.
+RPC_FAIL on every attempt, or after the pool's own reconnects (over a second: the master
+gone), marks the tier down: it is skipped for `retry_after_s`, then tried again. Any
+other error code fails only that call (`TierUnavailableError`, logged): the store full
+(-200, every object under a lease or pinned), an object over the client's buffer (-600).
 """
 
 from __future__ import annotations
@@ -173,13 +177,25 @@ class MooncakeTier(KVTier):
         def attempt() -> int:
             nonlocal attempts
             attempts += 1
-            return self._store.put(name, value)
+            if attempts == 1:
+                return self._store.put(name, value)
+            # A put is PutStart, the transfer, PutEnd: an attempt whose PutEnd met a
+            # dropped link leaves the key reserved and never readable (until the master
+            # discards it: put_start_discard_timeout_sec, 30 s by default), and a put of
+            # a reserved key reports success without storing. An upsert replaces it.
+            return self._store.upsert(name, value)
 
         rc = self._call("put", attempt, lambda rc: [] if rc == _OBJECT_EXISTS else [rc])
         if rc == _OBJECT_EXISTS and attempts == 1:
             return False  # another client stored it first
-        # stored; or held after a retry, when an attempt that reported RPC_FAIL had landed:
-        # ours either way, so the stack records it held (else its lookups would miss it)
+        if attempts > 1 and not self.contains(key):
+            # the last attempt's own end was lost as well: not held, so not recorded
+            # (a lookup that counted on it would find nothing and recompute)
+            logger.warning("mooncake tier %s: put of %s not readable after %d attempts",
+                           self.url, key.hex()[:16], attempts)
+            return False
+        # stored (after a retry: by an upsert, or by an earlier attempt that reported
+        # RPC_FAIL and had landed): ours, so the stack records it held
         with self._lock:
             self._sizes[key] = len(data)
         return True
