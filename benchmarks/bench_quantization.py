@@ -224,6 +224,9 @@ def run_q4ops(args) -> dict:
         kernel.KERNEL_ROWS = max(args.batches)  # this instance only: the kernel at every batch
         paths["q4_kernel_f32"] = (kernel, torch.float32)
         paths["q4_kernel_bf16"] = (kernel, torch.bfloat16)
+        # dequantized for the call by the kernels' dequantize_q4_into, then one dense GEMM
+        paths["dequant_dense_f32"] = (kernel.dequantized, torch.float32)
+        paths["dequant_dense_bf16"] = (kernel.dequantized, torch.bfloat16)
         for m in args.batches:
             x = torch.randn(m, k, generator=g)
             reps = max(5, int(4e7 / (n * k * max(m, 4))))

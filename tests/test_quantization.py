@@ -222,7 +222,7 @@ def test_cpu_u8_kernel_matches_the_reference(bits, group, out_features, with_bia
 
 def test_cpu_int4_kernel_matches_the_reference_in_bfloat16():
     """ATen's int4 kernel (`Int4PackedLinear`: the 4-bit layers' path for bf16
-    activations past `Int4QuantizedLinear.KERNEL_ROWS` rows)."""
+    activations up to `Int4QuantizedLinear.ATEN_ROWS` rows)."""
     g = torch.Generator().manual_seed(0)
     codes = torch.randint(0, 16, (96, 128), generator=g, dtype=torch.uint8)
     scales = torch.rand(96, 4, generator=g) * 0.02 + 1e-3
@@ -267,7 +267,7 @@ def test_cpu_q4_kernel_matches_the_reference(group, offsets, out_features, with_
     against the core's reference, float32 activations: batch 1, 3, 17 and a 3-D input on
     the kernel, a prompt chunk past KERNEL_ROWS dequantized. bf16 activations on ATen's
     int4 kernel where it takes the shape, else on the C++ kernel (577 rows: odd, not a
-    shape ATen's int4 pack takes)."""
+    shape ATen's int4 pack takes), and past both dequantized to bf16."""
     g = torch.Generator().manual_seed(group * 1000 + out_features)
     weight = _q4_weight(group, out_features, 256, g, offsets=offsets)
     bias = torch.randn(out_features, generator=g) if with_bias else None
@@ -297,6 +297,38 @@ def test_cpu_q4_kernel_matches_the_reference(group, offsets, out_features, with_
         torch.testing.assert_close(got.float(), want, atol=5e-2, rtol=2e-2)
     path = "aten_int4" if out_features % 16 == 0 else "kernel"
     assert fast.rows_by_path[path] - before[path] == 4
+    # a bf16 chunk past both small-batch paths: the weight dequantized to bf16, one GEMM
+    rows = max(fast.KERNEL_ROWS, fast.ATEN_ROWS) + 1
+    chunk = torch.randn(rows, 256, generator=g).bfloat16()
+    got = fast(chunk)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), quant.quantized_linear(chunk.float(), weight, bias),
+                               atol=5e-2, rtol=2e-2)
+    assert fast.rows_by_path["dequantized"] == fast.KERNEL_ROWS + 1 + rows
+
+
+@pytest.mark.parametrize("offsets", [True, False])
+def test_cpu_q4_dequantize_matches_the_reference(offsets):
+    """The kernels' `dequantize_q4_into` (the many-rows path) writes the reference's
+    weights: float32 to rounding, bf16 as the reference's rounded to bf16 (nearest even);
+    a wrong output tensor is refused naming it."""
+    g = torch.Generator().manual_seed(7)
+    weight = _q4_weight(64, 96, 256, g, offsets=offsets)
+    module = cpu_ops.kernels.load()
+    codes = cpu_ops.repack_q4(cpu_ops.unpacked_codes(weight))
+    scales = weight.scales.float().contiguous()
+    offs = None if weight.offsets is None else weight.offsets.float().contiguous()
+    want = quant.dequantize(weight)
+    out = torch.empty(96, 256)
+    module.dequantize_q4_into(out, codes, scales, offs, 64)
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
+    out16 = torch.empty(96, 256, dtype=torch.bfloat16)
+    module.dequantize_q4_into(out16, codes, scales, offs, 64)
+    assert torch.equal(out16, want.bfloat16())
+    with pytest.raises(RuntimeError, match=r"float32 or bfloat16 \[96, 256\] tensor, got Half"):
+        module.dequantize_q4_into(torch.empty(96, 256, dtype=torch.half), codes, scales, offs, 64)
+    with pytest.raises(RuntimeError, match="group % 32 == 0"):
+        module.dequantize_q4_into(out, codes, scales, offs, 48)
 
 
 def test_cpu_q4_kernel_refuses_bad_shapes():

@@ -252,20 +252,23 @@ def repack_q4(codes: torch.Tensor) -> torch.Tensor:
 
 class Int4QuantizedLinear:
     """x @ W.T + b for 4-bit integer schemes (GGUF Q4_0 / Q4_1, AWQ / GPTQ int4) whose
-    group is a multiple of 32. bf16 activations run ATen's int4 kernel
-    (`Int4PackedLinear`, built on first use) where it takes the shape: it beat the
+    group is a multiple of 32. Up to `ATEN_ROWS` rows of bf16 activations run ATen's int4
+    kernel (`Int4PackedLinear`, built on first use) where it takes the shape: it beat the
     plugin's kernel at every batch measured (1.3-1.8x at batch 1; docs/quantization.md,
-    "The 4-bit cpu kernel"). float32 activations, and bf16 ones ATen does not take, run
-    the kernels' `quantized_linear_q4` (float32 FMAs over the nibbles) up to
-    `KERNEL_ROWS` rows of x: there it is 10-70x faster than ATen's int4 kernel with
-    float32 activations and 1.1-2x faster than dense float32 at batch 1; past it the
-    weight is dequantized for the call and multiplied densely (a prompt chunk).
-    `kernel` names the small-batch path; `rows_by_path` counts the rows each path took
-    (tests assert the kernel ran)."""
+    "The 4-bit cpu kernel"). Up to `KERNEL_ROWS` rows of float32 activations, and of bf16
+    ones ATen does not take, run the kernels' `quantized_linear_q4` (float32 FMAs over the
+    nibbles): 10-70x faster than ATen's int4 kernel with float32 activations and 1.1-2x
+    faster than dense float32 at batch 1. Past them (a prompt chunk, a large decode batch)
+    the kernels' `dequantize_q4_into` writes the weight out in x's dtype for the call and
+    one dense GEMM runs (`dequantized`). `kernel` names the small-batch path;
+    `rows_by_path` counts the rows each path took (tests assert the paths ran)."""
 
     kernel = "tokenmill_cpu.quantized_linear_q4"
-    # at 32 rows the kernel still beat dequantize-and-multiply on SmolLM2's four shapes
+    # the row counts up to which a small-batch path beat dequantize-and-multiply on
+    # SmolLM2's four shapes (docs/quantization.md, "Many rows"): the plugin's kernel with
+    # float32 activations, ATen's int4 kernel with bf16 ones
     KERNEL_ROWS = 32
+    ATEN_ROWS = 16
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, module) -> None:
         self.module = module
@@ -292,7 +295,7 @@ class Int4QuantizedLinear:
                                "activations, not %s: the core's reference runs them",
                                [str(d) for d in _U8_DTYPES], x.dtype)
             return quantized_linear(x, self.weight, self.bias)
-        if x.dtype == torch.bfloat16 and self.aten_takes_it:
+        if x.dtype == torch.bfloat16 and self.aten_takes_it and rows <= self.ATEN_ROWS:
             if self._aten is None:
                 self._aten = Int4PackedLinear(self.weight, self.bias)
             self.rows_by_path["aten_int4"] += rows
@@ -304,7 +307,16 @@ class Int4QuantizedLinear:
             return self.module.quantized_linear_q4(x, self._codes, self.scales, self.offsets,
                                                    self.bias, self.group_size)
         self.rows_by_path["dequantized"] += rows
-        return quantized_linear(x.float(), self.weight, self.bias).to(x.dtype)
+        return self.dequantized(x)
+
+    def dequantized(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T + b with W dequantized for this call into x's dtype (the kernels'
+        `dequantize_q4_into`) and one dense GEMM: for many rows of x."""
+        if self._codes is None:
+            self._codes = repack_q4(unpacked_codes(self.weight))
+        w = torch.empty(self.weight.out_features, self.weight.in_features, dtype=x.dtype)
+        self.module.dequantize_q4_into(w, self._codes, self.scales, self.offsets, self.group_size)
+        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
 
 
 _Q4_LOGGED: set[torch.dtype] = set()
