@@ -177,18 +177,22 @@ def run_u8ops(args) -> dict:
             if not isinstance(kernel, ops.Uint8QuantizedLinear):
                 raise SystemExit(f"{fmt} {n}x{k}: the cpu kernel did not take it ({kernel})")
             reference = quant.prepack_quantized_linear(weight, None)
-            for m in (1, 16):
+            for m in args.batches:
                 x = torch.randn(m, k, generator=g)
                 reps = max(3, int(2e8 / (n * k * (m if m > 1 else 4))))
-                t_dense = _bench(functools.partial(F.linear, weight=dense_w), x, reps)
-                t_kernel = _bench(kernel, x, reps)
-                t_ref = _bench(reference, x, max(3, reps // 20))
-                rows[f"{fmt} {name} {n}x{k} batch {m}"] = {
-                    "dense_f32_us": t_dense * 1e6, "kernel_us": t_kernel * 1e6,
-                    "reference_us": t_ref * 1e6, "kernel_vs_dense": t_dense / t_kernel,
-                    "kernel_vs_reference": t_ref / t_kernel}
-                print(f"{fmt} {name} {n}x{k} batch {m}: dense {t_dense*1e6:.0f} us, kernel "
-                      f"{t_kernel*1e6:.0f} us, reference {t_ref*1e6:.0f} us", file=sys.stderr)
+                row = {"dense_f32_us": _bench(functools.partial(F.linear, weight=dense_w), x, reps),
+                       "kernel_us": _bench(kernel, x, reps),
+                       "kernel_bf16_us": _bench(kernel, x.bfloat16(), reps),
+                       # what the layer does past DEQUANTIZE_ROWS: dequantize_u8_into + GEMM
+                       "dequant_dense_f32_us": _bench(kernel.dequantized, x, reps),
+                       "dequant_dense_bf16_us": _bench(kernel.dequantized, x.bfloat16(), reps)}
+                if m <= 16:  # the reference dequantizes in torch on every call: slow
+                    row["reference_us"] = _bench(reference, x, max(3, reps // 20))
+                row = {key: t * 1e6 for key, t in row.items()}
+                row["kernel_vs_dense"] = row["dense_f32_us"] / row["kernel_us"]
+                rows[f"{fmt} {name} {n}x{k} batch {m}"] = row
+                print(f"{fmt} {name} {n}x{k} batch {m}: " + ", ".join(
+                    f"{key} {v:.0f}" for key, v in row.items() if key.endswith("_us")), file=sys.stderr)
     return rows
 
 
@@ -465,7 +469,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("mode", choices=["ppl", "ops", "u8ops", "q4ops", "decode", "moe", "profile"])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 16, 32],
-                        help="q4ops: the batch sizes")
+                        help="q4ops, u8ops: the batch sizes")
     parser.add_argument("--paths", choices=["current", "aten"], default="current",
                         help="profile: 'aten' puts the 4-bit layers on ATen's int4 kernel "
                         "and the tied head dense (the paths before the plugin's kernel)")

@@ -529,6 +529,10 @@ class Capabilities:
     # torch.float8_e5m2) its backends of every declared attention kind but LINEAR store
     # (AttentionBackend.kv_cache_dtypes); empty: the cache is in the compute dtype only
     kv_cache_dtypes: frozenset[torch.dtype] = frozenset()
+    # runs a checkpoint's quantized layers as they are (`prepack_quantized_linear`, or its
+    # own model runner's); False: the core refuses a quantized `--quantization` and
+    # dequantizes a quantized checkpoint left unset (1.9)
+    quantized_weights: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ that every version named here has its entry there.
 
 from __future__ import annotations
 
-PLUGIN_API_VERSION = "1.8"
+PLUGIN_API_VERSION = "1.9"
 
 # hook name -> the version that introduced it in its current form
 HOOKS_SINCE: dict[str, str] = {
@@ -77,6 +77,9 @@ FIELDS_SINCE: dict[str, str] = {
     # 1.7: a quantized (FP8) KV cache: AttentionSpec.cache_dtype, k_scale / v_scale
     "Capabilities.kv_cache_dtypes": "1.7",
     "AttentionBackend.kv_cache_dtypes": "1.7",
+    # 1.9: a platform that runs no quantized weights says so, and the core dequantizes an
+    # unset quantized checkpoint for it (a GGUF runs quantized by default since 1.9)
+    "Capabilities.quantized_weights": "1.9",
 }
 
 

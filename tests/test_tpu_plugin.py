@@ -89,13 +89,20 @@ def test_attention_declines_what_its_kernel_lacks():
 
 
 def test_what_the_tpu_plugin_lacks_is_refused_naming_it(tiny_dirs):
-    """The tpu plugin runs dense weights and declares no quantized KV dtype: a GGUF kept
-    quantized (`quantization="gguf"` on the default model) and an FP8 KV cache are errors
-    that name the value and the way out, before any step runs (JAX's CPU backend, in a
+    """The tpu plugin runs dense weights (`Capabilities.quantized_weights` False) and
+    declares no quantized KV dtype: the default GGUF left unset is dequantized for it; kept
+    quantized (`quantization="gguf"`) and an FP8 KV cache are errors that name the value
+    and the way out, before any step runs (JAX's CPU backend, in a
     process of its own as JAX's environment must be set before it starts)."""
     code = (
         "import sys\n"
         "from tokenmill import LLM\n"
+        "from tokenmill.engine.config import EngineArgs\n"
+        "from tokenmill.engine.wiring import engine_quantization\n"
+        "from tokenmill.model.loader import default_model_path, load_model_info\n"
+        "from tokenmill.platforms.registry import load_platform\n"
+        "info = load_model_info(default_model_path(), load_tokenizer=False)\n"
+        "print('UNSET', engine_quantization(EngineArgs(), info, load_platform('tpu')), flush=True)\n"
         "cases = [dict(quantization='gguf'), dict(model=sys.argv[1], kv_cache_dtype='fp8')]\n"
         "for kw in cases:\n"
         "    try:\n"
@@ -108,10 +115,12 @@ def test_what_the_tpu_plugin_lacks_is_refused_naming_it(tiny_dirs):
     result = subprocess.run([sys.executable, "-c", code, str(tiny_dirs["llama"])], cwd=ROOT,
                             capture_output=True, text=True, timeout=600,
                             env={**os.environ, **JAX_CPU_4})
-    lines = [ln for ln in result.stdout.splitlines() if ln.startswith(("REFUSED", "ACCEPTED"))]
-    assert len(lines) == 2, (result.stdout + result.stderr)[-4000:]
-    gguf, fp8 = lines
-    assert gguf.startswith("REFUSED") and "takes dense weights only" in gguf
+    lines = [ln for ln in result.stdout.splitlines()
+             if ln.startswith(("UNSET", "REFUSED", "ACCEPTED"))]
+    assert len(lines) == 3, (result.stdout + result.stderr)[-4000:]
+    unset, gguf, fp8 = lines
+    assert unset == "UNSET none"  # the GGUF left unset: dequantized for this platform
+    assert gguf.startswith("REFUSED ValueError") and "platform 'tpu' runs dense weights only" in gguf
     assert "quantization 'gguf'" in gguf and "--quantization none" in gguf
     assert fp8.startswith("REFUSED ValueError")
     assert "kv_cache_dtype='fp8'" in fp8 and "platform 'tpu'" in fp8 and "['auto']" in fp8

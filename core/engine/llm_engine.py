@@ -108,7 +108,7 @@ class LLMEngine:
         self.generation_defaults, source = load_generation_defaults(model_path, args.generation_config)
         self.loaded: ModelInfo = load_model_info(model_path, tokenizer=args.tokenizer)
         self.tokenizer = self.loaded.tokenizer
-        self.quantization = engine_quantization(args, self.loaded)
+        self.quantization = engine_quantization(args, self.loaded, self.platform)
         logger.info("loading %s (%s) on platform %s in %s, quantization %s",
                     self.loaded.model_path, self.loaded.hf_config.model_type,
                     self.platform.name, str(self.dtype).removeprefix("torch."),

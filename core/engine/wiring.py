@@ -124,16 +124,30 @@ _DTYPES = {
 }
 
 
-def engine_quantization(args, loaded: ModelInfo) -> str:
-    """`args.quantization` resolved against the checkpoint (`loader.resolve_quantization`);
-    ValueError for a quantized model under tensor parallel (not split over ranks yet)."""
+def engine_quantization(args, loaded: ModelInfo, platform: ActivePlatform) -> str:
+    """`args.quantization` resolved against the checkpoint (`loader.resolve_quantization`)
+    and what runs it. Unset, a quantized checkpoint the engine cannot run quantized (under
+    tensor parallel: quantized layers are not split over ranks yet; on a platform that
+    declares no `quantized_weights`) is dequantized to the dtype, logged; asked for, that
+    is a ValueError naming the value and the way out."""
     method = resolve_quantization(loaded.model_path, loaded.hf_config, args.quantization)
-    if method != "none" and args.tensor_parallel_size > 1:
-        raise ValueError(
-            f"quantization {method!r} with tensor_parallel_size={args.tensor_parallel_size}: "
-            "quantized layers are not split over TP ranks yet; pass quantization='none' "
-            "(weights dequantized to dtype)")
-    return method
+    if method == "none":
+        return method
+    blocker = None
+    if args.tensor_parallel_size > 1:
+        blocker = (f"tensor_parallel_size={args.tensor_parallel_size}: quantized layers "
+                   "are not split over TP ranks yet")
+    elif not platform.platform.capabilities.quantized_weights:
+        blocker = (f"platform {platform.name!r} runs dense weights only "
+                   "(Capabilities.quantized_weights)")
+    if blocker is None:
+        return method
+    if args.quantization is None:
+        logger.info("%s is quantized as %r; %s: dequantized to the dtype", loaded.model_path,
+                    method, blocker)
+        return "none"
+    raise ValueError(f"quantization {method!r} with {blocker}; pass quantization='none' "
+                     "(--quantization none: weights dequantized to dtype)")
 
 
 def resolve_dtype(name: str, platform: ActivePlatform) -> torch.dtype:

@@ -129,20 +129,14 @@ def detected_quantization(model_path: str, hf_config: Any) -> str:
 
 def resolve_quantization(model_path: str, hf_config: Any, requested: str | None) -> str:
     """`--quantization` against the checkpoint: None takes what the checkpoint is (a GGUF
-    file dequantized: see below);
-    "none" dequantizes at load (a GGUF file, or an HF checkpoint in a format the loaders
-    read); a method the checkpoint is not in, or one the loaders cannot keep yet, is a
-    ValueError naming it."""
+    file's quantized layers kept quantized, an HF directory's `quant_method`); "none"
+    dequantizes at load (a GGUF file, or an HF checkpoint in a format the loaders read); a
+    method the checkpoint is not in, or one the loaders cannot keep yet, is a ValueError
+    naming it. (The engine dequantizes an unset quantized checkpoint where the layout or
+    the platform cannot run it quantized: `wiring.engine_quantization`.)"""
     detected = detected_quantization(model_path, hf_config)
     if requested is not None and requested not in QUANTIZATION_CHOICES:
         raise ValueError(f"quantization {requested!r} is not one of {QUANTIZATION_CHOICES}")
-    if requested is None and detected == "gguf":
-        # unset on a GGUF file: dequantized, because on the platforms measured so far the
-        # quantized matmul is slower than the dense one (docs/quantization.md, "Speed");
-        # `--quantization gguf` keeps the layers quantized
-        logger.info("%s is a GGUF checkpoint: dequantized to the compute dtype "
-                    "(--quantization gguf keeps it quantized)", model_path)
-        return "none"
     method = detected if requested is None else requested
     if method == "none" and detected in SUPPORTED_QUANTIZATION:
         return "none"

@@ -202,14 +202,16 @@ class Uint8QuantizedLinear:
     """x @ W.T + b for 6- and 8-bit integer schemes (GGUF Q8_0, Q6_K; 8-bit GPTQ) through
     the kernels' `quantized_linear_u8` over the codes as stored (uint8 [out, in], float32
     scales and offsets per group): float32 or bf16 activations, float32 accumulation.
-    `kernel` names the path (tests assert it ran). Past `DEQUANTIZE_ROWS` rows of x (a
-    prompt chunk) the weight is dequantized for the call and multiplied densely: the
-    kernel reads each weight once per 4 rows, so at many rows the dense GEMM wins
-    (1536x576 Q8_0, float32, one run: kernel 2.4 / 17.7 / 69.5 ms at 64 / 256 / 1024 rows
-    against 2.9 / 8.7 / 26.4 ms dequantized). `rows_by_path` counts the rows each took."""
+    `kernel` names the path (tests assert it ran). Past `DEQUANTIZE_ROWS[x.dtype]` rows of
+    x (a prompt chunk) the weight is written out in x's dtype for the call (the kernels'
+    `dequantize_u8_into`) and multiplied densely: the kernel reads each weight once per 4
+    rows, so at many rows the dense GEMM wins. The row counts are where the 49152x576 tied
+    head (Q8_0) crosses over, the largest layer, whose 57-113 MB written out per call
+    cost most; the projections cross at 16-32 rows (docs/quantization.md, "Many rows").
+    `rows_by_path` counts the rows each took."""
 
     kernel = "tokenmill_cpu.quantized_linear_u8"
-    DEQUANTIZE_ROWS = 128
+    DEQUANTIZE_ROWS = {torch.bfloat16: 48, torch.float32: 128}
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, module) -> None:
         self.module = module
@@ -223,10 +225,10 @@ class Uint8QuantizedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if rows > self.DEQUANTIZE_ROWS and x.dtype in _U8_DTYPES:
-            # in float32 as the kernel accumulates (a bf16 GEMM is ~7x slower on AVX2)
+        if x.dtype in _U8_DTYPES and rows > self.DEQUANTIZE_ROWS[x.dtype]:
+            # the weight written out in x's dtype by the kernels, then one dense GEMM
             self.rows_by_path["dequantized"] += rows
-            return quantized_linear(x.float(), self.weight, self.bias).to(x.dtype)
+            return self.dequantized(x)
         if x.dtype not in _U8_DTYPES:
             if x.dtype not in _U8_LOGGED:
                 _U8_LOGGED.add(x.dtype)
@@ -237,6 +239,13 @@ class Uint8QuantizedLinear:
         self.rows_by_path["kernel"] += rows
         return self.module.quantized_linear_u8(x, self.codes, self.scales, self.offsets,
                                                self.bias, self.group_size)
+
+    def dequantized(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T + b with W written out in x's dtype for this call (the kernels'
+        `dequantize_u8_into`) and one dense GEMM: for many rows of x."""
+        w = torch.empty(self.weight.out_features, self.weight.in_features, dtype=x.dtype)
+        self.module.dequantize_u8_into(w, self.codes, self.scales, self.offsets, self.group_size)
+        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
 
 
 def repack_q4(codes: torch.Tensor) -> torch.Tensor:

@@ -48,6 +48,9 @@ CAPABILITIES = Capabilities(
     block_sizes=frozenset({16}),
     head_sizes=frozenset({64, 128}),
     collectives=True,
+    # dense weights only: the core dequantizes a quantized checkpoint left unset, and
+    # refuses --quantization gguf|awq|gptq|fp8 naming the platform
+    quantized_weights=False,
 )
 
 
@@ -80,8 +83,9 @@ def _memory_info() -> MemoryInfo:
 @hookimpl
 def tokenmill_api_version() -> str:
     # 1.4: a device named from the hardware table; 1.5: tokenmill_kernel_builds; 1.6: the
-    # runner seam (RunnerCapabilities, the worker's KV pages)
-    return "1.6"
+    # runner seam (RunnerCapabilities, the worker's KV pages); 1.9: it declares that it
+    # runs no quantized weights (Capabilities.quantized_weights)
+    return "1.9"
 
 
 @hookimpl
@@ -163,13 +167,6 @@ def tokenmill_model_runner(platform: Platform, context: ModelRunnerContext) -> M
             f"the tpu runner runs in one process over its JAX devices (tensor parallel by "
             f"sharding); got an engine of {context.parallel.world_size} worker processes. "
             f"Use one worker and set ${TENSOR_PARALLEL_ENV}=N"
-        )
-    quantization = getattr(context, "quantization", "none")  # 1.8
-    if quantization != "none":
-        raise ValueError(
-            f"the tpu runner takes dense weights only; quantization {quantization!r} "
-            f"({context.model_path}) is not supported on it: pass --quantization none "
-            "(LLM(quantization='none')) to run the checkpoint dequantized to --dtype"
         )
     runner = TpuBambaRunner if model_type == "bamba" else TpuModelRunner
     return runner.from_context(

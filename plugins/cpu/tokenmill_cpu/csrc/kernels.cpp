@@ -1522,69 +1522,96 @@ torch::Tensor quantized_linear_q4(torch::Tensor x, torch::Tensor codes, torch::T
   return y.to(x.scalar_type()).view(out_sizes);
 }
 
-// out[N, K] = q * scale + offset (float32 or bf16) from quantized_linear_q4's layout: for
-// many rows of x (a prompt chunk, a large decode batch) one dequantization per call and a
-// dense GEMM beat the row-dot kernels, whose float32 FMAs per weight grow with the rows.
-template <typename T>
-void dequantize_q4_rows(const uint8_t* qp, const float* sp, const float* op, T* outp,
-                        int64_t N, int64_t K, int64_t G) {
+// out[N, K] = q * scale + offset (float32 or bf16), for many rows of x (a prompt chunk, a
+// large decode batch): one dequantization per call and a dense GEMM beat the row-dot
+// kernels, whose float32 FMAs per weight grow with the rows. One row at a time in float32
+// (`q4_row`: quantized_linear_q4's nibble layout; `u8_row`: one code a byte), then stored.
+inline void q4_row(const uint8_t* q, const float* sc, const float* oc, int64_t K, int64_t G,
+                   float* v) {
+  for (int64_t k = 0; k < K; k += 32) {
+    const float s = sc[k / G], o = oc == nullptr ? 0.f : oc[k / G];
+    const uint8_t* b = q + k / 2;
+    for (int64_t i = 0; i < 16; ++i) {
+      v[k + i] = static_cast<float>(b[i] & 0x0F) * s + o;
+      v[k + 16 + i] = static_cast<float>(b[i] >> 4) * s + o;
+    }
+  }
+}
+
+inline void u8_row(const uint8_t* q, const float* sc, const float* oc, int64_t K, int64_t G,
+                   float* v) {
+  for (int64_t k = 0; k < K; k += 8) {
+    const float s = sc[k / G], o = oc == nullptr ? 0.f : oc[k / G];
+    for (int64_t i = 0; i < 8; ++i) v[k + i] = static_cast<float>(q[k + i]) * s + o;
+  }
+}
+
+inline void store_row(const float* v, float* out, int64_t K) {
+  std::memcpy(out, v, K * sizeof(float));
+}
+
+inline void store_row(const float* v, c10::BFloat16* out, int64_t K) {
+  int64_t k = 0;
+#if TM_HAS_BF16_DOT
+  for (; k + 16 <= K; k += 16) store_bf16(out + k, _mm512_loadu_ps(v + k));
+#endif
+  for (; k < K; ++k) out[k] = c10::BFloat16(v[k]);  // nearest even, as the vector store
+}
+
+// `row(q, scales, offsets, K, G, v)` per weight row, `row_bytes` of codes each
+template <typename T, typename RowFn>
+void dequantize_rows(RowFn row, const uint8_t* qp, int64_t row_bytes, const float* sp,
+                     const float* op, T* outp, int64_t N, int64_t K, int64_t G) {
   const int64_t NG = K / G;
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    alignas(64) float v[32];
+    std::vector<float> v(K);
     for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* q = qp + n * (K / 2);
-      T* row = outp + n * K;
-      for (int64_t gi = 0; gi < NG; ++gi) {
-        const float s = sp[n * NG + gi], o = op == nullptr ? 0.f : op[n * NG + gi];
-        for (int64_t k = gi * G; k < (gi + 1) * G; k += 32) {
-          const uint8_t* b = q + k / 2;
-          for (int64_t i = 0; i < 16; ++i) {
-            v[i] = static_cast<float>(b[i] & 0x0F) * s + o;
-            v[i + 16] = static_cast<float>(b[i] >> 4) * s + o;
-          }
-          if constexpr (std::is_same_v<T, float>) {
-            std::memcpy(row + k, v, sizeof(v));
-          } else {
-#if TM_HAS_BF16_DOT
-            store_bf16(row + k, _mm512_load_ps(v));
-            store_bf16(row + k + 16, _mm512_load_ps(v + 16));
-#else
-            for (int64_t i = 0; i < 32; ++i) row[k + i] = c10::BFloat16(v[i]);
-#endif
-          }
-        }
-      }
+      row(qp + n * row_bytes, sp + n * NG, op == nullptr ? nullptr : op + n * NG, K, G, v.data());
+      store_row(v.data(), outp + n * K, K);
     }
   });
 }
 
-void dequantize_q4_into(torch::Tensor out, torch::Tensor codes, torch::Tensor scales,
-                        c10::optional<torch::Tensor> offsets, int64_t group) {
+template <typename RowFn>
+void dequantize_into(const char* name, RowFn row, torch::Tensor out, torch::Tensor codes,
+                     torch::Tensor scales, c10::optional<torch::Tensor> offsets, int64_t group,
+                     int64_t codes_per_byte, int64_t group_multiple) {
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2 && codes.is_contiguous(),
-              "dequantize_q4_into needs contiguous uint8 codes [out, in / 2]");
-  const int64_t N = codes.size(0), K = codes.size(1) * 2, G = group;
-  TORCH_CHECK(G > 0 && G % 32 == 0 && K % G == 0, "dequantize_q4_into needs group % 32 == 0 "
-              "and in_features % group == 0; got group=", G, ", in_features=", K);
+              name, " needs contiguous uint8 codes [out, in / ", codes_per_byte, "]");
+  const int64_t N = codes.size(0), K = codes.size(1) * codes_per_byte, G = group;
+  TORCH_CHECK(G > 0 && G % group_multiple == 0 && K % G == 0, name, " needs group % ",
+              group_multiple, " == 0 and in_features % group == 0; got group=", G,
+              ", in_features=", K);
   TORCH_CHECK((out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16) &&
               out.is_contiguous() && out.dim() == 2 && out.size(0) == N && out.size(1) == K,
-              "dequantize_q4_into writes a contiguous float32 or bfloat16 [", N, ", ", K,
-              "] tensor, got ", out.scalar_type(), " ", out.sizes());
+              name, " writes a contiguous float32 or bfloat16 [", N, ", ", K, "] tensor, got ",
+              out.scalar_type(), " ", out.sizes());
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
-              scales.size(0) == N && scales.size(1) == K / G,
-              "dequantize_q4_into needs contiguous float32 scales [out, in / group]");
+              scales.dim() == 2 && scales.size(0) == N && scales.size(1) == K / G,
+              name, " needs contiguous float32 scales [out, in / group]");
   const float* op = nullptr;
   if (offsets.has_value() && offsets->defined()) {
     TORCH_CHECK(offsets->scalar_type() == at::kFloat && offsets->is_contiguous() &&
                 offsets->sizes() == scales.sizes(),
-                "dequantize_q4_into needs contiguous float32 offsets shaped as the scales");
+                name, " needs contiguous float32 offsets shaped as the scales");
     op = offsets->data_ptr<float>();
   }
+  const uint8_t* qp = codes.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
   if (out.scalar_type() == at::kFloat)
-    dequantize_q4_rows(codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), op,
-                       out.data_ptr<float>(), N, K, G);
+    dequantize_rows(row, qp, codes.size(1), sp, op, out.data_ptr<float>(), N, K, G);
   else
-    dequantize_q4_rows(codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), op,
-                       out.data_ptr<c10::BFloat16>(), N, K, G);
+    dequantize_rows(row, qp, codes.size(1), sp, op, out.data_ptr<c10::BFloat16>(), N, K, G);
+}
+
+void dequantize_q4_into(torch::Tensor out, torch::Tensor codes, torch::Tensor scales,
+                        c10::optional<torch::Tensor> offsets, int64_t group) {
+  dequantize_into("dequantize_q4_into", q4_row, out, codes, scales, offsets, group, 2, 32);
+}
+
+void dequantize_u8_into(torch::Tensor out, torch::Tensor codes, torch::Tensor scales,
+                        c10::optional<torch::Tensor> offsets, int64_t group) {
+  dequantize_into("dequantize_u8_into", u8_row, out, codes, scales, offsets, group, 1, 8);
 }
 
 }  // namespace
@@ -1596,6 +1623,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul);
   m.def("has_bf16_dot", &has_bf16_dot);
   m.def("dequantize_q4_into", &dequantize_q4_into);
+  m.def("dequantize_u8_into", &dequantize_u8_into);
   m.def("linear_bf16", &linear_bf16);
   m.def("decode_attention", &decode_attention);
   m.def("decode_attention_fp8", &decode_attention_fp8);
