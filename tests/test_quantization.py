@@ -321,6 +321,31 @@ def test_cpu_q4_kernel_matches_the_reference(group, offsets, out_features, with_
     assert fast.rows_by_path["dequantized"] == fast.KERNEL_ROWS + 1 + rows
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_written_out_linear_in_blocks_of_rows(dtype):
+    """Many rows through a 4-bit layer whose weight does not fit the scratch budget: it is
+    written out and multiplied a block of rows at a time (here 4 KiB: 16 rows a block, the
+    last one short), with a 3-D x and a bias, as the reference computes it."""
+    g = torch.Generator().manual_seed(3)
+    weight = _q4_weight(32, 100, 128, g)
+    bias = torch.randn(100, generator=g)
+    fast = cpu_ops.prepack_quantized_linear(weight, bias)
+    codes = cpu_ops.repack_q4(cpu_ops.unpacked_codes(weight))
+    blocks = []
+
+    def write(w, n0, n1):
+        blocks.append((n0, n1))
+        fast.module.dequantize_q4_into(w, codes[n0:n1], fast.scales[n0:n1],
+                                       fast.offsets[n0:n1], 32)
+
+    x = torch.randn(3, 11, 128, generator=g)
+    got = cpu_ops.linear_written_out(x.to(dtype), write, 100, bias, scratch_bytes=4096)
+    assert blocks == [(n, min(n + 16, 100)) for n in range(0, 100, 16)]
+    want = quant.quantized_linear(x.to(dtype).float(), weight, bias)
+    tol = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 5e-2, "rtol": 2e-2}
+    torch.testing.assert_close(got.float(), want, **tol)
+
+
 @pytest.mark.parametrize("offsets", [True, False])
 def test_cpu_q4_dequantize_matches_the_reference(offsets):
     """The kernels' `dequantize_q4_into` (the many-rows path) writes the reference's

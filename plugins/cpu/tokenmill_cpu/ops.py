@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -161,6 +162,48 @@ def apply_token_bitmask(
 # machine: a 1536x576 layer in 214 us against 423 us for bf16 F.linear; docs/quantization.md)
 _INT4_GROUPS = (32, 64, 128, 256)
 
+# Many rows of x through a quantized layer: its weight written out in x's dtype, a block
+# of rows at a time, into one scratch buffer per thread and dtype (a fresh tensor per call
+# paid for its pages: 3.5 MB of float32 per call cost more than the GEMM), then a dense
+# GEMM per block. A block is what fits in `_SCRATCH_BYTES` (SmolLM2's projections whole,
+# its 49152-row head in 7-14 blocks).
+_SCRATCH_BYTES = 8 << 20
+_scratch = threading.local()
+
+
+def _scratch_rows(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    buf = getattr(_scratch, str(dtype), None)
+    if buf is None or buf.numel() < rows * cols:
+        buf = torch.empty(rows * cols, dtype=dtype)
+        setattr(_scratch, str(dtype), buf)
+    return buf[: rows * cols].view(rows, cols)
+
+
+def linear_written_out(
+    x: torch.Tensor, write: Callable[[torch.Tensor, int, int], None], out_features: int,
+    bias: torch.Tensor | None, scratch_bytes: int = _SCRATCH_BYTES,
+) -> torch.Tensor:
+    """x @ W.T + b where `write(w, n0, n1)` writes rows n0..n1 of W into w (x's dtype),
+    blocks of rows that fit in `scratch_bytes` (16 rows at least)."""
+    k = x.shape[-1]
+    block = max(16, scratch_bytes // (k * x.element_size()))
+    bias = None if bias is None else bias.to(x.dtype)
+    if block >= out_features:
+        w = _scratch_rows(out_features, k, x.dtype)
+        write(w, 0, out_features)
+        return F.linear(x, w, bias)
+    y = x.new_empty(*x.shape[:-1], out_features)
+    for n0 in range(0, out_features, block):
+        n1 = min(n0 + block, out_features)
+        w = _scratch_rows(n1 - n0, k, x.dtype)
+        write(w, n0, n1)
+        y[..., n0:n1] = F.linear(x, w, None if bias is None else bias[n0:n1])
+    return y
+
+
+def _rows(t: torch.Tensor | None, n0: int, n1: int) -> torch.Tensor | None:
+    return None if t is None else t[n0:n1]
+
 
 class Int4PackedLinear:
     """x @ W.T + b through ATen's `_weight_int4pack_mm_for_cpu` over codes packed once.
@@ -241,11 +284,13 @@ class Uint8QuantizedLinear:
                                                self.bias, self.group_size)
 
     def dequantized(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W.T + b with W written out in x's dtype for this call (the kernels'
-        `dequantize_u8_into`) and one dense GEMM: for many rows of x."""
-        w = torch.empty(self.weight.out_features, self.weight.in_features, dtype=x.dtype)
-        self.module.dequantize_u8_into(w, self.codes, self.scales, self.offsets, self.group_size)
-        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+        """x @ W.T + b with W written out for this call in x's dtype (the kernels'
+        `dequantize_u8_into`, `linear_written_out`) and dense GEMMs: for many rows of x."""
+        def write(w: torch.Tensor, n0: int, n1: int) -> None:
+            self.module.dequantize_u8_into(w, self.codes[n0:n1], self.scales[n0:n1],
+                                           _rows(self.offsets, n0, n1), self.group_size)
+
+        return linear_written_out(x, write, self.weight.out_features, self.bias)
 
 
 def repack_q4(codes: torch.Tensor) -> torch.Tensor:
@@ -319,13 +364,17 @@ class Int4QuantizedLinear:
         return self.dequantized(x)
 
     def dequantized(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W.T + b with W dequantized for this call into x's dtype (the kernels'
-        `dequantize_q4_into`) and one dense GEMM: for many rows of x."""
+        """x @ W.T + b with W written out for this call in x's dtype (the kernels'
+        `dequantize_q4_into`, `linear_written_out`) and dense GEMMs: for many rows of x."""
         if self._codes is None:
             self._codes = repack_q4(unpacked_codes(self.weight))
-        w = torch.empty(self.weight.out_features, self.weight.in_features, dtype=x.dtype)
-        self.module.dequantize_q4_into(w, self._codes, self.scales, self.offsets, self.group_size)
-        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+        codes = self._codes
+
+        def write(w: torch.Tensor, n0: int, n1: int) -> None:
+            self.module.dequantize_q4_into(w, codes[n0:n1], self.scales[n0:n1],
+                                           _rows(self.offsets, n0, n1), self.group_size)
+
+        return linear_written_out(x, write, self.weight.out_features, self.bias)
 
 
 _Q4_LOGGED: set[torch.dtype] = set()
