@@ -8,7 +8,7 @@ run as Q4_1 (`quantization="gguf"`) against the same file dequantized
     python benchmarks/bench_quantization.py moe [--experts 128]
     python benchmarks/bench_quantization.py q4ops [--batches 1 4 8 16 32]
     python benchmarks/bench_quantization.py profile [--dtype auto] [--paths current|aten]
-    python benchmarks/bench_quantization.py decode [--gguf-dtypes auto bfloat16]
+    python benchmarks/bench_quantization.py decode [--gguf-dtypes auto bfloat16] [--rounds 3]
         [--none-dtypes auto float32 bfloat16]
         [--llama-python ../peers/llamacpp/bin/python]
 
@@ -54,6 +54,7 @@ import functools
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import sysconfig
@@ -296,26 +297,31 @@ def run_moe(args) -> dict:
     return rows
 
 
-def _tokenmill_decode(method: str, batch: int, new_tokens: int,
-                      dtype: str = "auto") -> tuple[float, str]:
-    """(output tokens/s of decode: (time for new_tokens) - (time for 1), batch prompts;
-    the dtype the engine resolved `dtype` to)."""
-    from tokenmill import LLM, SamplingParams
+class _DecodeEngine:
+    """One engine (method, dtype) and its `batch` prompts; `rate(new_tokens)`: output
+    tokens/s of decode, (time for new_tokens) - (time for 1)."""
 
-    llm = LLM(quantization=method, dtype=dtype, enable_prefix_caching=False)
-    resolved = str(llm.engine.dtype).removeprefix("torch.")
-    prompts = [f"Write a short story about robot number {i}." for i in range(batch)]
+    def __init__(self, method: str, dtype: str, batch: int) -> None:
+        from tokenmill import LLM
 
-    def timed(n: int) -> float:
+        # a small arena: several engines are held at once, measured in turn
+        self.llm = LLM(quantization=method, dtype=dtype, enable_prefix_caching=False,
+                       num_kv_blocks=1024)
+        self.resolved = str(self.llm.engine.dtype).removeprefix("torch.")
+        self.batch = batch
+        self.prompts = [f"Write a short story about robot number {i}." for i in range(batch)]
+        self._timed(2)  # warm-up
+
+    def _timed(self, n: int) -> float:
+        from tokenmill import SamplingParams
+
         params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
         start = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
+        self.llm.generate(self.prompts, params, use_tqdm=False)
         return time.perf_counter() - start
 
-    timed(2)  # warm-up
-    rate = batch * (new_tokens - 1) / (timed(new_tokens) - timed(1))
-    llm.engine.shutdown()
-    return rate, resolved
+    def rate(self, new_tokens: int) -> float:
+        return self.batch * (new_tokens - 1) / (self._timed(new_tokens) - self._timed(1))
 
 
 LLAMA_CODE = """
@@ -344,12 +350,20 @@ def run_decode(args) -> dict:
     rates = {}
 
     def tokenmill_rows(batch: int) -> None:
-        for wanted in args.gguf_dtypes:
-            rate, dtype = _tokenmill_decode("gguf", batch, args.new_tokens, wanted)
-            rates[f"tokenmill gguf ({dtype} activations, asked {wanted}) batch {batch}"] = rate
-        for wanted in args.none_dtypes:
-            rate, dtype = _tokenmill_decode("none", batch, args.new_tokens, wanted)
-            rates[f"tokenmill none ({dtype}, asked {wanted}) batch {batch}"] = rate
+        # every configuration loaded, then measured in turn `--rounds` times: the median
+        # of each, and its samples (this machine's speed drifts by 2x within minutes)
+        configs = [("gguf", d) for d in args.gguf_dtypes] + [("none", d) for d in args.none_dtypes]
+        engines = [_DecodeEngine(method, wanted, batch) for method, wanted in configs]
+        samples = [[] for _ in engines]
+        for _ in range(args.rounds):
+            for engine, got in zip(engines, samples):
+                got.append(engine.rate(args.new_tokens))
+        for (method, wanted), engine, got in zip(configs, engines, samples):
+            label = (f"tokenmill gguf ({engine.resolved} activations, asked {wanted})"
+                     if method == "gguf" else f"tokenmill none ({engine.resolved}, asked {wanted})")
+            rates[f"{label} batch {batch}"] = statistics.median(got)
+            rates[f"{label} batch {batch} samples"] = got
+            engine.llm.engine.shutdown()
 
     tokenmill_rows(1)
     if Path(args.llama_python).exists():
@@ -470,6 +484,9 @@ def main() -> None:
     parser.add_argument("mode", choices=["ppl", "ops", "u8ops", "q4ops", "decode", "moe", "profile"])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 16, 32],
                         help="q4ops, u8ops: the batch sizes")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="decode: each configuration measured this many times in turn "
+                             "(the median is reported)")
     parser.add_argument("--paths", choices=["current", "aten"], default="current",
                         help="profile: 'aten' puts the 4-bit layers on ATen's int4 kernel "
                         "and the tied head dense (the paths before the plugin's kernel)")

@@ -249,12 +249,12 @@ class Uint8QuantizedLinear:
     x (a prompt chunk) the weight is written out in x's dtype for the call (the kernels'
     `dequantize_u8_into`) and multiplied densely: the kernel reads each weight once per 4
     rows, so at many rows the dense GEMM wins. The row counts are where the 49152x576 tied
-    head (Q8_0) crosses over, the largest layer, whose 57-113 MB written out per call
-    cost most; the projections cross at 16-32 rows (docs/quantization.md, "Many rows").
+    head (Q8_0) crossed over (docs/quantization.md, "Many rows"); the projections cross
+    at 16-32 rows.
     `rows_by_path` counts the rows each took."""
 
     kernel = "tokenmill_cpu.quantized_linear_u8"
-    DEQUANTIZE_ROWS = {torch.bfloat16: 48, torch.float32: 128}
+    DEQUANTIZE_ROWS = {torch.bfloat16: 16, torch.float32: 48}
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, module) -> None:
         self.module = module
