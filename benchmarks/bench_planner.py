@@ -126,8 +126,10 @@ def measure(path: str, mix, isl: int, osl: int, clients: int, requests: int) -> 
     """TTFT, TPOT and throughput of a closed loop of `clients` on the engine."""
     from tokenmill import LLM, SamplingParams
 
+    # weights dense in bf16 for every mix, as the planner prices them: unset, a GGUF runs
+    # quantized at tp1 and dequantized under tensor parallel (docs/quantization.md)
     llm = LLM(path, platform="cpu", dtype="bfloat16", enable_prefix_caching=False,
-              max_num_seqs=max(clients, 8), **engine_kwargs(mix))
+              quantization="none", max_num_seqs=max(clients, 8), **engine_kwargs(mix))
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=osl, ignore_eos=True)
     vocab = engine.replicas[0].loaded.hf_config.vocab_size if hasattr(engine, "replicas") else (
@@ -195,6 +197,7 @@ def measure_served(path: str, isl: int, osl: int, clients: int, requests: int,
     from pd_cluster import Proc
 
     flags = ["--served-model-name", "m", "--platform", "cpu", "--dtype", "bfloat16",
+             "--quantization", "none",  # as measure(): the weights the planner prices
              "--max-num-seqs", str(max(clients, 8)),  # P/D needs the prefix cache (no hits here)
              "--log-level", "warning"]
     logs = Path(tempfile.mkdtemp())
