@@ -156,7 +156,7 @@ def measure(path: str, mix, isl: int, osl: int, clients: int, requests: int) -> 
         while engine.has_unfinished_requests() or sent < min(clients, requests):
             if sent < min(clients, requests) and steps >= sent * gap:
                 submit()
-            made = 0
+            made, counting = 0, window[1] is None  # the step that closes the window counts
             for out in engine.step():
                 now = time.perf_counter()
                 n = len(out.outputs[0].token_ids)
@@ -171,7 +171,7 @@ def measure(path: str, mix, isl: int, osl: int, clients: int, requests: int) -> 
                     elif window[1] is None:
                         window[1] = now  # a client goes idle: the drain begins
             steps += 1
-            if window[0] is not None and window[1] is None:
+            if window[0] is not None and counting:
                 window[2] += made
     finally:
         engine.shutdown()

@@ -3,15 +3,17 @@ machine, through the active plugin, and store the efficiency factors.
 
 1. Kernels in this process (`kernel_bench`): GEMMs of several widths, every attention kind
    on the backend the engine would pick, recurrent scans, MoE experts, a norm. Per op
-   class, a compute efficiency from its compute-bound points and a memory efficiency from
-   its memory-bound ones (the roofline at full efficiency over the time taken); the GEMM
+   class, a latency (the time of a tiny call less its roofline time), then a compute
+   efficiency from its compute-bound points and a memory efficiency from its memory-bound
+   ones (the roofline at full efficiency over the time taken less the latency); the GEMM
    tile width W from how narrow GEMMs fall behind.
 2. For each group size n: n processes join a process group as an engine's ranks do and
    time every collective at five sizes (fit: latency per step and bandwidth, per op);
    on a shared host (cpu) they run the kernels at once too, giving the efficiency of one
    rank's share of the machine when n ranks compete for it.
 3. Host overhead: a tiny llama (hidden 64) decoding through the engine with 2 and 8
-   layers gives the time of a step beyond its kernels and of each layer; with 2 ranks
+   layers gives the time of a step beyond its kernels (their latencies, as fitted in 1.)
+   and of each layer; with 2 ranks
    (tensor parallel over "mp" processes), again at 2 and 8 layers, the extra per step of
    worker processes and per layer of a tensor-parallel step (all-reduce waits beyond the
    collective fit: on a shared host, ranks that each own a core wake each other).
@@ -50,7 +52,7 @@ def calibrate(platform: str | None = None, ranks: tuple[int, ...] = (1, 2), quic
     may run one dtype's kernels several times slower than another's."""
     import torch
 
-    from tokenmill.planner.kernel_bench import all_points
+    from tokenmill.planner.kernel_bench import all_points, point_dict
     from tokenmill.platforms.registry import load_platform
 
     def say(text: str) -> None:
@@ -65,9 +67,9 @@ def calibrate(platform: str | None = None, ranks: tuple[int, ...] = (1, 2), quic
     peak = spec.peak_flops.get(dtype) or max(spec.peak_flops.values())
     shared = active.platform.device_type == "cpu"
     say(f"kernels on {spec.name} ({active.name}, {dtype})")
-    local = [_point_dict(p) for p in all_points(active, quick, getattr(torch, dtype))]
-    width = fit_width([p for p in local if p["op"] == "gemm"], peak)
-    efficiency = fit_efficiency(local, peak, spec.memory_bandwidth, width)
+    local = [point_dict(p) for p in all_points(active, quick, getattr(torch, dtype))]
+    width = fit_width([p for p in local if p["op"] == "gemm" and not p.get("latency")], peak)
+    efficiency, latency = fit_latency(local, peak, spec.memory_bandwidth, width)
     measured: dict = {"points": {"1": local}}
     per_ranks: dict[int, dict[str, Efficiency]] = {}
     collectives: dict[int, dict[str, LinkFit]] = {}
@@ -78,21 +80,17 @@ def calibrate(platform: str | None = None, ranks: tuple[int, ...] = (1, 2), quic
         measured[f"collectives_{n}"] = group["collectives"]
         if shared:
             measured["points"][str(n)] = group["points"]
-            per_ranks[n] = fit_efficiency(group["points"], peak / n, spec.memory_bandwidth / n, width)
+            per_ranks[n] = fit_efficiency(group["points"], peak / n, spec.memory_bandwidth / n,
+                                          width, latency)
     if shared:
         per_ranks[1] = efficiency
     cal = Calibration(device=spec.name, platform=active.name, efficiency=efficiency,
-                      per_ranks=per_ranks, collectives=collectives, gemm_width=width,
+                      per_ranks=per_ranks, latency=latency, collectives=collectives, gemm_width=width,
                       measured=measured, fitted_to=Peaks.of(spec, dtype))
     say("host overhead of engine steps (tiny llama, 2 and 8 layers)")
-    cal = replace(cal, **measure_overheads(active.name, cal, 2 in ranks, dtype))
+    cal = replace(cal, **measure_overheads(active.name, cal, 2 in ranks, dtype, spec, shared))
     target = path or default_path(spec.name, dtype)
     return cal, save(cal, target)
-
-
-def _point_dict(p) -> dict:
-    return {"name": p.name, "op": p.cost.op, "flops": p.cost.flops, "bytes": p.cost.bytes,
-            "inner": p.cost.inner, "outer": p.cost.outer, "seconds": p.seconds}
 
 
 def _shape(inner: int, outer: int, width: float) -> float:
@@ -115,25 +113,51 @@ def fit_width(points: list[dict], peak: float) -> float:
     return float(min(_WIDTHS, key=spread))
 
 
+def _roofline(p: dict, eff: Efficiency, peak: float, bandwidth: float, width: float) -> float:
+    return max(p["flops"] / (peak * eff.compute * _shape(p["inner"], p["outer"], width)),
+               p["bytes"] / (bandwidth * eff.memory))
+
+
+def fit_latency(points: list[dict], peak: float, bandwidth: float,
+                width: float) -> tuple[dict[str, Efficiency], dict[str, float]]:
+    """(efficiencies, latencies) per op class: a class's latency is its tiny point's time
+    less that point's roofline time, the efficiencies are fitted on the other points less
+    the latency; twice over, each with the other's last fit (the tiny points' roofline
+    time is small, so this settles at once)."""
+    latency: dict[str, float] = {}
+    tiny = {p["op"]: p for p in points if p.get("latency")}
+    efficiency = fit_efficiency(points, peak, bandwidth, width, latency)
+    for _ in range(2):
+        latency = {op: max(p["seconds"] - _roofline(p, efficiency[op], peak, bandwidth, width), 0.0)
+                   for op, p in tiny.items() if op in efficiency}
+        efficiency = fit_efficiency(points, peak, bandwidth, width, latency)
+    return efficiency, latency
+
+
 def fit_efficiency(points: list[dict], peak: float, bandwidth: float,
-                   width: float) -> dict[str, Efficiency]:
+                   width: float, latency: dict[str, float] | None = None) -> dict[str, Efficiency]:
     """Per op class: the median compute efficiency of its compute-bound points and the
     median memory efficiency of its memory-bound ones (which bound is decided with the
-    fitted efficiencies, twice over). A class measured on one side only keeps the
-    default ratio between the two."""
+    fitted efficiencies, twice over), each point's time less its class's `latency` (tiny
+    points, which measure the latency, are left out). A class measured on one side only
+    keeps the default ratio between the two."""
+    latency = latency or {}
     out: dict[str, Efficiency] = {}
-    for op in sorted({p["op"] for p in points}):
-        mine = [p for p in points if p["op"] == op]
+    for op in sorted({p["op"] for p in points if not p.get("latency")}):
+        mine = [p for p in points if p["op"] == op and not p.get("latency")]
         eff = DEFAULTS.get(op, DEFAULTS["gemm"])
         for _ in range(2):
             compute, memory = [], []
             for p in mine:
                 tc = p["flops"] / (peak * _shape(p["inner"], p["outer"], width))
                 tm = p["bytes"] / bandwidth
+                # never below half the time taken: a latency measured high cannot make a
+                # big point's kernel look twice as fast as it ran
+                seconds = max(p["seconds"] - latency.get(op, 0.0), p["seconds"] / 2)
                 if tc / eff.compute >= tm / eff.memory:
-                    compute.append(tc / p["seconds"])
+                    compute.append(tc / seconds)
                 else:
-                    memory.append(tm / p["seconds"])
+                    memory.append(tm / seconds)
             ratio = eff.memory / eff.compute
             c = statistics.median(compute) if compute else statistics.median(memory) / ratio
             m = statistics.median(memory) if memory else statistics.median(compute) * ratio
@@ -187,32 +211,63 @@ def run_group(n: int, platform: str, quick: bool, kernels: bool = True,
 
 
 def measure_overheads(platform: str, cal: Calibration, with_ranks: bool,
-                      dtype: str = "float32") -> dict[str, float]:
+                      dtype: str = "float32", spec=None,
+                      shared_host: bool = False) -> dict[str, float]:
     """step_overhead_s, layer_overhead_s, rank_overhead_s, tp_layer_overhead_s and
     pp_stage_overhead_s from decode steps of tiny llamas through the engine (2 and 8
     layers, tp1 and tp2; 8 layers at pp2), less what the model predicts for their kernels
-    and collectives."""
+    (with `cal`'s latencies; `spec`: the device's, None: kernels taken as free;
+    `shared_host`: ranks split it) and collectives."""
     from tokenmill.planner.engine_probe import decode_step_seconds
 
     with tempfile.TemporaryDirectory() as tmp:
-        two = decode_step_seconds(Path(tmp), platform, layers=2, dtype=dtype)
-        eight = decode_step_seconds(Path(tmp), platform, layers=8, dtype=dtype)
+        def step(layers: int, tp: int = 1, pp: int = 1) -> float:
+            seconds = decode_step_seconds(Path(tmp), platform, layers=layers, dtype=dtype,
+                                          tensor_parallel=tp, pipeline_parallel=pp)
+            if spec is None:
+                return seconds
+            kernels = tiny_kernels_s(cal, spec, Path(tmp), layers, dtype, tp, pp, shared_host)
+            return max(seconds - kernels, 0.0)
+
+        two, eight = step(2), step(8)
         tp2 = tp8 = pp8 = None
         if with_ranks:
             # ranks of their own on a shared host vary from one start to the next (how the
             # OS places them): the best of three starts each
             def best(**kw) -> float:
-                return min(decode_step_seconds(Path(tmp), platform, dtype=dtype, **kw)
-                           for _ in range(3))
+                return min(step(**kw) for _ in range(3))
 
-            tp2 = best(layers=2, tensor_parallel=2)
-            tp8 = best(layers=8, tensor_parallel=2)
-            pp8 = best(layers=8, pipeline_parallel=2)
+            tp2 = best(layers=2, tp=2)
+            tp8 = best(layers=8, tp=2)
+            pp8 = best(layers=8, pp=2)
     fit = cal.collective_fit("all_reduce", 2)  # tiny payloads: an all-reduce is 2 latencies
     send = cal.collective_fit("send", 2)
     return overheads_from_steps(two, eight, tp2, tp8, 2 * fit.latency if fit else 0.0,
                                 cal.rank_overhead_s, pp_eight=pp8,
                                 send_latency_s=send.latency if send else 0.0)
+
+
+def tiny_kernels_s(cal: Calibration, spec, root: Path, layers: int, dtype: str, tp: int = 1,
+                   pp: int = 1, shared_host: bool = False) -> float:
+    """The kernels' time the model predicts for a decode step of the probe's tiny llama
+    (one sequence; at pp > 1 a token's interval: every stage's step), collectives and
+    overheads left out: at hidden 64 this is the op classes' latencies."""
+    import torch
+
+    from tokenmill.planner.catalog import model_shape
+    from tokenmill.planner.engine_probe import tiny_llama
+    from tokenmill.planner.mixes import Mix
+    from tokenmill.planner.ops import Seq
+    from tokenmill.planner.step import Share, op_seconds, stage_costs
+
+    model = model_shape(str(tiny_llama(root, layers)), getattr(torch, dtype))
+    mix = Mix(tp=tp, pp=pp)
+    n = tp * pp if shared_host else 1
+    peak = spec.peak_flops.get(dtype) or max(spec.peak_flops.values())
+    share = Share(peak / n, spec.memory_bandwidth / n, n)
+    return sum(op_seconds(c, share, cal)[0]
+               for stage in range(pp)
+               for c in stage_costs(model, mix, (Seq(20, 1),), 1, stage))
 
 
 def overheads_from_steps(two: float, eight: float, tp_two: float | None,

@@ -2,7 +2,10 @@
 a step beyond its kernels, and the collectives' latency and bandwidth.
 
 The performance model times an op as max(FLOPs / (peak x compute efficiency), bytes /
-(bandwidth x memory efficiency)). Uncalibrated, it uses `DEFAULTS` (typical fractions of
+(bandwidth x memory efficiency)) + its calls x the op class's `latency` (the fixed cost of
+a call however small its work: dispatch, threads waking, a kernel launch; measured on a
+tiny instance of each op class, 0 where not measured). At a large model's shapes the
+first term rules; at a small one's decode, the second. Uncalibrated, it uses `DEFAULTS` (typical fractions of
 peak of tuned kernels on a GPU); `tokenmill plan --calibrate` measures them on the machine
 at hand through the active plugin (tokenmill/planner/calibrate.py) and stores them as JSON
 (`save` / `load`), and a conformance certificate whose T5 report holds calibration data
@@ -104,6 +107,8 @@ class Calibration:
     efficiency: dict[str, Efficiency] = field(default_factory=lambda: dict(DEFAULTS))
     # shared host: ranks sharing it -> op class -> efficiency of one rank's share of peak
     per_ranks: dict[int, dict[str, Efficiency]] = field(default_factory=dict)
+    # op class -> seconds a call costs beyond its roofline time (measured at tiny shapes)
+    latency: dict[str, float] = field(default_factory=dict)
     # op ("all_reduce", "all_gather", "send" ...) -> fit, and ranks -> op -> fit
     collectives: dict[int, dict[str, LinkFit]] = field(default_factory=dict)
     link_efficiency: float = DEFAULT_LINK_EFFICIENCY
@@ -128,6 +133,9 @@ class Calibration:
     def efficiency_for(self, op: str, ranks: int = 1) -> Efficiency:
         table = self.per_ranks.get(_nearest(self.per_ranks, ranks), self.efficiency)
         return table.get(op) or self.efficiency.get(op) or DEFAULTS.get(op) or DEFAULTS["gemm"]
+
+    def latency_for(self, op: str) -> float:
+        return self.latency.get(op, 0.0)
 
     def shape_factor(self, inner: int, outer: int) -> float:
         """The efficiency scale of a GEMM of reduced dim `inner` and width `outer` (1 for
@@ -224,6 +232,7 @@ def from_json(data: dict, source: str = "calibration") -> Calibration:
         platform=data.get("platform", ""),
         efficiency=table(data["efficiency"]),
         per_ranks={int(n): table(t) for n, t in data.get("per_ranks", {}).items()},
+        latency={op: float(t) for op, t in data.get("latency", {}).items()},
         collectives={int(n): {op: LinkFit(**f) for op, f in fits.items()}
                      for n, fits in data.get("collectives", {}).items()},
         link_efficiency=data.get("link_efficiency", DEFAULT_LINK_EFFICIENCY),

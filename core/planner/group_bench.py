@@ -69,7 +69,7 @@ def main() -> None:
         destroy_parallel_state,
         init_parallel_state,
     )
-    from tokenmill.planner.kernel_bench import all_points
+    from tokenmill.planner.kernel_bench import all_points, point_dict
     from tokenmill.platforms.registry import load_platform
 
     active = load_platform(args.platform)
@@ -83,9 +83,7 @@ def main() -> None:
                    for op in OPS}
     comm.barrier()
     points = [] if args.no_kernels else [
-        {"name": p.name, "op": p.cost.op, "flops": p.cost.flops, "bytes": p.cost.bytes,
-         "inner": p.cost.inner, "outer": p.cost.outer, "seconds": p.seconds}
-        for p in all_points(active, quick=args.quick,
+        point_dict(p) for p in all_points(active, quick=args.quick,
                             dtype=getattr(torch, args.dtype) if args.dtype else None)]
     comm.barrier()
     Path(args.out).write_text(json.dumps({"rank": args.rank, "world": args.world,

@@ -5,7 +5,8 @@ the core's reference where the engine falls back to it), MoE experts, a norm.
 Each measurement is (op class, the model's `OpCost` of it, seconds): calibration divides
 the roofline time at full efficiency by the time taken to get the efficiency. Shapes are
 chosen so each op class has a compute-bound point (prefill-like) and a memory-bound one
-(decode-like).
+(decode-like), and a tiny one (`latency`: one token, one short sequence) whose time is
+the call's fixed cost, which a small model's decode step is made of.
 """
 
 from __future__ import annotations
@@ -35,6 +36,14 @@ class Measured:
     name: str
     cost: OpCost
     seconds: float
+    latency: bool = False  # a tiny call: its time is the op class's fixed cost a call
+
+
+def point_dict(p: Measured) -> dict:
+    """A measurement as calibration stores it (the JSON of `measured.points`)."""
+    return {"name": p.name, "op": p.cost.op, "flops": p.cost.flops, "bytes": p.cost.bytes,
+            "inner": p.cost.inner, "outer": p.cost.outer, "seconds": p.seconds,
+            "latency": p.latency}
 
 
 def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
@@ -61,9 +70,9 @@ def gemm_points(active, dtype: torch.dtype, device: torch.device, quick: bool) -
     # compute-bound widths, then weight streams larger than any cache (128 MiB of bf16:
     # a CPU's L3, a GPU's L2 hold less), as a decode step reads a model's weights
     shapes = [(512, 2048, 2048), (512, 256, 2048), (512, 2048, 256), (512, 1024, 1024),
-              (1, 8192, 8192), (4, 8192, 8192)]
+              (1, 8192, 8192), (4, 8192, 8192), (1, 64, 64)]
     if quick:
-        shapes = [(256, 1024, 1024), (256, 128, 1024), (1, 8192, 8192)]
+        shapes = [(256, 1024, 1024), (256, 128, 1024), (1, 8192, 8192), (1, 64, 64)]
     out = []
     b = dtype.itemsize
     for rows, k, n in shapes:
@@ -74,28 +83,30 @@ def gemm_points(active, dtype: torch.dtype, device: torch.device, quick: bool) -
         fn = (lambda x=x, apply=apply: apply(x)) if apply else (
             lambda x=x, w=weight: torch.nn.functional.linear(x, w))
         out.append(Measured(f"gemm {rows}x{k}x{n}", ops.gemm(rows, k, n, b, b),
-                            timed(fn, device, 3 if quick else 7)))
+                            timed(fn, device, 3 if quick else 7), latency=rows * k * n <= 64**3))
     return out
 
 
 def moe_points(active, dtype: torch.dtype, device: torch.device, quick: bool) -> list[Measured]:
-    experts, hidden, inter, top_k = 8, 1024, 512, 2
-    w13 = (torch.randn(experts, 2 * inter, hidden) / hidden**0.5).to(dtype).to(device)
-    w2 = (torch.randn(experts, hidden, inter) / inter**0.5).to(dtype).to(device)
     out = []
-    for tokens in (256, 1) if not quick else (64, 1):
+    for tokens, hidden, inter in ((256 if not quick else 64, 1024, 512), (1, 1024, 512),
+                                  (1, 64, 32)):
+        experts, top_k = 8, 2
+        w13 = (torch.randn(experts, 2 * inter, hidden) / hidden**0.5).to(dtype).to(device)
+        w2 = (torch.randn(experts, hidden, inter) / inter**0.5).to(dtype).to(device)
         x = torch.randn(tokens, hidden).to(dtype).to(device)
         ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)]).to(device)
         weights = torch.full((tokens, top_k), 1.0 / top_k, device=device)
 
-        def fn(x=x, ids=ids, weights=weights):
+        def fn(x=x, ids=ids, weights=weights, w13=w13, w2=w2):
             return active.ops.moe_experts(x, w13, w2, weights, ids)
 
         cost = ops.experts(tokens * top_k, tokens, experts, experts, top_k, hidden, inter,
                            dtype.itemsize, dtype.itemsize)
         total = OpCost("moe", sum(c.flops for c in cost), sum(c.bytes for c in cost),
                        hidden, inter)
-        out.append(Measured(f"moe {tokens} tokens", total, timed(fn, device, 3 if quick else 5)))
+        out.append(Measured(f"moe {tokens} tokens of {hidden}", total,
+                            timed(fn, device, 3 if quick else 5), latency=hidden <= 64))
     return out
 
 
@@ -103,8 +114,11 @@ def norm_points(active, dtype: torch.dtype, device: torch.device, quick: bool) -
     tokens, hidden = (4096, 4096) if quick else (16384, 4096)  # 32 / 128 MiB in, as much out
     x = torch.randn(tokens, hidden).to(dtype).to(device)
     w = torch.ones(hidden, dtype=dtype, device=device)
+    tiny, w_tiny = torch.randn(1, 64).to(dtype).to(device), w[:64].contiguous()
     return [Measured("rms_norm", ops.rms_norm(tokens, hidden, dtype.itemsize),
-                     timed(lambda: active.ops.rms_norm(x, w, 1e-6), device, 5))]
+                     timed(lambda: active.ops.rms_norm(x, w, 1e-6), device, 5)),
+            Measured("rms_norm 1x64", ops.rms_norm(1, 64, dtype.itemsize),
+                     timed(lambda: active.ops.rms_norm(tiny, w_tiny, 1e-6), device, 7), latency=True)]
 
 
 def _metadata(seqs: list[Seq], device: torch.device) -> tuple[AttentionMetadata, int]:
@@ -139,7 +153,8 @@ def attention_points(active, kind: AttentionKind, dtype: torch.dtype, device: to
     # a prompt (compute), and decodes reading more KV than a cache holds (32 x 4096 tokens:
     # 128 MiB of bf16 keys and values over 2 KV heads of 128; MLA's latent rows: 144 MiB)
     decode = Seq(2048, 1, 8) if mla is not None or quick else Seq(4096, 1, 32)
-    cases = [("prefill", [Seq(0, 256 if quick else 512)]), ("decode", [decode])]
+    cases = [("prefill", [Seq(0, 256 if quick else 512)]), ("decode", [decode]),
+             ("latency", [Seq(15, 1)])]
     out = []
     for phase, seqs in cases:
         metadata, blocks = _metadata(seqs, device)
@@ -168,7 +183,7 @@ def attention_points(active, kind: AttentionKind, dtype: torch.dtype, device: to
             cost = ops.attention(seqs, heads, kv, head, head, dtype.itemsize, dtype.itemsize,
                                  window or 0)
         out.append(Measured(f"{cost.op} {phase} ({backend.name})", cost,
-                            timed(fn, device, 3 if quick else 5)))
+                            timed(fn, device, 3 if quick else 5), latency=phase == "latency"))
     return out
 
 
@@ -180,7 +195,8 @@ def recurrent_points(active, variant: str, dtype: torch.dtype, device: torch.dev
 
     build = {"gated_delta": _gated_delta, "kda": _kda, "mamba2": _mamba2}[variant]
     out = []
-    for phase, seqs in (("prefill", [Seq(0, 128 if quick else 512)]), ("decode", [Seq(100, 1, 16)])):
+    for phase, seqs in (("prefill", [Seq(0, 128 if quick else 512)]), ("decode", [Seq(100, 1, 16)]),
+                        ("latency", [Seq(15, 1)])):
         spec, make_inputs, heads, dk, dv = build(dtype)
         backend = resolve_backends([spec], active.attention_backend)[0]
         n = sum(s.count for s in seqs)
@@ -200,7 +216,9 @@ def recurrent_points(active, variant: str, dtype: torch.dtype, device: torch.dev
             return backend.forward(spec, inputs, cache, metadata)
 
         cost = ops.recurrent(seqs, heads, dk, dv, dtype.itemsize, variant)
-        out.append(Measured(f"{cost.op} {phase} ({backend.name})", cost, timed(fn, device, 3)))
+        out.append(Measured(f"{cost.op} {phase} ({backend.name})", cost,
+                            timed(fn, device, 3 if phase != "latency" else 7),
+                            latency=phase == "latency"))
     return out
 
 

@@ -27,9 +27,17 @@ class OpCost:
     bytes: float
     inner: int = 0  # a GEMM's reduced dim k (0: not a GEMM); its efficiency depends on it
     outer: int = 0  # and on its output width n
+    calls: float = 1.0  # kernel calls it stands for, each paying the op class's latency
 
     def scaled(self, factor: float) -> OpCost:
-        return OpCost(self.op, self.flops * factor, self.bytes * factor, self.inner, self.outer)
+        """The same call doing `factor` times the work."""
+        return OpCost(self.op, self.flops * factor, self.bytes * factor, self.inner, self.outer,
+                      self.calls)
+
+    def repeated(self, count: int) -> OpCost:
+        """`count` such calls (layers of one shape)."""
+        return OpCost(self.op, self.flops * count, self.bytes * count, self.inner, self.outer,
+                      self.calls * count)
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,14 +156,14 @@ def experts(rows: int, tokens: int, local_experts: int, num_experts: int, top_k:
     Weights: each local expert that any of the step's `tokens` routes to is read once;
     with top-k over E experts drawn evenly, an expert is missed by all of them with
     probability (1 - k / E) ^ tokens. Activations: each row's hidden in and out, its
-    2 I gate and up values out and in."""
+    2 I gate and up values out and in. One call (its latency on the first half)."""
     touched = local_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
     up = OpCost("moe", 4.0 * rows * hidden * inter,
                 touched * 2 * hidden * inter * weight_bytes + rows * (hidden + 2 * inter) * act_bytes,
                 hidden, 2 * inter)
     down = OpCost("moe", 2.0 * rows * hidden * inter,
                   touched * hidden * inter * weight_bytes + rows * (inter + hidden) * act_bytes,
-                  inter, hidden)
+                  inter, hidden, calls=0.0)  # one experts call runs both halves
     return [up, down]
 
 

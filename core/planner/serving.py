@@ -203,6 +203,10 @@ def predict_colocated(ctx: Context, mix: Mix) -> Prediction:
     served = batch / p.cycle * mix.dp  # output tokens/s of every replica
     if wl.rate is not None and not overloaded:
         served = wl.rate * wl.osl
+    elif wl.concurrency is not None:
+        # a closed loop: each client has a request in flight at every moment, which takes
+        # TTFT + (OSL - 1) TPOT (the batch above is rounded up to whole requests)
+        served = min(served, wl.concurrency * wl.osl / (p.ttft + (wl.osl - 1) * p.tpot))
     binding = "KV capacity" if batch == sessions and sessions < ctx.limits.max_num_seqs else p.step.binding
     note = "cannot sustain the offered load" if overloaded else ""
     return Prediction("both", mix, p.ttft, p.tpot, served / mix.devices,

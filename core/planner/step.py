@@ -138,7 +138,7 @@ def _stage_costs_cached(model: ModelShape, mix: Mix, seqs: tuple[Seq, ...], samp
     first_of = {_layer_signature(model.layers[i]): model.layers[i] for i in reversed(layers)}
     costs: list[OpCost] = []
     for signature, count in shapes.items():
-        costs += [c.scaled(count) for c in layer_costs(first_of[signature], model, mix, seqs)]
+        costs += [c.repeated(count) for c in layer_costs(first_of[signature], model, mix, seqs)]
     tokens = sum(s.count * s.new for s in seqs)
     b = model.dtype_bytes
     if stage == 0:
@@ -156,12 +156,13 @@ def stage_costs(model: ModelShape, mix: Mix, seqs: tuple[Seq, ...], sampled: int
 
 
 def op_seconds(cost: OpCost, share: Share, calibration: Calibration) -> tuple[float, bool]:
-    """(time, compute bound) of one op under the roofline with calibrated efficiencies."""
+    """(time, compute bound) of one op under the roofline with calibrated efficiencies,
+    plus its calls' fixed latency (what a call costs however small its work)."""
     eff = calibration.efficiency_for(cost.op, share.ranks)
     shape = calibration.shape_factor(cost.inner, cost.outer)
     compute = cost.flops / (share.peak * eff.compute * shape)
     memory = cost.bytes / (share.bandwidth * eff.memory)
-    return max(compute, memory), compute >= memory
+    return max(compute, memory) + cost.calls * calibration.latency_for(cost.op), compute >= memory
 
 
 def group_link(cluster: Cluster, mix: Mix, dim: str) -> Link:

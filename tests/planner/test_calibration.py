@@ -14,7 +14,13 @@ from dataclasses import replace
 
 import pytest
 
-from tokenmill.planner.calibrate import fit_collectives, fit_efficiency, fit_width, run_group
+from tokenmill.planner.calibrate import (
+    fit_collectives,
+    fit_efficiency,
+    fit_latency,
+    fit_width,
+    run_group,
+)
 from tokenmill.planner.calibration import (
     Calibration,
     Efficiency,
@@ -51,6 +57,56 @@ def test_fits_recover_the_efficiencies_and_width_that_made_the_data():
     assert width == 64
     eff = fit_efficiency(points, PEAK, BANDWIDTH, width)["gemm"]
     assert eff.compute == pytest.approx(0.6, rel=1e-6) and eff.memory == pytest.approx(0.75, rel=1e-6)
+
+
+def test_latency_fit_recovers_a_calls_fixed_cost_and_the_efficiencies_beneath_it():
+    """Points made as roofline x efficiency + a fixed cost a call: the tiny point gives
+    the latency, the others the efficiencies once it is taken off (without that, the
+    memory-bound points would read 20% slow)."""
+    latency = 40e-6
+    points = [timed_gemm(r, k, n, 0.6, 0.75, 64) for r, k, n in
+              [(512, 2048, 2048), (512, 256, 2048), (512, 2048, 128), (512, 1024, 1024),
+               (1, 4096, 4096), (2, 2048, 4096)]]
+    for p in points:
+        p["seconds"] += latency
+    tiny = timed_gemm(1, 64, 64, 0.6, 0.75, 64)
+    tiny["seconds"] += latency
+    tiny["latency"] = True
+    eff, fitted = fit_latency(points + [tiny], PEAK, BANDWIDTH, 64)
+    assert fitted == {"gemm": pytest.approx(latency, rel=1e-3)}
+    assert eff["gemm"].compute == pytest.approx(0.6, rel=1e-3)
+    assert eff["gemm"].memory == pytest.approx(0.75, rel=1e-3)
+    plain = fit_efficiency(points, PEAK, BANDWIDTH, 64)["gemm"]
+    assert plain.memory < 0.75 * 0.9
+
+
+def test_every_call_pays_its_classs_latency_once_per_layer():
+    """A step's time grows by calls x latency: per layer 2 norms, the GEMMs the model shape
+    lists and the activation, times the layers (costed once per shape, `repeated`); an
+    MoE layer's experts are one call for their two halves."""
+    from tokenmill.planner.catalog import model_shape
+    from tokenmill.planner.mixes import Mix
+    from tokenmill.planner.ops import Seq, experts
+    from tokenmill.planner.step import Share, op_seconds, stage_costs
+
+    model = model_shape("qwen3-32b")
+    seqs = (Seq(100, 1, 2),)
+    costs = stage_costs(model, Mix(), seqs, 2)
+    share = Share(PEAK, BANDWIDTH, 1)
+    base, lat = Calibration(), Calibration(latency={"gemm": 1e-3, "elementwise": 1e-4})
+
+    def total(cal):
+        return sum(op_seconds(c, share, cal)[0] for c in costs)
+
+    gemms = sum(c.calls for c in costs if c.op == "gemm")
+    elementwise = sum(c.calls for c in costs if c.op == "elementwise")
+    layers = len(model.layers)
+    per_layer = len([lin for lin in model.layers[0].linears])
+    assert gemms == layers * per_layer + 1  # + the logits
+    assert elementwise == layers * 3 + 2  # two norms and the activation; the embedding, the final norm
+    assert total(lat) - total(base) == pytest.approx(gemms * 1e-3 + elementwise * 1e-4, rel=1e-9)
+    up, down = experts(4, 2, 8, 8, 2, 64, 32, 2, 2)
+    assert up.calls + down.calls == 1
 
 
 def test_collective_fit_recovers_latency_and_bandwidth():

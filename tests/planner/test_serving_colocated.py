@@ -1,7 +1,9 @@
 """The colocated step model on figures worked by hand: with B requests decoding, ISL 128,
 OSL 12 and a 512-token chunk, a share f = B x 128 / 12 / 128 = B / 12 of the steps
 carries a prompt. Throughput is B tokens per mean step ((1 - f) decode alone + f with a
-prompt). A request's TPOT is the mean of its 11 steps after its first token, which carry
+prompt), and for a closed loop of C clients no more than C x OSL / (TTFT + (OSL - 1) x
+TPOT): each client has one request in flight at every moment (B, a whole number of
+requests, rounds the clients' share of the time decoding up). A request's TPOT is the mean of its 11 steps after its first token, which carry
 the other B - 1 requests' prompts (one each per request cycle) and never its own: for B = 2,
 1 of 11; for B = 1, none (TPOT = the decode step alone). Step times come from `step_time`
 on the step's sequences, written out here."""
@@ -38,7 +40,9 @@ def test_two_requests_a_prompt_in_one_of_eleven_gaps():
     assert p.batch == 2
     assert p.tpot_s == pytest.approx(10 / 11 * alone + 1 / 11 * mixed, rel=1e-12)
     mean_step = 5 / 6 * alone + 1 / 6 * mixed  # f = 2 / 12
-    assert p.tokens_per_s_per_device == pytest.approx(2 / mean_step, rel=1e-12)
+    loop = 2 * OSL / (p.ttft_s + (OSL - 1) * p.tpot_s)
+    assert p.tokens_per_s_per_device == pytest.approx(min(2 / mean_step, loop), rel=1e-12)
+    assert loop < 2 / mean_step  # here the loop binds: its clients spend TTFT on prompts
     assert p.tpot_s < mean_step  # the request's own prompt is not in its TPOT
 
 
@@ -46,8 +50,9 @@ def test_one_request_decodes_at_the_decode_step():
     p, alone, mixed = _figures(1)
     assert p.batch == 1
     assert p.tpot_s == pytest.approx(alone, rel=1e-12)
-    assert p.tokens_per_s_per_device == pytest.approx(1 / (11 / 12 * alone + 1 / 12 * mixed),
-                                                      rel=1e-12)
+    loop = OSL / (p.ttft_s + (OSL - 1) * alone)
+    assert p.tokens_per_s_per_device == pytest.approx(
+        min(1 / (11 / 12 * alone + 1 / 12 * mixed), loop), rel=1e-12)
 
 
 def test_a_shared_hosts_pipeline_stage_computes_a_prompt_chunk_with_its_own_share():
