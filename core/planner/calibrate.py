@@ -218,18 +218,21 @@ def measure_overheads(platform: str, cal: Calibration, with_ranks: bool,
     layers, tp1 and tp2; 8 layers at pp2), less what the model predicts for their kernels
     (with `cal`'s latencies; `spec`: the device's, None: kernels taken as free;
     `shared_host`: ranks split it) and collectives."""
-    from tokenmill.planner.engine_probe import decode_step_seconds
+    from tokenmill.planner.engine_probe import FAMILIES, decode_step_seconds
 
     with tempfile.TemporaryDirectory() as tmp:
-        def step(layers: int, tp: int = 1, pp: int = 1) -> float:
+        def step(layers: int, tp: int = 1, pp: int = 1, family: str = "llama") -> float:
             seconds = decode_step_seconds(Path(tmp), platform, layers=layers, dtype=dtype,
-                                          tensor_parallel=tp, pipeline_parallel=pp)
+                                          tensor_parallel=tp, pipeline_parallel=pp,
+                                          family=family)
             if spec is None:
                 return seconds
-            kernels = tiny_kernels_s(cal, spec, Path(tmp), layers, dtype, tp, pp, shared_host)
+            kernels = tiny_kernels_s(cal, spec, Path(tmp), layers, dtype, tp, pp, shared_host,
+                                     family)
             return max(seconds - kernels, 0.0)
 
         two, eight = step(2), step(8)
+        kinds = {family: step(8, family=family) for family in FAMILIES if family != "llama"}
         tp2 = tp8 = pp8 = None
         if with_ranks:
             # ranks of their own on a shared host vary from one start to the next (how the
@@ -242,25 +245,40 @@ def measure_overheads(platform: str, cal: Calibration, with_ranks: bool,
             pp8 = best(layers=8, pp=2)
     fit = cal.collective_fit("all_reduce", 2)  # tiny payloads: an all-reduce is 2 latencies
     send = cal.collective_fit("send", 2)
-    return overheads_from_steps(two, eight, tp2, tp8, 2 * fit.latency if fit else 0.0,
-                                cal.rank_overhead_s, pp_eight=pp8,
-                                send_latency_s=send.latency if send else 0.0)
+    fitted = overheads_from_steps(two, eight, tp2, tp8, 2 * fit.latency if fit else 0.0,
+                                  cal.rank_overhead_s, pp_eight=pp8,
+                                  send_latency_s=send.latency if send else 0.0)
+    extras = layer_extras(fitted["step_overhead_s"], fitted["layer_overhead_s"], kinds, 8)
+    return fitted | {"layer_extra_s": extras}
+
+
+def layer_extras(step_s: float, layer_s: float, kinds: dict[str, float],
+                 layers: int) -> dict[str, float]:
+    """What a layer of each kind costs beyond a llama layer (`layer_s`), from the decode
+    steps (kernels taken off) of tiny models of `layers` layers all of that kind: "moe"
+    (attention + routed experts), "gated_delta" (Gated DeltaNet + Qwen3-Next's experts:
+    the experts' part is "moe"'s), "mamba2" (Mamba2 + an MLP)."""
+    per = {kind: max((t - step_s) / layers - layer_s, 0.0) for kind, t in kinds.items()}
+    extras = dict(per)
+    if "gated_delta" in per:
+        extras["gated_delta"] = max(per["gated_delta"] - per.get("moe", 0.0), 0.0)
+    return extras
 
 
 def tiny_kernels_s(cal: Calibration, spec, root: Path, layers: int, dtype: str, tp: int = 1,
-                   pp: int = 1, shared_host: bool = False) -> float:
-    """The kernels' time the model predicts for a decode step of the probe's tiny llama
+                   pp: int = 1, shared_host: bool = False, family: str = "llama") -> float:
+    """The kernels' time the model predicts for a decode step of the probe's tiny model
     (one sequence; at pp > 1 a token's interval: every stage's step), collectives and
     overheads left out: at hidden 64 this is the op classes' latencies."""
     import torch
 
     from tokenmill.planner.catalog import model_shape
-    from tokenmill.planner.engine_probe import tiny_llama
+    from tokenmill.planner.engine_probe import tiny_model
     from tokenmill.planner.mixes import Mix
     from tokenmill.planner.ops import Seq
     from tokenmill.planner.step import Share, op_seconds, stage_costs
 
-    model = model_shape(str(tiny_llama(root, layers)), getattr(torch, dtype))
+    model = model_shape(str(tiny_model(root, layers, family)), getattr(torch, dtype))
     mix = Mix(tp=tp, pp=pp)
     n = tp * pp if shared_host else 1
     peak = spec.peak_flops.get(dtype) or max(spec.peak_flops.values())

@@ -115,6 +115,9 @@ class Calibration:
     gemm_width: float = DEFAULT_GEMM_WIDTH
     step_overhead_s: float = 1e-3  # host time of an engine step beyond its kernels
     layer_overhead_s: float = 0.0  # per layer of a step (kernel launches, Python)
+    # per layer of a kind, beyond a llama layer's host time: "moe" (routed experts instead
+    # of an MLP) and a token mixer's kind ("gated_delta", "mamba2"), measured on tiny models
+    layer_extra_s: dict[str, float] = field(default_factory=dict)
     rank_overhead_s: float = 2e-4  # per step, when the ranks are processes of their own
     # per layer of a step when tp > 1: what the ranks' all-reduces cost beyond the
     # collective fit, measured in decode steps (on a shared host, ranks waking each other)
@@ -240,6 +243,7 @@ def from_json(data: dict, source: str = "calibration") -> Calibration:
         # a conformance certificate measures no host overheads: the defaults stand
         step_overhead_s=data.get("step_overhead_s", _UNCALIBRATED.step_overhead_s),
         layer_overhead_s=data.get("layer_overhead_s", _UNCALIBRATED.layer_overhead_s),
+        layer_extra_s={k: float(v) for k, v in data.get("layer_extra_s", {}).items()},
         rank_overhead_s=data.get("rank_overhead_s", _UNCALIBRATED.rank_overhead_s),
         tp_layer_overhead_s=data.get("tp_layer_overhead_s", _UNCALIBRATED.tp_layer_overhead_s),
         pp_stage_overhead_s=data.get("pp_stage_overhead_s", _UNCALIBRATED.pp_stage_overhead_s),

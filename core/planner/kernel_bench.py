@@ -11,6 +11,7 @@ the call's fixed cost, which a small model's decode step is made of.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,8 +48,10 @@ def point_dict(p: Measured) -> dict:
 
 
 def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """The best of `repeats` timed calls after a warm-up: the kernel's own speed (a
-    machine shared with other work slows the others, not the kernel)."""
+    """The median of `repeats` timed calls after a warm-up: the speed an engine's steps
+    see. (The fastest call was taken before; on this 2-core VM a decode step's median is
+    19-24% above its fastest on a quiet machine, and predictions from the fastest fell
+    short by that on every step: docs/planner.md, run 7.)"""
     def sync() -> None:
         if device.type != "cpu":
             torch.accelerator.synchronize()
@@ -61,7 +64,7 @@ def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float
         fn()
         sync()
         times.append(time.perf_counter() - start)
-    return min(times)
+    return statistics.median(times)
 
 
 def gemm_points(active, dtype: torch.dtype, device: torch.device, quick: bool) -> list[Measured]:

@@ -155,6 +155,23 @@ def stage_costs(model: ModelShape, mix: Mix, seqs: tuple[Seq, ...], sampled: int
     return list(_stage_costs_cached(model, mix, seqs, sampled, stage))
 
 
+@lru_cache(maxsize=4096)
+def _stage_kinds(model: ModelShape, pp: int, stage: int) -> tuple[tuple[str, bool, int], ...]:
+    """(token mixer kind, routed experts, how many) of the layers of a pipeline stage."""
+    kinds = Counter((model.layers[i].mixer.kind.value, model.layers[i].experts is not None)
+                    for i in stage_layers(model, pp, stage))
+    return tuple((kind, moe, n) for (kind, moe), n in kinds.items())
+
+
+def layers_overhead(model: ModelShape, pp: int, stage: int, calibration: Calibration) -> float:
+    """The host time of a stage's layers beyond their kernels: a llama layer's, plus what
+    a layer of another kind costs more (its mixer's kind, routed experts)."""
+    extra = calibration.layer_extra_s
+    return sum(n * (calibration.layer_overhead_s + extra.get(kind, 0.0)
+                    + (extra.get("moe", 0.0) if moe else 0.0))
+               for kind, moe, n in _stage_kinds(model, pp, stage))
+
+
 def op_seconds(cost: OpCost, share: Share, calibration: Calibration) -> tuple[float, bool]:
     """(time, compute bound) of one op under the roofline with calibrated efficiencies,
     plus its calls' fixed latency (what a call costs however small its work)."""
@@ -203,7 +220,7 @@ def step_time(model: ModelShape, mix: Mix, cluster: Cluster, calibration: Calibr
         link = sum(_seconds(c, cluster, mix, calibration)
                    for c in step_collectives(model, mix, tokens, sampled, stage))
         layers = len(stage_layers(model, mix.pp, stage))
-        overhead = (calibration.step_overhead_s + calibration.layer_overhead_s * layers
+        overhead = (calibration.step_overhead_s + layers_overhead(model, mix.pp, stage, calibration)
                     + (calibration.rank_overhead_s if mix.world > 1 else 0.0)
                     + (calibration.tp_layer_overhead_s * layers if mix.tp > 1 else 0.0)
                     + (calibration.pp_stage_overhead_s if mix.pp > 1 else 0.0))

@@ -375,3 +375,54 @@ def test_the_pp_stage_overhead_is_paid_once_a_step_by_pipelined_mixes_only():
         base = step_time(model, mix, cluster, Calibration(), seqs, 8)
         more = step_time(model, mix, cluster, with_extra, seqs, 8)
         assert more.overhead_s - base.overhead_s == pytest.approx(extra * paid), mix
+
+
+def test_layer_extras_come_from_tiny_models_of_each_kind():
+    """Steps of 8-layer tiny models, kernels taken off: 1 ms a step, a llama layer 0.1 ms;
+    an MoE layer 0.3 ms (0.2 more), a Qwen3-Next layer (Gated DeltaNet + its experts)
+    0.45 ms (0.15 beyond the experts' extra), a Mamba2 layer 0.25 ms."""
+    from tokenmill.planner.calibrate import layer_extras
+
+    step, layer = 1e-3, 1e-4
+    kinds = {"moe": step + 8 * 3e-4, "gated_delta": step + 8 * 4.5e-4, "mamba2": step + 8 * 2.5e-4}
+    assert layer_extras(step, layer, kinds, 8) == pytest.approx(
+        {"moe": 2e-4, "gated_delta": 1.5e-4, "mamba2": 1.5e-4})
+
+
+def test_a_layer_pays_the_extra_of_its_kind():
+    """Qwen3-Next-80B: 36 Gated DeltaNet and 12 gated attention layers, every one with
+    routed experts: each pays the llama layer's overhead and the experts' extra, the
+    DeltaNet layers their mixer's too; a dense llama pays none."""
+    from tokenmill.planner.catalog import model_shape
+    from tokenmill.planner.cluster import parse_cluster
+    from tokenmill.planner.mixes import Mix
+    from tokenmill.planner.ops import Seq
+    from tokenmill.planner.step import step_time
+
+    cluster, seqs = parse_cluster("1x8xH200"), (Seq(4096, 1, count=8),)
+    extra = Calibration(layer_overhead_s=1e-4,
+                        layer_extra_s={"moe": 2e-4, "gated_delta": 3e-4, "mamba2": 5e-4})
+    assert from_json(to_json(extra)).layer_extra_s == extra.layer_extra_s
+    base = Calibration(layer_overhead_s=1e-4)
+    for name, paid in (("qwen3-next-80b-a3b", 48 * 2e-4 + 36 * 3e-4), ("llama-3-70b", 0.0)):
+        model = model_shape(name)
+        for mix in (Mix(), Mix(pp=2)):
+            more = step_time(model, mix, cluster, extra, seqs, 8).overhead_s
+            less = step_time(model, mix, cluster, base, seqs, 8).overhead_s
+            # pp2: the slowest stage's half (the stages split the kinds evenly here)
+            assert more - less == pytest.approx(paid / mix.pp, rel=1e-6), (name, mix)
+
+
+def test_the_tiny_model_of_every_layer_kind_decodes_and_its_kernels_are_priced(tmp_path):
+    """The calibration's probes run: a 2-layer tiny model of each kind decodes through the
+    engine, and the model prices its kernels (their latencies) below its step."""
+    from tokenmill.planner.calibrate import tiny_kernels_s
+    from tokenmill.planner.engine_probe import FAMILIES, decode_step_seconds
+    from tokenmill.platforms.registry import load_platform
+
+    spec = load_platform("cpu").hardware_spec()
+    cal = Calibration(latency={"gemm": 5e-6, "elementwise": 2e-6, "moe": 1e-4})
+    for family in FAMILIES:
+        seconds = decode_step_seconds(tmp_path, "cpu", layers=2, steps=4, family=family)
+        kernels = tiny_kernels_s(cal, spec, tmp_path, 2, "float32", family=family)
+        assert 0 < kernels < seconds, family
