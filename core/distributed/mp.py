@@ -291,13 +291,19 @@ def worker_main(
     os._exit(0)
 
 
+# set in a replica's engine process by `serve -dp N` (engine processes on one host): N
+HOST_REPLICAS_ENV = "TOKENMILL_HOST_REPLICAS"
+
+
 def share_host_cores(local_ranks: int, rank: int) -> int:
     """This executor's ranks all run on this host: each takes its share of the cores as
     torch's intra-op threads and returns the count. torch starts one thread a core in
     every process, so two ranks on two cores run four threads, and each parallel region
     of a rank waits for a thread whose core the other rank holds (a scheduler slice):
     tp2 decode steps measured 3.5x and pp2 1.7x slower than with one thread a rank
-    (docs/planner.md, run 5). OMP_NUM_THREADS, when set, wins (torch read it)."""
+    (docs/planner.md, run 5). The ranks of every data-parallel replica on the host share
+    it too ($TOKENMILL_HOST_REPLICAS, which `serve -dp N` sets for its engine processes).
+    OMP_NUM_THREADS, when set, wins (torch read it)."""
     import torch
 
     if os.environ.get("OMP_NUM_THREADS"):
@@ -306,11 +312,13 @@ def share_host_cores(local_ranks: int, rank: int) -> int:
         cores = len(os.sched_getaffinity(0))
     else:
         cores = os.cpu_count() or 1
-    threads = max(1, cores // max(local_ranks, 1))
+    replicas = max(int(os.environ.get(HOST_REPLICAS_ENV) or 1), 1)
+    sharing = max(local_ranks, 1) * replicas
+    threads = max(1, cores // sharing)
     if threads < torch.get_num_threads():
         torch.set_num_threads(threads)
         logger.info("rank %d: %d intra-op threads (%d cores shared by %d ranks on this host; "
-                    "OMP_NUM_THREADS to choose)", rank, threads, cores, local_ranks)
+                    "OMP_NUM_THREADS to choose)", rank, threads, cores, sharing)
     return torch.get_num_threads()
 
 

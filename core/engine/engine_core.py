@@ -63,8 +63,11 @@ class EngineCoreAddresses:
     outputs: str  # core PUSH -> frontend PULL
 
 
-def run_engine_core(inputs: str, outputs: str, parent_pid: int, log_level: int) -> None:
-    """The engine process's entry point (spawned by `EngineCoreProcClient`)."""
+def run_engine_core(inputs: str, outputs: str, parent_pid: int, log_level: int,
+                    host_replicas: int = 1) -> None:
+    """The engine process's entry point (spawned by `EngineCoreProcClient`). With
+    `host_replicas` > 1 it is one of that many replicas on this host: it and its workers
+    take their share of the cores (`share_host_cores`)."""
     # Ctrl-C reaches the whole process group; the API server drains its requests first
     # and then tells this process to stop, so SIGINT must not end it early.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -72,6 +75,11 @@ def run_engine_core(inputs: str, outputs: str, parent_pid: int, log_level: int) 
     # progress bars (GGUF loading) lock with a thread lock: tqdm's default is a named
     # semaphore, which this process's `_exit` never unlinks (a "leaked semaphore" warning)
     tqdm.set_lock(threading.RLock())
+    if host_replicas > 1:
+        from tokenmill.distributed.mp import HOST_REPLICAS_ENV, share_host_cores
+
+        os.environ[HOST_REPLICAS_ENV] = str(host_replicas)  # the workers it starts read it
+        share_host_cores(1, 0)
     ctx = zmq.Context(io_threads=1)
     in_sock = ctx.socket(zmq.PULL)
     in_sock.connect(inputs)

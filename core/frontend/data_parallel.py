@@ -106,7 +106,8 @@ class DataParallelClient:
         clients: list[EngineCoreProcClient] = []
         try:
             for _ in range(args.data_parallel_size):
-                clients.append(EngineCoreProcClient(replica_args(args)))
+                clients.append(EngineCoreProcClient(replica_args(args),
+                                                    host_replicas=args.data_parallel_size))
         except BaseException:
             for client in clients:
                 client.shutdown()

@@ -200,7 +200,9 @@ class EngineCoreProcClient:
     exits without being asked to, every in-flight request fails at once.
     """
 
-    def __init__(self, args, startup_timeout_s: float = 900.0) -> None:
+    def __init__(self, args, startup_timeout_s: float = 900.0, host_replicas: int = 1) -> None:
+        """`host_replicas`: engine processes of this deployment on this host (`serve -dp N`
+        starts N), whose ranks share its cores (`tokenmill.distributed.mp.share_host_cores`)."""
         self._dir = tempfile.mkdtemp(prefix="tokenmill-engine-")
         self.addresses = EngineCoreAddresses(
             inputs=f"ipc://{self._dir}/inputs", outputs=f"ipc://{self._dir}/outputs"
@@ -228,7 +230,7 @@ class EngineCoreProcClient:
         self.proc = spawn.Process(
             target=run_engine_core,
             args=(self.addresses.inputs, self.addresses.outputs, os.getpid(),
-                  logging.getLogger("tokenmill").getEffectiveLevel()),
+                  logging.getLogger("tokenmill").getEffectiveLevel(), host_replicas),
             name="tokenmill-engine-core",
         )
         self.proc.start()
