@@ -219,6 +219,11 @@ def test_ranks_on_one_host_share_its_cores_as_threads():
     assert _threads_in_a_fresh_process(cores * 4, env) == 1
     # set, it wins over the share (torch's default here is above a half of the cores)
     assert _threads_in_a_fresh_process(2, env | {"OMP_NUM_THREADS": str(default)}) == default
+    # one rank of one of two data-parallel replicas on the host (`serve -dp 2`): a half
+    assert _threads_in_a_fresh_process(1, env | {"TOKENMILL_HOST_REPLICAS": "2"}) == min(
+        default, max(1, cores // 2))
+    assert _threads_in_a_fresh_process(2, env | {"TOKENMILL_HOST_REPLICAS": "2"}) == min(
+        default, max(1, cores // 4))
 
 
 def test_mp_workers_take_their_share_of_the_cores(tiny_dirs, capfd, monkeypatch):
@@ -241,3 +246,28 @@ def test_mp_workers_take_their_share_of_the_cores(tiny_dirs, capfd, monkeypatch)
     err = capfd.readouterr().err
     for rank in (0, 1):
         assert f"rank {rank}: {share} intra-op threads ({cores} cores shared by 2 ranks" in err
+
+
+def test_data_parallel_engine_processes_take_their_share_of_the_cores(tiny_dirs, capfd,
+                                                                       monkeypatch):
+    """`serve -dp 2` runs an engine process per replica: each (its uni executor computes
+    in it) takes half the cores, as two mp ranks do; before, both ran torch's thread a core
+    (served dp2 of the default model measured 0.26x tp1's throughput on 2 cores)."""
+    import torch
+
+    from tokenmill.engine.config import EngineArgs
+    from tokenmill.frontend.async_engine import AsyncLLM
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = len(os.sched_getaffinity(0))
+    share = max(1, cores // 2)
+    if share >= torch.get_num_threads():
+        pytest.skip(f"torch's default of {torch.get_num_threads()} threads is already at most "
+                    f"half of this host's {cores} cores")
+    engine = AsyncLLM(EngineArgs(model=str(tiny_dirs["llama"]), platform="cpu", dtype="float32",
+                                 num_kv_blocks=64, block_size=4, data_parallel_size=2),
+                      engine_process=True)
+    engine.shutdown()
+    err = capfd.readouterr().err
+    line = f"rank 0: {share} intra-op threads ({cores} cores shared by 2 ranks on this host"
+    assert err.count(line) == 2, err[-3000:]

@@ -64,6 +64,7 @@ def main() -> None:
                         help="collectives only (a host whose ranks do not share devices)")
     args = parser.parse_args()
 
+    from tokenmill.distributed.mp import share_host_cores
     from tokenmill.distributed.parallel_state import (
         ParallelLayout,
         destroy_parallel_state,
@@ -71,6 +72,11 @@ def main() -> None:
     )
     from tokenmill.planner.kernel_bench import all_points, point_dict
     from tokenmill.platforms.registry import load_platform
+
+    # the ranks run as an engine's mp workers do: each with its share of the host's cores
+    # (measured with torch's thread a core in every rank, collectives and kernels ran
+    # oversubscribed, and tp2 was predicted 62% slow where the engine's ranks share)
+    share_host_cores(args.world, args.rank)
 
     active = load_platform(args.platform)
     layout = ParallelLayout.of(("tp",), tp=args.world)
