@@ -111,14 +111,6 @@ def _run(args: argparse.Namespace) -> int:
     if args.apply and result.candidates:
         print()
         for line in report.apply_commands(result.candidates[0], args.model or "", limits,
-                                          cluster.devices_per_node, _has_roles()):
+                                          cluster.devices_per_node):
             print(line)
     return 0
-
-
-def _has_roles() -> bool:
-    """Whether this tokenmill's `serve` takes --role (prefill/decode disaggregation)."""
-    from tokenmill.server.cli import build_parser
-
-    serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # noqa: SLF001
-    return any("--role" in action.option_strings for action in serve._actions)  # noqa: SLF001

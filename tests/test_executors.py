@@ -4,6 +4,7 @@ the engine's requests with an error naming it within seconds, never a hang."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -249,7 +250,7 @@ def test_mp_workers_take_their_share_of_the_cores(tiny_dirs, capfd, monkeypatch)
 
 
 def test_data_parallel_engine_processes_take_their_share_of_the_cores(tiny_dirs, capfd,
-                                                                       monkeypatch):
+                                                                       monkeypatch, caplog):
     """`serve -dp 2` runs an engine process per replica: each (its uni executor computes
     in it) takes half the cores, as two mp ranks do; before, both ran torch's thread a core
     (served dp2 of the default model measured 0.26x tp1's throughput on 2 cores)."""
@@ -264,6 +265,7 @@ def test_data_parallel_engine_processes_take_their_share_of_the_cores(tiny_dirs,
     if share >= torch.get_num_threads():
         pytest.skip(f"torch's default of {torch.get_num_threads()} threads is already at most "
                     f"half of this host's {cores} cores")
+    caplog.set_level(logging.INFO, logger="tokenmill")  # the engine processes log at it
     engine = AsyncLLM(EngineArgs(model=str(tiny_dirs["llama"]), platform="cpu", dtype="float32",
                                  num_kv_blocks=64, block_size=4, data_parallel_size=2),
                       engine_process=True)

@@ -88,7 +88,9 @@ def calibrate(platform: str | None = None, ranks: tuple[int, ...] = (1, 2), quic
                       per_ranks=per_ranks, latency=latency, collectives=collectives, gemm_width=width,
                       measured=measured, fitted_to=Peaks.of(spec, dtype))
     say("host overhead of engine steps (tiny llama, 2 and 8 layers)")
-    cal = replace(cal, **measure_overheads(active.name, cal, 2 in ranks, dtype, spec, shared))
+    fields = measure_overheads(active.name, cal, 2 in ranks, dtype, spec, shared)
+    probe = fields.pop("probe")
+    cal = replace(cal, measured=cal.measured | {"engine_probe": probe}, **fields)
     target = path or default_path(spec.name, dtype)
     return cal, save(cal, target)
 
@@ -213,8 +215,9 @@ def run_group(n: int, platform: str, quick: bool, kernels: bool = True,
 def measure_overheads(platform: str, cal: Calibration, with_ranks: bool,
                       dtype: str = "float32", spec=None,
                       shared_host: bool = False) -> dict[str, float]:
-    """step_overhead_s, layer_overhead_s, rank_overhead_s, tp_layer_overhead_s and
-    pp_stage_overhead_s from decode steps of tiny llamas through the engine (2 and 8
+    """step_overhead_s, layer_overhead_s, rank_overhead_s, tp_layer_overhead_s,
+    pp_stage_overhead_s and layer_extra_s (and `probe`: the steps measured, kernels taken
+    off) from decode steps of tiny llamas through the engine (2 and 8
     layers, tp1 and tp2; 8 layers at pp2), less what the model predicts for their kernels
     (with `cal`'s latencies; `spec`: the device's, None: kernels taken as free;
     `shared_host`: ranks split it) and collectives."""
@@ -249,7 +252,10 @@ def measure_overheads(platform: str, cal: Calibration, with_ranks: bool,
                                   cal.rank_overhead_s, pp_eight=pp8,
                                   send_latency_s=send.latency if send else 0.0)
     extras = layer_extras(fitted["step_overhead_s"], fitted["layer_overhead_s"], kinds, 8)
-    return fitted | {"layer_extra_s": extras}
+    # the steps, kernels taken off, for the record (a refit needs them)
+    probe = {"two": two, "eight": eight, "tp_two": tp2, "tp_eight": tp8, "pp_eight": pp8,
+             "eight_of_kind": kinds}
+    return fitted | {"layer_extra_s": extras, "probe": probe}
 
 
 def layer_extras(step_s: float, layer_s: float, kinds: dict[str, float],
@@ -299,9 +305,13 @@ def overheads_from_steps(two: float, eight: float, tp_two: float | None,
     overhead: per layer of a tp step, and per step. `reduce_latency_s`: one all-reduce of
     a tiny payload on 2 ranks, as the collective fit predicts it. `pp_eight`: a token's
     interval of the 8-layer llama at pp2 with the pipeline full (None: not measured, no
-    stage overhead): two stages of 4 layers, each with the step's costs, the ranks' and a
-    send (`send_latency_s`); what is left is the stage hand-over (on a shared host also
-    the stages' processes and the engine's competing for the cores)."""
+    stage overhead): two stages of 4 layers, each with the step's costs and a send
+    (`send_latency_s`); what is left is the stage hand-over (on a shared host also the
+    stages' processes and the engine's competing for the cores). The rank overhead is a
+    step's whose ranks wait on each other in collectives (tp, and the context-parallel
+    dims): a pipeline's stages do not, and pay their hand-over instead (with the 2-rank
+    tp probe's 12.9 ms a step charged to pp2's stages too, run 9 predicted Qwen3 small's
+    pp2 TPOT 2.7x what it measured, docs/planner.md)."""
     per_layer = max((eight - two) / 6, 0.0)
     step = max(two - 2 * per_layer, 1e-5)
     rank, tp_layer = rank_default_s, 0.0
@@ -311,6 +321,6 @@ def overheads_from_steps(two: float, eight: float, tp_two: float | None,
         rank = max(tp_two - two - reduces - 2 * tp_layer, 0.0)
     stage = 0.0
     if pp_eight is not None:
-        stage = max(pp_eight / 2 - step - 4 * per_layer - rank - send_latency_s, 0.0)
+        stage = max(pp_eight / 2 - step - 4 * per_layer - send_latency_s, 0.0)
     return {"step_overhead_s": step, "layer_overhead_s": per_layer, "rank_overhead_s": rank,
             "tp_layer_overhead_s": tp_layer, "pp_stage_overhead_s": stage}

@@ -118,7 +118,9 @@ class Calibration:
     # per layer of a kind, beyond a llama layer's host time: "moe" (routed experts instead
     # of an MLP) and a token mixer's kind ("gated_delta", "mamba2"), measured on tiny models
     layer_extra_s: dict[str, float] = field(default_factory=dict)
-    rank_overhead_s: float = 2e-4  # per step, when the ranks are processes of their own
+    # per step whose ranks (processes of their own) wait on each other in collectives:
+    # tp, dcp, pcp > 1 (a pipeline's stages pay pp_stage_overhead_s instead)
+    rank_overhead_s: float = 2e-4
     # per layer of a step when tp > 1: what the ranks' all-reduces cost beyond the
     # collective fit, measured in decode steps (on a shared host, ranks waking each other)
     tp_layer_overhead_s: float = 0.0

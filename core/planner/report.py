@@ -116,8 +116,7 @@ def _num(x: float) -> float | None:
     return None if math.isnan(x) or math.isinf(x) else x
 
 
-def apply_commands(c: Candidate, model: str, limits: Limits, devices_per_node: int,
-                   has_roles: bool) -> list[str]:
+def apply_commands(c: Candidate, model: str, limits: Limits, devices_per_node: int) -> list[str]:
     """The `tokenmill serve` (and `router`) command lines that deploy `c` (an engine wider
     than a node runs its ranks as Ray actors)."""
     def serve(mix: Mix, extra: list[str]) -> str:
@@ -132,15 +131,9 @@ def apply_commands(c: Candidate, model: str, limits: Limits, devices_per_node: i
     if c.kind != "disaggregated":
         assert c.mix is not None
         role = {"prefill pool": ["--role", "prefill"], "decode pool": ["--role", "decode"]}
-        lines = [serve(c.mix, role.get(c.kind, []) + ["--port", "8000"])]
-        if c.kind != "colocated" and not has_roles:
-            lines.insert(0, "# --role comes with prefill/decode disaggregation (issue 27); "
-                            "this tokenmill has no `serve --role` yet")
-        return lines
+        return [serve(c.mix, role.get(c.kind, []) + ["--port", "8000"])]
     assert c.prefill is not None and c.decode is not None
-    lines = [] if has_roles else [
-        "# `serve --role` and `tokenmill router` come with prefill/decode disaggregation "
-        "(issue 27); this tokenmill has neither yet"]
+    lines: list[str] = []
     prefill_urls, decode_urls = [], []
     for i in range(c.x):
         port = 8100 + i

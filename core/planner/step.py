@@ -221,7 +221,7 @@ def step_time(model: ModelShape, mix: Mix, cluster: Cluster, calibration: Calibr
                    for c in step_collectives(model, mix, tokens, sampled, stage))
         layers = len(stage_layers(model, mix.pp, stage))
         overhead = (calibration.step_overhead_s + layers_overhead(model, mix.pp, stage, calibration)
-                    + (calibration.rank_overhead_s if mix.world > 1 else 0.0)
+                    + (calibration.rank_overhead_s if mix.tp * mix.dcp * mix.pcp > 1 else 0.0)
                     + (calibration.tp_layer_overhead_s * layers if mix.tp > 1 else 0.0)
                     + (calibration.pp_stage_overhead_s if mix.pp > 1 else 0.0))
         total = compute + memory + link + overhead

@@ -327,10 +327,10 @@ def test_overheads_are_fitted_from_decode_steps_at_two_depths():
     def tp2(layers):
         return tp1(layers) + rank + (tp_layer + 2 * reduce) * layers + reduce
 
-    # pp2 runs two stages of 4 layers one after the other, each with a step's and the
-    # ranks' costs, a send (0.03 ms) and 4 ms of hand-over
+    # pp2 runs two stages of 4 layers one after the other, each with a step's costs, a
+    # send (0.03 ms) and 4 ms of hand-over (no all-reduce: no rank overhead)
     send, stage = 3e-5, 4e-3
-    pp2_eight = 2 * (tp1(4) + rank + send + stage)
+    pp2_eight = 2 * (tp1(4) + send + stage)
 
     fitted = overheads_from_steps(tp1(2), tp1(8), tp2(2), tp2(8), reduce, rank_default_s=0.0,
                                   pp_eight=pp2_eight, send_latency_s=send)
@@ -426,3 +426,23 @@ def test_the_tiny_model_of_every_layer_kind_decodes_and_its_kernels_are_priced(t
         seconds = decode_step_seconds(tmp_path, "cpu", layers=2, steps=4, family=family)
         kernels = tiny_kernels_s(cal, spec, tmp_path, 2, "float32", family=family)
         assert 0 < kernels < seconds, family
+
+
+def test_the_rank_overhead_is_paid_by_steps_whose_ranks_wait_on_collectives():
+    """tp, dcp and pcp steps all-reduce or gather between their ranks each layer: they
+    pay the rank overhead once a step; a pipeline's stages hand over instead (pp alone
+    pays none of it, pp with tp does)."""
+    from tokenmill.planner.catalog import model_shape
+    from tokenmill.planner.cluster import parse_cluster
+    from tokenmill.planner.mixes import Mix
+    from tokenmill.planner.ops import Seq
+    from tokenmill.planner.step import step_time
+
+    model, cluster = model_shape("llama-3-70b"), parse_cluster("1x8xH200")
+    seqs, extra = (Seq(4096, 1, count=8),), 3e-3
+    base, more = Calibration(rank_overhead_s=0.0), Calibration(rank_overhead_s=extra)
+    for mix, paid in ((Mix(tp=2), 1), (Mix(dcp=2), 1), (Mix(pcp=2), 1), (Mix(tp=2, pp=2), 1),
+                      (Mix(pp=2), 0), (Mix(), 0)):
+        got = (step_time(model, mix, cluster, more, seqs, 8).overhead_s
+               - step_time(model, mix, cluster, base, seqs, 8).overhead_s)
+        assert got == pytest.approx(extra * paid), mix

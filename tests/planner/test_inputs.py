@@ -103,3 +103,31 @@ def test_plan_json_lists_every_candidate_with_its_layout(capsys):
 def test_plan_command_names_a_bad_input(capsys):
     assert main(["plan", "--cluster", "8xH200", "--workload", "isl=1"]) == 2
     assert "needs isl and osl" in capsys.readouterr().err
+
+
+def test_apply_prints_serve_and_router_lines_the_cli_takes():
+    """A disaggregated split's `--apply` lines: one `serve --role prefill` a prefill
+    instance, one `--role decode` a decode instance, and a router in front of them, each
+    accepted by this tokenmill's own parser (P/D has landed: no caveat lines)."""
+    import shlex
+
+    from tokenmill.planner import SLO, Limits, plan
+    from tokenmill.planner.catalog import model_shape
+    from tokenmill.planner.cluster import parse_cluster
+    from tokenmill.planner.report import apply_commands
+    from tokenmill.planner.workload import parse_workload
+    from tokenmill.server.cli import build_parser
+
+    result = plan(model_shape("qwen3-32b"), parse_cluster("4x8xH200"),
+                  parse_workload("isl=4000,osl=500"), SLO(ttft=0.3, tpot=0.010), Limits())
+    split = next(c for c in result.candidates if c.kind == "disaggregated")
+    lines = apply_commands(split, "qwen3-32b", Limits(), 8)
+    parser = build_parser()
+    roles = []
+    for line in lines:
+        assert not line.startswith("#"), line
+        args = parser.parse_args(shlex.split(line)[1:])
+        if args.command == "serve":
+            roles.append(args.kv_role)
+    assert roles == ["prefill"] * split.x + ["decode"] * split.y
+    assert lines[-1].startswith("tokenmill router --prefill http://HOST:8100")
