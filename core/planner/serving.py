@@ -153,10 +153,11 @@ def _colocated_point(ctx: Context, mix: Mix, batch: int) -> _Point | None:
         return None
     micro = cdiv(batch, pp)
     alone = _step(ctx, mix, micro, 0)
-    # On a shared host a stage computing a prompt chunk runs beside stages that decode
-    # (a small share of the cores): it gets the host's share of one stage's ranks.
-    busy = mix.devices // pp if ctx.cluster.shared_host and pp > 1 else None
-    mixed = _step(ctx, mix, micro, chunk, busy=busy)
+    # On a shared host every rank computes with its share of the cores, a prompt chunk too:
+    # the engine's ranks take cores / ranks intra-op threads each (`share_host_cores`), so
+    # a stage cannot take the cores a decoding stage leaves idle (measured: pp2's TTFT
+    # 1.2-1.8x tp1's, docs/planner.md run 10; before the ranks shared, 1.0-1.1x)
+    mixed = _step(ctx, mix, micro, chunk)
     share = needed / chunk
     cycle = pp * ((1 - share) * alone.seconds + share * mixed.seconds)
     others = min(1.0, share * (batch - 1) / batch * wl.osl / max(wl.osl - 1, 1))
@@ -246,7 +247,7 @@ def predict_prefill(ctx: Context, mix: Mix) -> Prediction:
         return _unfit(mix, "prefill", why)
     wl, limits, pp = ctx.workload, ctx.limits, mix.pp
     chunk = min(limits.chunk, wl.new_tokens)
-    alone = _step(ctx, mix, 0, chunk, busy=mix.devices // pp)  # one prompt: one stage busy
+    alone = _step(ctx, mix, 0, chunk)  # one prompt (its ranks' share of a shared host)
     service = (cdiv(wl.new_tokens, chunk) + pp - 1) * alone.seconds
     # under load every micro-batch is a full budget: whole prompts packed, or one's chunk
     packed = max(1, limits.max_num_batched_tokens // wl.new_tokens)
