@@ -221,21 +221,21 @@ def measure_overheads(platform: str, cal: Calibration, with_ranks: bool,
     layers, tp1 and tp2; 8 layers at pp2), less what the model predicts for their kernels
     (with `cal`'s latencies; `spec`: the device's, None: kernels taken as free;
     `shared_host`: ranks split it) and collectives."""
-    from tokenmill.planner.engine_probe import FAMILIES, decode_step_seconds
+    from tokenmill.planner.engine_probe import KINDS, decode_step_seconds
 
     with tempfile.TemporaryDirectory() as tmp:
-        def step(layers: int, tp: int = 1, pp: int = 1, family: str = "llama") -> float:
+        def step(layers: int, tp: int = 1, pp: int = 1, kind: str = "dense") -> float:
             seconds = decode_step_seconds(Path(tmp), platform, layers=layers, dtype=dtype,
                                           tensor_parallel=tp, pipeline_parallel=pp,
-                                          family=family)
+                                          kind=kind)
             if spec is None:
                 return seconds
             kernels = tiny_kernels_s(cal, spec, Path(tmp), layers, dtype, tp, pp, shared_host,
-                                     family)
+                                     kind)
             return max(seconds - kernels, 0.0)
 
         two, eight = step(2), step(8)
-        kinds = {family: step(8, family=family) for family in FAMILIES if family != "llama"}
+        kinds = {kind: step(8, kind=kind) for kind in KINDS if kind != "dense"}
         tp2 = tp8 = pp8 = None
         if with_ranks:
             # ranks of their own on a shared host vary from one start to the next (how the
@@ -272,7 +272,7 @@ def layer_extras(step_s: float, layer_s: float, kinds: dict[str, float],
 
 
 def tiny_kernels_s(cal: Calibration, spec, root: Path, layers: int, dtype: str, tp: int = 1,
-                   pp: int = 1, shared_host: bool = False, family: str = "llama") -> float:
+                   pp: int = 1, shared_host: bool = False, kind: str = "dense") -> float:
     """The kernels' time the model predicts for a decode step of the probe's tiny model
     (one sequence; at pp > 1 a token's interval: every stage's step), collectives and
     overheads left out: at hidden 64 this is the op classes' latencies."""
@@ -284,7 +284,7 @@ def tiny_kernels_s(cal: Calibration, spec, root: Path, layers: int, dtype: str, 
     from tokenmill.planner.ops import Seq
     from tokenmill.planner.step import Share, op_seconds, stage_costs
 
-    model = model_shape(str(tiny_model(root, layers, family)), getattr(torch, dtype))
+    model = model_shape(str(tiny_model(root, layers, kind)), getattr(torch, dtype))
     mix = Mix(tp=tp, pp=pp)
     n = tp * pp if shared_host else 1
     peak = spec.peak_flops.get(dtype) or max(spec.peak_flops.values())

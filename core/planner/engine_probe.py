@@ -19,44 +19,45 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
 
 
 # the layer kinds whose host cost beyond a llama layer's the calibration measures: a tiny
-# model of each, every layer of that kind (the llama gives the base per layer)
-FAMILIES = ("llama", "moe", "gated_delta", "mamba2")
+# model of each, every layer of that kind ("dense": a llama, attention + gated MLP, the
+# base per layer)
+KINDS = ("dense", "moe", "gated_delta", "mamba2")
 
 
-def tiny_config(family: str, layers: int):
-    """The transformers config of a tiny `family` model: hidden 64, `layers` layers all of
+def tiny_config(kind: str, layers: int):
+    """The transformers config of a tiny `kind` model: hidden 64, `layers` layers all of
     the kind measured (MoE: 8 experts of 32, top 2, in every layer; gated_delta: Qwen3-Next's
     Gated DeltaNet layers with its MoE; mamba2: Bamba's Mamba2 layers with its MLP)."""
     from transformers import BambaConfig, LlamaConfig, Qwen3MoeConfig, Qwen3NextConfig
 
     common = dict(TINY, num_hidden_layers=layers)
-    if family == "llama":
+    if kind == "dense":
         return LlamaConfig(**common)
     moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[])
-    if family == "moe":
+    if kind == "moe":
         return Qwen3MoeConfig(**common, head_dim=16, norm_topk_prob=True, **moe)
-    if family == "gated_delta":
+    if kind == "gated_delta":
         return Qwen3NextConfig(**common, head_dim=16, layer_types=["linear_attention"] * layers,
                                linear_num_value_heads=4, linear_num_key_heads=2,
                                linear_key_head_dim=16, linear_value_head_dim=16,
                                linear_conv_kernel_dim=4, shared_expert_intermediate_size=32, **moe)
-    if family == "mamba2":
+    if kind == "mamba2":
         return BambaConfig(**common, attn_layer_indices=[], mamba_n_heads=8, mamba_n_groups=2,
                            mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8)
-    raise ValueError(f"no tiny model of layer kind {family!r}; known: {', '.join(FAMILIES)}")
+    raise ValueError(f"no tiny model of layer kind {kind!r}; known: {', '.join(KINDS)}")
 
 
-def tiny_model(root: Path, layers: int, family: str = "llama") -> Path:
-    """A tiny random `family` model of `layers` layers saved under `root` (once per size)."""
+def tiny_model(root: Path, layers: int, kind: str = "dense") -> Path:
+    """A tiny random `kind` model of `layers` layers saved under `root` (once per size)."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    path = root / f"{family}{layers}"
+    path = root / f"{kind}{layers}"
     if (path / "config.json").is_file():
         return path
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config(family, layers))
+    model = AutoModelForCausalLM.from_config(tiny_config(kind, layers))
     model.save_pretrained(path)
     vocab = {f"<{i}>": i for i in range(16)} | {chr(32 + i): 16 + i for i in range(256 - 16)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<1>"))
@@ -66,17 +67,13 @@ def tiny_model(root: Path, layers: int, family: str = "llama") -> Path:
     return path
 
 
-def tiny_llama(root: Path, layers: int) -> Path:
-    return tiny_model(root, layers, "llama")
-
-
 # a start whose median step is this many times its fastest ran beside other work
 BUSY_SPREAD = 3.0
 
 
 def decode_step_seconds(root: Path, platform: str, layers: int, tensor_parallel: int = 1,
                         steps: int = 24, dtype: str = "float32",
-                        pipeline_parallel: int = 1, family: str = "llama") -> float:
+                        pipeline_parallel: int = 1, kind: str = "dense") -> float:
     """Seconds between two tokens of a decoding sequence: at pp1 one decode step of one
     sequence (after its prefill), the median of `steps` steps (what serving's steps see;
     the fastest is 19-24% below it on a quiet 2-core VM). On a machine busy with other
@@ -89,7 +86,7 @@ def decode_step_seconds(root: Path, platform: str, layers: int, tensor_parallel:
     the stages' steps alternate)."""
     from tokenmill import LLM, SamplingParams
 
-    llm = LLM(str(tiny_model(root, layers, family)), platform=platform, dtype=dtype,
+    llm = LLM(str(tiny_model(root, layers, kind)), platform=platform, dtype=dtype,
               tensor_parallel_size=tensor_parallel, pipeline_parallel_size=pipeline_parallel,
               num_kv_blocks=64, enable_prefix_caching=False)
     try:

@@ -417,15 +417,15 @@ def test_the_tiny_model_of_every_layer_kind_decodes_and_its_kernels_are_priced(t
     """The calibration's probes run: a 2-layer tiny model of each kind decodes through the
     engine, and the model prices its kernels (their latencies) below its step."""
     from tokenmill.planner.calibrate import tiny_kernels_s
-    from tokenmill.planner.engine_probe import FAMILIES, decode_step_seconds
+    from tokenmill.planner.engine_probe import KINDS, decode_step_seconds
     from tokenmill.platforms.registry import load_platform
 
     spec = load_platform("cpu").hardware_spec()
     cal = Calibration(latency={"gemm": 5e-6, "elementwise": 2e-6, "moe": 1e-4})
-    for family in FAMILIES:
-        seconds = decode_step_seconds(tmp_path, "cpu", layers=2, steps=4, family=family)
-        kernels = tiny_kernels_s(cal, spec, tmp_path, 2, "float32", family=family)
-        assert 0 < kernels < seconds, family
+    for kind in KINDS:
+        seconds = decode_step_seconds(tmp_path, "cpu", layers=2, steps=4, kind=kind)
+        kernels = tiny_kernels_s(cal, spec, tmp_path, 2, "float32", kind=kind)
+        assert 0 < kernels < seconds, kind
 
 
 def test_the_rank_overhead_is_paid_by_steps_whose_ranks_wait_on_collectives():
