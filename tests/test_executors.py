@@ -227,9 +227,9 @@ def test_ranks_on_one_host_share_its_cores_as_threads():
         default, max(1, cores // 4))
 
 
-def test_mp_workers_take_their_share_of_the_cores(tiny_dirs, capfd, monkeypatch):
-    """The mp executor's workers call it: with two ranks on a host of two or more cores
-    each worker logs its share (the log goes to the inherited stderr)."""
+def _half_the_cores_or_skip(monkeypatch) -> tuple[int, int]:
+    """(this host's cores, half of them): two processes' share each; skips where torch's
+    default thread count is already no more than that (nothing to see)."""
     import torch
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
@@ -238,6 +238,14 @@ def test_mp_workers_take_their_share_of_the_cores(tiny_dirs, capfd, monkeypatch)
     if share >= torch.get_num_threads():
         pytest.skip(f"torch's default of {torch.get_num_threads()} threads is already at most "
                     f"half of this host's {cores} cores")
+    return cores, share
+
+
+def test_mp_workers_take_their_share_of_the_cores(tiny_dirs, capfd, monkeypatch):
+    """The mp executor's workers call it: with two ranks on a host of two or more cores
+    each worker logs its share (the log goes to the inherited stderr)."""
+
+    cores, share = _half_the_cores_or_skip(monkeypatch)
     llm = _llm(tiny_dirs["llama"], "mp", tensor_parallel_size=2)
     try:
         got = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
@@ -254,17 +262,11 @@ def test_data_parallel_engine_processes_take_their_share_of_the_cores(tiny_dirs,
     """`serve -dp 2` runs an engine process per replica: each (its uni executor computes
     in it) takes half the cores, as two mp ranks do; before, both ran torch's thread a core
     (served dp2 of the default model measured 0.26x tp1's throughput on 2 cores)."""
-    import torch
 
     from tokenmill.engine.config import EngineArgs
     from tokenmill.frontend.async_engine import AsyncLLM
 
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    cores = len(os.sched_getaffinity(0))
-    share = max(1, cores // 2)
-    if share >= torch.get_num_threads():
-        pytest.skip(f"torch's default of {torch.get_num_threads()} threads is already at most "
-                    f"half of this host's {cores} cores")
+    cores, share = _half_the_cores_or_skip(monkeypatch)
     caplog.set_level(logging.INFO, logger="tokenmill")  # the engine processes log at it
     engine = AsyncLLM(EngineArgs(model=str(tiny_dirs["llama"]), platform="cpu", dtype="float32",
                                  num_kv_blocks=64, block_size=4, data_parallel_size=2),

@@ -107,8 +107,7 @@ def _memory(ctx: Context, mix: Mix) -> tuple[int, str]:
     return sessions, "" if sessions else f"no session of {context} tokens fits the KV cache"
 
 
-def _step(ctx: Context, mix: Mix, decode: int, prefill: int, prompts: int = 1,
-          busy: int | None = None) -> StepTime:
+def _step(ctx: Context, mix: Mix, decode: int, prefill: int, prompts: int = 1) -> StepTime:
     """One micro-batch: `decode` requests decoding at the mean context, and `prompts`
     prompt chunks of `prefill` tokens each at the mean chunk position."""
     wl = ctx.workload
@@ -118,8 +117,9 @@ def _step(ctx: Context, mix: Mix, decode: int, prefill: int, prompts: int = 1,
     if prefill:
         cached = wl.isl - wl.new_tokens + max(0, (wl.new_tokens - prefill) // 2)
         seqs.append(Seq(cached, prefill, prompts))
+    busy = None  # step_time's default: every rank of the mix computes
     if ctx.cotenant_ranks and ctx.cluster.shared_host:
-        busy = (busy or mix.devices) + ctx.cotenant_ranks
+        busy = mix.devices + ctx.cotenant_ranks
     return step_time(ctx.model, mix, ctx.cluster, ctx.calibration, tuple(seqs),
                      decode + (prompts if prefill else 0), busy)
 

@@ -101,7 +101,7 @@ def test_every_call_pays_its_classs_latency_once_per_layer():
     gemms = sum(c.calls for c in costs if c.op == "gemm")
     elementwise = sum(c.calls for c in costs if c.op == "elementwise")
     layers = len(model.layers)
-    per_layer = len([lin for lin in model.layers[0].linears])
+    per_layer = len(model.layers[0].linears)
     assert gemms == layers * per_layer + 1  # + the logits
     assert elementwise == layers * 3 + 2  # two norms and the activation; the embedding, the final norm
     assert total(lat) - total(base) == pytest.approx(gemms * 1e-3 + elementwise * 1e-4, rel=1e-9)
